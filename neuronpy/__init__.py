@@ -1,0 +1,25 @@
+"""neuronpy: lockstep gang-batched LLM serving in plain PyTorch."""
+
+from neuronpy.engine.engine import Engine, EngineConfig
+from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams
+from neuronpy.errors import (
+    EngineUnhealthyError,
+    InvalidRequestError,
+    NeuronError,
+    QueueFullError,
+    UnsupportedArchitectureError,
+)
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineUnhealthyError",
+    "FinishReason",
+    "GenerationEvent",
+    "InvalidRequestError",
+    "NeuronError",
+    "QueueFullError",
+    "SamplingParams",
+    "UnsupportedArchitectureError",
+]
+__version__ = "0.1.0"

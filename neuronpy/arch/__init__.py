@@ -1,0 +1,1 @@
+"""Model math in plain PyTorch: per-row RoPE, KV snapshots, assemble/extract, masks, forwards."""

@@ -1,0 +1,274 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch: chunked prefill into a
+snapshot, and the lockstep (B, 1) decode step over a live batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from neuronpy.arch.config import ArchConfig, rope_inv_freq
+from neuronpy.arch.kv import KvSnapshot, LiveBatch, batch_decode_mask
+from neuronpy.arch.rope import apply_rope, rope_cos_sin
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]: q, k and v projections fused into one read
+    qkv_bias: torch.Tensor | None  # Qwen2 (and Llama with attention_bias)
+    q_norm: torch.Tensor | None  # Qwen3: [D]
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor  # [hidden, H * D]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * inter, hidden]: gate and up fused
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [hidden, inter]
+    down_bias: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 as the reference does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _cat_bias(*linears: Any) -> torch.Tensor | None:
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return None
+    return torch.cat(
+        [
+            b.detach() if b is not None else lin.weight.new_zeros(lin.weight.shape[0])
+            for b, lin in zip(biases, linears, strict=True)
+        ]
+    )
+
+
+def _bias(linear: Any) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+class LlamaModel:
+    """A Llama-family decoder as pure tensors. Built from a transformers model's weights."""
+
+    def __init__(
+        self,
+        config: ArchConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        inv_freq: torch.Tensor,
+        rope_scale: float,
+    ) -> None:
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.norm = norm  # [hidden]
+        self.lm_head = lm_head  # [vocab, hidden]
+        self.inv_freq = inv_freq.to(embed.device)  # [D/2] float32
+        self.rope_scale = rope_scale
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @classmethod
+    def from_hf(cls, hf_model: Any) -> LlamaModel:
+        """Takes the weights of a loaded transformers `*ForCausalLM` (no copy but the fusions)."""
+        config = ArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
+        inner = hf_model.model
+        layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(
+                LayerWeights(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    qkv=torch.cat(
+                        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+                    ).detach(),
+                    qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                    q_norm=attn.q_norm.weight.detach() if config.qk_norm else None,
+                    k_norm=attn.k_norm.weight.detach() if config.qk_norm else None,
+                    o_proj=attn.o_proj.weight.detach(),
+                    o_bias=_bias(attn.o_proj),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                    gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                    down=mlp.down_proj.weight.detach(),
+                    down_bias=_bias(mlp.down_proj),
+                )
+            )
+        inv_freq, scale = rope_inv_freq(hf_model.config)
+        return cls(
+            config=config,
+            embed=inner.embed_tokens.weight.detach(),
+            layers=layers,
+            norm=inner.norm.weight.detach(),
+            lm_head=hf_model.lm_head.weight.detach(),
+            inv_freq=inv_freq,
+            rope_scale=scale,
+        )
+
+    # ---- shared per-layer pieces -------------------------------------------------------------
+
+    def _qkv(
+        self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden] -> q [B, H, T, D], k and v [B, KVH, T, D] (q and k after RoPE)."""
+        c = self.config
+        b, t, _ = x.shape
+        qkv = F.linear(rms_norm(x, lw.input_norm, c.rms_norm_eps), lw.qkv, lw.qkv_bias)
+        q, k, v = qkv.split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+            dim=-1,
+        )
+        q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
+        k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if lw.q_norm is not None and lw.k_norm is not None:
+            q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish_layer(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, MLP, residual. x: [B, T, hidden]; attn: [B, T, H * D]."""
+        c = self.config
+        x = x + F.linear(attn, lw.o_proj, lw.o_bias)
+        gate, up = F.linear(
+            rms_norm(x, lw.post_norm, c.rms_norm_eps), lw.gate_up, lw.gate_up_bias
+        ).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+
+    def _group_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q: [B, H, T, D] -> [B, KVH, G * T, D]: each KV head's query heads side by side, so
+        attention reads the shared K/V once instead of repeating it per query head."""
+        b, _, t, d = q.shape
+        c = self.config
+        return q.reshape(b, c.num_kv_heads, c.group_size * t, d)
+
+    def _ungroup(self, out: torch.Tensor, t: int) -> torch.Tensor:
+        """[B, KVH, G * T, D] -> [B, T, H * D]."""
+        b = out.shape[0]
+        c = self.config
+        out = out.view(b, c.num_heads, t, c.head_dim).transpose(1, 2)
+        return out.reshape(b, t, c.num_heads * c.head_dim)
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        past: KvSnapshot | None = None,
+        chunk_size: int = DEFAULT_PREFILL_CHUNK,
+    ) -> tuple[KvSnapshot, torch.Tensor]:
+        """Runs one sequence's new tokens (after `past`, if given) in chunks of `chunk_size`.
+
+        Returns the snapshot of past + new tokens and the final-normed hidden states of the new
+        tokens: [N, hidden].
+        """
+        c = self.config
+        new = list(token_ids)
+        if not new:
+            raise ValueError("prefill needs at least one new token")
+        start = past.length if past is not None else 0
+        total = start + len(new)
+        if total > c.context_len:
+            raise ValueError(f"sequence of {total} tokens exceeds the context of {c.context_len}")
+        dev, dt = self.device, self.dtype
+        keys = [
+            torch.empty(1, c.num_kv_heads, total, c.head_dim, device=dev, dtype=dt)
+            for _ in range(c.num_layers)
+        ]
+        values = [torch.empty_like(k) for k in keys]
+        if past is not None:
+            for layer in range(c.num_layers):
+                keys[layer][:, :, :start] = past.keys[layer]
+                values[layer][:, :, :start] = past.values[layer]
+        ids = torch.tensor(new, dtype=torch.long, device=dev)
+        hidden_out = []
+        for lo in range(0, len(new), chunk_size):
+            hi = min(lo + chunk_size, len(new))
+            a, b = start + lo, start + hi  # absolute columns of this chunk
+            positions = torch.arange(a, b, device=dev)[None, :]  # [1, T]
+            cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, dt)
+            # causal over the columns written so far: query i (absolute a+i) sees columns <= a+i
+            causal = torch.arange(b, device=dev)[None, :] <= positions[0, :, None]  # [T, b]
+            mask = causal.repeat(c.group_size, 1)  # [G * T, b], grouped query order
+            x = F.embedding(ids[lo:hi], self.embed)[None]  # [1, T, hidden]
+            for lw, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
+                q, k, v = self._qkv(lw, x, cos, sin)
+                k_cache[:, :, a:b] = k
+                v_cache[:, :, a:b] = v
+                out = F.scaled_dot_product_attention(
+                    self._group_queries(q), k_cache[:, :, :b], v_cache[:, :, :b], attn_mask=mask
+                )
+                x = self._finish_layer(lw, x, self._ungroup(out, hi - lo))
+            hidden_out.append(rms_norm(x[0], self.norm, c.rms_norm_eps))
+        prefix_ids = list(past.token_ids) if past is not None else []
+        snapshot = KvSnapshot(keys=keys, values=values, token_ids=prefix_ids + new)
+        return snapshot, torch.cat(hidden_out)
+
+    # ---- lockstep decode ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_batch_decode(
+        self,
+        batch: LiveBatch,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One lockstep decode step: tokens [B, 1] -> final-normed hidden [B, hidden].
+
+        Writes each row's new K/V into column `batch.used` (in place, in the headroom) and
+        advances the batch by one step. positions: [B] (default P_b + steps); mask: as
+        `batch_decode_mask` (default derived from the batch).
+        """
+        c = self.config
+        if tokens.shape != (batch.batch_size, 1):
+            raise ValueError(f"tokens must be [{batch.batch_size}, 1], got {list(tokens.shape)}")
+        if max(batch.row_lengths) >= c.context_len:
+            raise ValueError(f"a row would exceed the context of {c.context_len} tokens")
+        batch.ensure_headroom(1)
+        col = batch.used
+        kv_len = col + 1
+        if positions is None:
+            positions = batch.positions()
+        if mask is None:
+            mask = batch_decode_mask(batch.prefix_lens_tensor(), batch.padded_len, kv_len)
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions[:, None], self.dtype)
+        x = F.embedding(tokens, self.embed)  # [B, 1, hidden]
+        for lw, k_cache, v_cache in zip(self.layers, batch.keys, batch.values, strict=True):
+            q, k, v = self._qkv(lw, x, cos, sin)  # q [B, H, 1, D]; k, v [B, KVH, 1, D]
+            k_cache[:, :, col] = k[:, :, 0]
+            v_cache[:, :, col] = v[:, :, 0]
+            out = F.scaled_dot_product_attention(
+                self._group_queries(q),
+                k_cache[:, :, :kv_len],
+                v_cache[:, :, :kv_len],
+                attn_mask=mask,
+            )  # [B, KVH, G, D]
+            x = self._finish_layer(lw, x, self._ungroup(out, 1))
+        batch.steps += 1
+        for row, tok in zip(batch.token_ids, tokens[:, 0].tolist(), strict=True):
+            row.append(tok)
+        return rms_norm(x[:, 0], self.norm, c.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., vocab] in float32."""
+        with torch.inference_mode():
+            return F.linear(hidden, self.lm_head).float()

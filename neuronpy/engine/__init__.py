@@ -1,0 +1,1 @@
+"""Per-model engine task (admission, join/leave, lockstep steps, sampling) and per-slot routers."""

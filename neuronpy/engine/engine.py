@@ -1,0 +1,510 @@
+"""The per-model engine task: admission, join/leave by rebatching, lockstep decode steps."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import ObjectReceiveStream, TaskGroup
+from transformers import PreTrainedTokenizerBase
+
+from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
+from neuronpy.engine.planner import RowView, plan_step
+from neuronpy.engine.router import route
+from neuronpy.engine.sampling import Sampler
+from neuronpy.engine.slot import Finish, RouterMessage, Slot, SlotStatus
+from neuronpy.engine.types import Completion, FinishReason, GenerationEvent, SamplingParams
+from neuronpy.errors import (
+    EngineUnhealthyError,
+    InvalidRequestError,
+    QueueFullError,
+)
+from neuronpy.worker.jobs import (
+    AssembleKvBatch,
+    DropKvSnapshot,
+    ExtractKvRows,
+    ForwardLogitsBatch,
+    ForwardResult,
+    Job,
+    Prefill,
+    PrefillResult,
+    WorkerStats,
+    WorkerStatsResult,
+)
+from neuronpy.worker.worker import DeviceWorker
+
+log = logging.getLogger(__name__)
+
+
+def batching_enabled() -> bool:
+    """NEURON_BATCHING=0 in the environment forces one-at-a-time decoding."""
+    return os.environ.get("NEURON_BATCHING", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_in_flight: int = 8  # rows of the lockstep batch
+    max_queue: int = 64  # admitted requests waiting for a row; beyond that, QueueFullError
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    batching: bool = True  # False: one sequence at a time, through the same code
+
+    def __post_init__(self) -> None:
+        for name in ("max_in_flight", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if (
+            isinstance(self.max_queue, bool)
+            or not isinstance(self.max_queue, int)
+            or self.max_queue < 0
+        ):
+            raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int  # rows in (or about to join) the live batch
+    queued: int
+    live_batch_size: int
+    max_batch_size: int  # the largest batch a decode step has run
+    decode_steps: int
+    decoded_rows: int  # sum of the batch size over decode steps
+    multi_row_steps: int  # decode steps with more than one row
+    rebatches: int
+    prefills: int
+    admitted: int
+    rejected: int
+    cancelled: int
+    finished: int
+    failed: int
+    healthy: bool
+
+
+class RequestStream:
+    """One request's events: an async iterator and an async context manager (exit cancels)."""
+
+    def __init__(self, engine: Engine, slot: Slot, events: ObjectReceiveStream[GenerationEvent]):
+        self._engine = engine
+        self._slot = slot
+        self._events = events
+        self._done = False
+        self.prompt_tokens = len(slot.prompt_ids)
+
+    @property
+    def id(self) -> int:
+        return self._slot.id
+
+    def cancel(self) -> None:
+        """Idempotent. A running row leaves within one decode step; a queued one never runs."""
+        if not self._done:
+            self._done = True
+            self._engine._cancel(self._slot)
+            self._events.close()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            event = await self._events.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._done = True
+            raise StopAsyncIteration from None
+        if event.finished:
+            self._done = True
+            self._events.close()
+        return event
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+
+class Engine:
+    """Serves many generations of one model through one lockstep (B, 1) decode per step."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        name: str,
+        config: EngineConfig | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = config or EngineConfig()
+        self.context_len = model.config.context_len
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # found at start-up, kept apart from the configuration
+        batching = self.config.batching and batching_enabled()
+        self.max_running = self.config.max_in_flight if batching else 1
+        self._worker = DeviceWorker(model, name, self.config.prefill_chunk)
+        self._ids = itertools.count()
+        self._waiting: deque[Slot] = deque()
+        self._running: list[Slot] = []  # row order of the live batch
+        self._joining: list[Slot] = []  # being prefilled, about to join
+        self._has_batch = False
+        self._healthy = False
+        self._failure: str | None = None
+        self._wake = anyio.Event()
+        self._tg: TaskGroup | None = None
+        self._counts = dict.fromkeys(
+            (
+                "max_batch_size",
+                "decode_steps",
+                "decoded_rows",
+                "multi_row_steps",
+                "rebatches",
+                "prefills",
+                "admitted",
+                "rejected",
+                "cancelled",
+                "finished",
+                "failed",
+            ),
+            0,
+        )
+        self._request_seconds = 0.0  # moving average, for Retry-After
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        hf_model: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        name: str,
+        config: EngineConfig | None = None,
+    ) -> Engine:
+        """Builds the native model from a loaded transformers model; EOS ids from both sources."""
+        eos: set[int] = set()
+        for source in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                eos.add(value)
+            elif isinstance(value, (list, tuple)):
+                eos.update(v for v in value if isinstance(v, int))
+        return cls(
+            LlamaModel.from_hf(hf_model),
+            tokenizer,
+            name=name,
+            config=config,
+            eos_token_ids=sorted(eos),
+        )
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        self._worker.start()
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._healthy = True
+        self._tg.start_soon(self._loop, name=f"neuronpy-engine-{self.name}")
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self._healthy = False
+        self._failure = self._failure or "the engine has shut down"
+        for slot in self._active():
+            self._finish(slot, FinishReason.ABORT)
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        await anyio.to_thread.run_sync(self._worker.shutdown, 30.0)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        """Validates and admits a request, or raises before anything is allocated.
+
+        InvalidRequestError (bad prompt or max_tokens), EngineUnhealthyError, QueueFullError.
+        """
+        prompt = self._validate(prompt_ids, params)
+        if not self._healthy:
+            raise EngineUnhealthyError(self._failure or f"model {self.name!r} is not ready")
+        in_system = len(self._waiting) + len(self._joining) + len(self._running)
+        if in_system >= self.max_running + self.config.max_queue:
+            self._counts["rejected"] += 1
+            raise QueueFullError(
+                f"model {self.name!r} is at capacity ({self.max_running} running, "
+                f"{self.config.max_queue} queued); retry later",
+                retry_after=self._retry_after(),
+            )
+        to_router, inbox = anyio.create_memory_object_stream[RouterMessage](math.inf)
+        outbox, events = anyio.create_memory_object_stream[GenerationEvent](math.inf)
+        slot = Slot(
+            id=next(self._ids),
+            prompt_ids=prompt,
+            params=params,
+            sampler=Sampler(params, prompt, self.vocab_size),
+            to_router=to_router,
+        )
+        assert self._tg is not None
+        self._tg.start_soon(
+            lambda: route(
+                inbox,
+                outbox,
+                tokenizer=self.tokenizer,
+                prompt_ids=prompt,
+                params=params,
+                silent_ids=self._silent_ids(params),
+                request_leave=lambda: self._leave(slot),
+            ),
+            name=f"neuronpy-router-{slot.id}",
+        )
+        self._waiting.append(slot)
+        self._counts["admitted"] += 1
+        self._wake.set()
+        return RequestStream(self, slot, events)
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationEvent]:
+        """Submits and yields the request's events; leaving the loop early cancels it."""
+        async with self.submit(prompt_ids, params) as stream:
+            async for event in stream:
+                yield event
+
+    async def complete(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """Runs a request to the end and gathers its text, tokens and finish reason."""
+        out = Completion()
+        async for event in self.generate(prompt_ids, params):
+            out.text += event.text
+            out.token_ids.extend(event.token_ids)
+            out.prompt_tokens = event.prompt_tokens
+            out.completion_tokens = event.completion_tokens
+            out.finish_reason = event.finish_reason
+        return out
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self._running) + len(self._joining),
+            queued=len(self._waiting),
+            live_batch_size=len(self._running) if self._has_batch else 0,
+            healthy=self._healthy,
+            **self._counts,
+        )
+
+    async def worker_stats(self) -> WorkerStatsResult:
+        """What the device worker holds: snapshots, bytes, live batch (for leak checks)."""
+        result: WorkerStatsResult = await self._call(WorkerStats())
+        return result
+
+    # ---- admission helpers --------------------------------------------------------------------
+
+    def _validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be SamplingParams")
+        prompt = tuple(prompt_ids)
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        bad = [
+            t
+            for t in prompt
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids out of the vocabulary [0, {self.vocab_size}): {bad[:10]}",
+                "prompt",
+            )
+        if len(prompt) >= self.context_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; this model's context is "
+                f"{self.context_len} tokens, and at least one must be left to generate",
+                "prompt",
+            )
+        if len(prompt) + params.max_tokens > self.context_len:
+            raise InvalidRequestError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"this model's context of {self.context_len} tokens",
+                "max_tokens",
+            )
+        return prompt
+
+    def _silent_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(params.stop_token_ids)
+
+    def _retry_after(self) -> float:
+        per_request = self._request_seconds or 1.0
+        return max(1.0, per_request * (len(self._waiting) + 1) / self.max_running)
+
+    def _cancel(self, slot: Slot) -> None:
+        if slot.status is not SlotStatus.FINISHED and not slot.cancelled:
+            slot.cancelled = True
+            self._counts["cancelled"] += 1
+            self._wake.set()
+
+    def _leave(self, slot: Slot) -> None:
+        slot.leave_requested = True
+        self._wake.set()
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def _call(self, job: Job) -> Any:
+        fut: Future[Any] = self._worker.submit(job)
+        return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if not self._running and not self._waiting:
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                await self._schedule()
+                if self._running:
+                    await self._step()
+                else:
+                    await anyio.sleep(0)  # let routers and submitters run
+        except Exception as exc:
+            log.exception("engine for %s failed; marking it unhealthy", self.name)
+            self._fail(exc)
+
+    async def _schedule(self) -> None:
+        """Plan, prefill the joiners, and rebatch: extract the survivors, assemble again."""
+        plan = plan_step(
+            [RowView(s.id, s.done) for s in self._running],
+            [RowView(s.id, s.done) for s in self._waiting],
+            self.max_running,
+        )
+        by_id = {s.id: s for s in (*self._running, *self._waiting)}
+        for sid in plan.dropped:
+            slot = by_id[sid]
+            self._waiting.remove(slot)
+            self._finish(slot, FinishReason.ABORT)
+        for sid in plan.joining:
+            slot = by_id[sid]
+            self._waiting.remove(slot)
+            self._joining.append(slot)
+        for slot in list(self._joining):
+            if not await self._prefill(slot):
+                self._joining.remove(slot)
+        # rows may have finished or been cancelled while the prefills ran
+        survivors = [s for s in self._running if not s.done]
+        leaving = [s for s in self._running if s.done]
+        joined = [s for s in self._joining if not self._drop_if_done(s)]
+        self._joining.clear()
+        if not leaving and not joined:
+            return
+        self._counts["rebatches"] += 1
+        if self._has_batch:
+            rows = tuple(self._running.index(s) for s in survivors)
+            ids = tuple(next(self._ids) for _ in survivors)
+            await self._call(ExtractKvRows(rows, ids))
+            self._has_batch = False
+            for slot, sid in zip(survivors, ids, strict=True):
+                slot.snapshot_id = sid
+        for slot in leaving:
+            self._finish(slot, slot.finish_reason or self._abort_reason(slot))
+        self._running = survivors + joined
+        if self._running:
+            await self._call(AssembleKvBatch(tuple(s.snapshot_id for s in self._running)))
+            self._has_batch = True
+            for slot in self._running:
+                slot.status = SlotStatus.RUNNING
+                slot.snapshot_id = None  # moved into the live batch
+
+    async def _prefill(self, slot: Slot) -> bool:
+        """B=1 prefill into a snapshot and the first token. False if the request already ended."""
+        slot.status = SlotStatus.PREFILLING
+        slot.snapshot_id = next(self._ids)
+        result: PrefillResult = await self._call(Prefill(slot.snapshot_id, slot.prompt_ids))
+        self._counts["prefills"] += 1
+        if not slot.done:
+            self._accept(slot, slot.sampler.sample(result.logits))
+        return not self._drop_if_done(slot)
+
+    def _drop_if_done(self, slot: Slot) -> bool:
+        """A joiner that finished before joining (first token EOS, cancelled) drops its snapshot."""
+        if not slot.done:
+            return False
+        if slot.snapshot_id is not None:
+            self._worker.submit(DropKvSnapshot((slot.snapshot_id,)))
+            slot.snapshot_id = None
+        self._finish(slot, slot.finish_reason or self._abort_reason(slot))
+        return True
+
+    async def _step(self) -> None:
+        """One lockstep decode step over every live row."""
+        rows = self._running
+        tokens = tuple(s.next_token for s in rows)
+        result: ForwardResult = await self._call(ForwardLogitsBatch(tokens))  # type: ignore[arg-type]
+        c = self._counts
+        c["decode_steps"] += 1
+        c["decoded_rows"] += len(rows)
+        c["multi_row_steps"] += len(rows) > 1
+        c["max_batch_size"] = max(c["max_batch_size"], len(rows))
+        for slot, logits in zip(rows, result.logits, strict=True):
+            if not slot.done:
+                self._accept(slot, slot.sampler.sample(logits))
+
+    def _accept(self, slot: Slot, token: int) -> None:
+        """Records a sampled token, hands it to the router, and decides EOS / length."""
+        slot.output_ids.append(token)
+        slot.next_token = token
+        self._send(slot, token)
+        p = slot.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            slot.finish_reason = FinishReason.STOP
+        elif len(slot.output_ids) >= p.max_tokens or slot.total_tokens >= self.context_len:
+            slot.finish_reason = FinishReason.LENGTH
+
+    @staticmethod
+    def _abort_reason(slot: Slot) -> FinishReason:
+        # a router-requested leave (stop string) was already reported by the router itself
+        return FinishReason.STOP if slot.leave_requested else FinishReason.ABORT
+
+    def _send(self, slot: Slot, message: RouterMessage) -> None:
+        # the router may have ended already (stop string, consumer gone)
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            slot.to_router.send_nowait(message)
+
+    def _finish(self, slot: Slot, reason: FinishReason, error: str | None = None) -> None:
+        if slot.status is SlotStatus.FINISHED:
+            return
+        slot.status = SlotStatus.FINISHED
+        self._send(slot, Finish(reason, error))
+        slot.to_router.close()
+        if reason is FinishReason.ERROR:
+            self._counts["failed"] += 1
+        else:
+            self._counts["finished"] += 1
+            elapsed = time.monotonic() - slot.arrived_at
+            self._request_seconds = (
+                0.8 * self._request_seconds + 0.2 * elapsed if self._request_seconds else elapsed
+            )
+
+    def _fail(self, exc: BaseException) -> None:
+        """A worker fault: every active request fails, and later ones fail fast."""
+        self._healthy = False
+        self._failure = f"model {self.name!r} failed and is unavailable ({type(exc).__name__})"
+        for slot in self._active():
+            self._finish(slot, FinishReason.ERROR, self._failure)
+        self._running.clear()
+        self._joining.clear()
+        self._waiting.clear()
+
+    def _active(self) -> list[Slot]:
+        return [*self._running, *self._joining, *self._waiting]

@@ -1,0 +1,153 @@
+"""Per-request sampling from one CPU logits row: penalties, temperature, top-k, top-p, min-p."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import torch
+
+from neuronpy.engine.types import SamplingParams
+
+# Temperatures below this are greedy, as in vLLM: dividing by one near zero overflows float32
+# and the softmax turns to NaN.
+MIN_TEMPERATURE = 1e-5
+
+
+class Sampler:
+    """Chooses one request's tokens and keeps the history its penalties need.
+
+    Every draw uses the request's own torch.Generator and its own logits row only, so a
+    seeded request gets the same tokens alone or in any batch.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        prompt = [int(t) for t in prompt_ids]
+        if any(t < 0 for t in prompt):
+            raise ValueError("prompt ids must be non-negative")
+        self.params = params
+        self.output_ids: list[int] = []
+        self._greedy = params.temperature < MIN_TEMPERATURE
+        self._repetition = params.repetition_penalty != 1.0
+        self._frequency = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        self._min_vocab = max(vocab_size, max(prompt, default=-1) + 1)
+        # Incremental state, so that a step costs O(distinct ids seen), not O(history). The
+        # sets answer "new id?" without reading a tensor; the id tensors index the logits.
+        self._seen = set(prompt)  # prompt and generated ids (repetition penalty)
+        self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
+        self._generated: set[int] = set()  # generated ids (frequency and presence penalties)
+        self._generated_ids = torch.empty(0, dtype=torch.long)
+        self._counts = torch.zeros(self._min_vocab, dtype=torch.float32)  # [vocab] per id
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._generator = torch.Generator(device="cpu")
+        # manual_seed takes any 64-bit pattern; the request's seed may be any Python int.
+        self._generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """Choose the next token from `logits` ([vocab] CPU), record it and return it."""
+        if self._greedy and not (self._repetition or self._frequency):
+            token = int(torch.argmax(self._check(logits)))
+        elif self._greedy:
+            token = int(torch.argmax(self.penalize(logits)))
+        else:
+            token = self._draw(self.probs(logits))
+        self._record(token)
+        return token
+
+    def penalize(self, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 copy of `logits` with the repetition, frequency and presence penalties."""
+        out = self._check(logits).to(torch.float32, copy=True)
+        p = self.params
+        if self._repetition:
+            ids = self._seen_ids
+            vals = out[ids]
+            # CTRL / HF style: a seen id's logit moves toward zero if positive, away if not.
+            pen = p.repetition_penalty
+            out[ids] = torch.where(vals > 0, vals / pen, vals * pen)
+        if self._frequency:
+            ids = self._generated_ids
+            out[ids] -= p.frequency_penalty * self._counts[ids] + p.presence_penalty
+        return out
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The [vocab] distribution `sample` draws from (one-hot at the argmax when greedy)."""
+        x = self.penalize(logits)
+        p = self.params
+        if self._greedy:
+            return torch.zeros_like(x).scatter_(0, torch.argmax(x).view(1), 1.0)
+        if p.temperature != 1.0:
+            x.div_(p.temperature)
+        probs = torch.softmax(x, dim=0)
+        truncated = False
+        if 0 < p.top_k < probs.shape[0]:
+            kth = torch.topk(probs, p.top_k, sorted=False).values.min()
+            # Ids tied with the k-th stay, as in HF and vLLM.
+            probs.masked_fill_(probs < kth, 0.0)
+            truncated = True
+        if p.top_p < 1.0:
+            # Over what top-k left, renormalized, as in HF and vLLM.
+            keep = _nucleus(probs, p.top_p)
+            probs = torch.zeros_like(probs).index_copy_(0, keep, probs[keep])
+            truncated = True
+        if p.min_p > 0.0:
+            probs.masked_fill_(probs < p.min_p * probs.max(), 0.0)
+            truncated = True
+        return probs / probs.sum() if truncated else probs
+
+    def _draw(self, probs: torch.Tensor) -> int:
+        """Inverse-CDF draw: one uniform from the request's generator (torch.multinomial
+        draws one exponential per vocabulary entry, ~10x slower at 50k entries)."""
+        cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
+        total = cdf[-1]
+        u = torch.rand(1, generator=self._generator, dtype=torch.float64) * total
+        # right=True never lands on a zero-probability id: its cdf equals its predecessor's.
+        token = int(torch.searchsorted(cdf, u, right=True))
+        if token >= cdf.numel():
+            # u rounded up to the total: take the last id with nonzero probability.
+            token = int(torch.searchsorted(cdf, total.view(1)))
+        return token
+
+    def _check(self, logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() != 1:
+            raise ValueError(f"expected one logits row, got shape {tuple(logits.shape)}")
+        if logits.shape[0] < self._min_vocab:
+            raise ValueError(f"{logits.shape[0]} logits for a vocabulary of {self._min_vocab}")
+        return logits
+
+    def _record(self, token: int) -> None:
+        self.output_ids.append(token)
+        if self._frequency:
+            if token >= self._counts.numel():
+                # The model's vocabulary may be padded past the tokenizer's.
+                grow = token + 1 - self._counts.numel()
+                self._counts = torch.cat([self._counts, self._counts.new_zeros(grow)])
+            self._counts[token] += 1
+            if token not in self._generated:
+                self._generated.add(token)
+                self._generated_ids = torch.cat([self._generated_ids, torch.tensor([token])])
+        if self._repetition and token not in self._seen:
+            self._seen.add(token)
+            self._seen_ids = torch.cat([self._seen_ids, torch.tensor([token])])
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Ids of the smallest set of most likely ids that holds top_p of the mass of `probs`.
+
+    Sorting is the cost, so only the ids within a factor of the most likely one are sorted,
+    widening the factor only while they hold too little mass: a peaked distribution sorts a
+    handful of values rather than the whole vocabulary.
+    """
+    target = top_p * float(probs.sum())
+    top = probs.max()
+    for ratio in (1e-3, 1e-6, 0.0):
+        # ratio 0: every id with any mass (few of them after top-k).
+        cand = torch.nonzero(probs >= top * ratio if ratio else probs > 0).squeeze(1)
+        if not ratio or float(probs[cand].sum()) >= target:
+            break
+    vals, order = torch.sort(probs[cand], descending=True, stable=True)
+    mass = torch.cumsum(vals, dim=0)
+    # Rounding may leave the whole mass a hair under the target: then keep all of them.
+    n = min(int(torch.searchsorted(mass, target)) + 1, vals.numel())
+    return cand[order[:n]]

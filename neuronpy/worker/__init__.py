@@ -1,0 +1,1 @@
+"""The device worker thread: the only place that touches model tensors."""

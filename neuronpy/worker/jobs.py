@@ -1,0 +1,106 @@
+"""The device worker's jobs and results. Results carry no tensors but CPU logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prefill `token_ids` at B=1 (after snapshot `parent_id`'s tokens, if given) into a new
+    snapshot `snapshot_id`; answer the last position's logits."""
+
+    snapshot_id: int
+    token_ids: tuple[int, ...]
+    parent_id: int | None = None
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    snapshot_id: int
+    length: int
+    logits: torch.Tensor  # [vocab] float32, CPU
+
+
+@dataclass(frozen=True)
+class AssembleKvBatch:
+    """Build the live batch from these snapshots, in this row order. The snapshots move into the
+    batch (they leave the store) unless `keep_snapshots`. Replaces any previous live batch."""
+
+    snapshot_ids: tuple[int, ...]
+    keep_snapshots: bool = False
+
+
+@dataclass(frozen=True)
+class AssembleResult:
+    batch_size: int
+    padded_len: int
+    padding_columns: int
+
+
+@dataclass(frozen=True)
+class ForwardLogitsBatch:
+    """One lockstep decode step: row b consumes token_ids[b]. Positions and the padding mask come
+    from the live batch the worker holds."""
+
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    logits: torch.Tensor  # [B, vocab] float32, CPU
+
+
+@dataclass(frozen=True)
+class ExtractKvRows:
+    """Store live rows `rows` back as contiguous snapshots `snapshot_ids` (gap dropped), then
+    release the live batch: every join or leave is extract-survivors, then assemble again."""
+
+    rows: tuple[int, ...]
+    snapshot_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExtractResult:
+    lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DropKvSnapshot:
+    snapshot_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DropResult:
+    dropped: int
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Ask what the worker holds (for metrics and leak checks)."""
+
+
+@dataclass(frozen=True)
+class WorkerStatsResult:
+    snapshots: int
+    snapshot_bytes: int
+    live_batch_size: int
+    live_kv_columns: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop the worker thread after the jobs queued before it."""
+
+
+Job = (
+    Prefill
+    | AssembleKvBatch
+    | ForwardLogitsBatch
+    | ExtractKvRows
+    | DropKvSnapshot
+    | WorkerStats
+    | Shutdown
+)

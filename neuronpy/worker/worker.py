@@ -1,0 +1,155 @@
+"""DeviceWorker: one thread that owns the model and every tensor, answering jobs through futures."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from neuronpy.arch.kv import KvSnapshot, LiveBatch, assemble_batch, extract_row
+from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
+from neuronpy.errors import WorkerError
+from neuronpy.worker.jobs import (
+    AssembleKvBatch,
+    AssembleResult,
+    DropKvSnapshot,
+    DropResult,
+    ExtractKvRows,
+    ExtractResult,
+    ForwardLogitsBatch,
+    ForwardResult,
+    Job,
+    Prefill,
+    PrefillResult,
+    Shutdown,
+    WorkerStats,
+    WorkerStatsResult,
+)
+
+log = logging.getLogger(__name__)
+
+
+class DeviceWorker:
+    """Runs jobs one at a time on its own thread; tensors never leave it but as CPU logits."""
+
+    def __init__(
+        self, model: LlamaModel, name: str = "model", prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    ) -> None:
+        self.model = model
+        self.prefill_chunk = prefill_chunk
+        self._snapshots: dict[int, KvSnapshot] = {}
+        self._batch: LiveBatch | None = None
+        self._jobs: queue.SimpleQueue[tuple[Job, Future[Any]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"neuronpy-worker-{name}", daemon=True
+        )
+        self._closed = False
+
+    def start(self) -> DeviceWorker:
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job) -> Future[Any]:
+        """Queues a job; the future resolves with its result or the error it raised."""
+        fut: Future[Any] = Future()
+        if self._closed:
+            fut.set_exception(WorkerError("the device worker has shut down"))
+            return fut
+        if isinstance(job, Shutdown):
+            self._closed = True
+        self._jobs.put((job, fut))
+        return fut
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        if not self._closed:
+            self.submit(Shutdown())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            job, fut = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with torch.inference_mode():
+                    result = self.handle(job)
+            except BaseException as exc:  # answered to the caller, who decides what is fatal
+                log.exception("worker job %s failed", type(job).__name__)
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+            if isinstance(job, Shutdown):
+                self._snapshots.clear()
+                self._batch = None
+                return
+
+    def handle(self, job: Job) -> Any:
+        """Executes one job on the calling thread (the worker thread, or a test)."""
+        match job:
+            case Prefill():
+                return self._prefill(job)
+            case AssembleKvBatch():
+                return self._assemble(job)
+            case ForwardLogitsBatch():
+                return self._forward(job)
+            case ExtractKvRows():
+                return self._extract(job)
+            case DropKvSnapshot():
+                dropped = sum(self._snapshots.pop(i, None) is not None for i in job.snapshot_ids)
+                return DropResult(dropped)
+            case WorkerStats():
+                return WorkerStatsResult(
+                    snapshots=len(self._snapshots),
+                    snapshot_bytes=sum(s.nbytes for s in self._snapshots.values()),
+                    live_batch_size=self._batch.batch_size if self._batch else 0,
+                    live_kv_columns=self._batch.used if self._batch else 0,
+                )
+            case Shutdown():
+                return None
+        raise TypeError(f"unknown job {job!r}")
+
+    def _prefill(self, job: Prefill) -> PrefillResult:
+        if job.snapshot_id in self._snapshots:
+            raise WorkerError(f"snapshot {job.snapshot_id} already exists")
+        parent = self._snapshots[job.parent_id] if job.parent_id is not None else None
+        snapshot, hidden = self.model.prefill(job.token_ids, parent, self.prefill_chunk)
+        self._snapshots[job.snapshot_id] = snapshot
+        logits = self.model.logits(hidden[-1])
+        return PrefillResult(job.snapshot_id, snapshot.length, logits.to("cpu"))
+
+    def _assemble(self, job: AssembleKvBatch) -> AssembleResult:
+        missing = [i for i in job.snapshot_ids if i not in self._snapshots]
+        if missing:
+            raise WorkerError(f"unknown snapshots {missing}")
+        self._batch = assemble_batch([self._snapshots[i] for i in job.snapshot_ids])
+        if not job.keep_snapshots:
+            for i in job.snapshot_ids:
+                del self._snapshots[i]
+        return AssembleResult(
+            self._batch.batch_size, self._batch.padded_len, self._batch.padding_columns
+        )
+
+    def _forward(self, job: ForwardLogitsBatch) -> ForwardResult:
+        if self._batch is None:
+            raise WorkerError("no live batch to step")
+        tokens = torch.tensor(job.token_ids, dtype=torch.long, device=self.model.device)
+        hidden = self.model.forward_batch_decode(self._batch, tokens[:, None])
+        return ForwardResult(self.model.logits(hidden).to("cpu"))
+
+    def _extract(self, job: ExtractKvRows) -> ExtractResult:
+        if len(job.rows) != len(job.snapshot_ids):
+            raise WorkerError("ExtractKvRows needs one snapshot id per row")
+        if job.rows and self._batch is None:
+            raise WorkerError("no live batch to extract from")
+        lengths = []
+        for row, sid in zip(job.rows, job.snapshot_ids, strict=True):
+            snap = extract_row(self._batch, row)  # type: ignore[arg-type]
+            self._snapshots[sid] = snap
+            lengths.append(snap.length)
+        self._batch = None
+        return ExtractResult(tuple(lengths))

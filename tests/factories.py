@@ -1,0 +1,36 @@
+"""Factories shared by the tests: fixture paths, loaded tiny models, engines."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from neuronpy.engine.engine import Engine, EngineConfig
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FAMILIES = ("tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
+
+
+def fixture_dir(name: str = "tiny-llama") -> Path:
+    return FIXTURES / name
+
+
+@functools.cache
+def hf_model(name: str = "tiny-llama") -> Any:
+    """A transformers model of a tiny fixture, in eval mode (cached: treat it as read-only)."""
+    return AutoModelForCausalLM.from_pretrained(fixture_dir(name), dtype="float32").eval()
+
+
+@functools.cache
+def tokenizer(name: str = "tiny-llama") -> Any:
+    return AutoTokenizer.from_pretrained(fixture_dir(name))
+
+
+def make_engine(name: str = "tiny-llama", **config: Any) -> Engine:
+    """An engine over a tiny fixture (enter it with `async with`)."""
+    return Engine.from_pretrained(
+        hf_model(name), tokenizer(name), name=name, config=EngineConfig(**config)
+    )

@@ -1,0 +1,179 @@
+"""Engine behaviour around the happy path: admission, cancellation, faults, validation."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from neuronpy.engine import router as router_module
+from neuronpy.engine.detokenize import IncrementalDetokenizer
+from neuronpy.engine.types import FinishReason, SamplingParams
+from neuronpy.errors import EngineUnhealthyError, InvalidRequestError, QueueFullError
+from tests.factories import make_engine, tokenizer
+
+pytestmark = pytest.mark.anyio
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def prompt(text: str) -> list[int]:
+    return tokenizer().encode(text)
+
+
+async def test_worker_failure_fails_every_request_and_marks_unhealthy() -> None:
+    async with make_engine(max_in_flight=4) as engine:
+        real = engine.model.forward_batch_decode
+        calls = 0
+
+        def flaky(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == 3:
+                raise RuntimeError("device fell over")
+            return real(*args, **kwargs)
+
+        engine.model.forward_batch_decode = flaky  # type: ignore[method-assign]
+        streams = [engine.submit(prompt(t), greedy(40)) for t in ("one", "two", "three")]
+        finals = []
+        with anyio.fail_after(30):
+            for stream in streams:
+                events = [e async for e in stream]
+                finals.append(events[-1])
+        assert all(e.finish_reason is FinishReason.ERROR and e.error for e in finals)
+        assert "device fell over" not in finals[0].error  # no internals leak to clients
+        assert not engine.healthy and not engine.stats().healthy
+        with pytest.raises(EngineUnhealthyError):
+            engine.submit(prompt("later"), greedy(5))
+        assert engine.stats().failed == 3
+
+
+async def test_cancel_running_row_leaves_others_unchanged() -> None:
+    texts = ["alpha beta", "gamma", "delta epsilon zeta"]
+    async with make_engine(max_in_flight=1) as serial:
+        expected = [await serial.complete(prompt(t), greedy(30)) for t in texts]
+    async with make_engine(max_in_flight=4) as engine:
+        streams = [engine.submit(prompt(t), greedy(30)) for t in texts]
+        got: dict[int, str] = {}
+
+        async def drain(i: int) -> None:
+            text = ""
+            async for event in streams[i]:
+                text += event.text
+                if i == 1 and len(event.token_ids) and engine.stats().decode_steps >= 3:
+                    streams[i].cancel()  # the client goes away mid-stream
+                    break
+            got[i] = text
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(drain, i)
+        assert got[0] == expected[0].text and got[2] == expected[2].text
+        assert engine.stats().cancelled == 1
+        # the cancelled row's snapshot and slot are freed
+        with anyio.fail_after(10):
+            while engine.stats().running:
+                await anyio.sleep(0.01)
+        ws = await engine.worker_stats()
+        assert (ws.snapshots, ws.live_batch_size) == (0, 0)
+
+
+async def test_cancel_while_queued_is_never_prefilled() -> None:
+    async with make_engine(max_in_flight=1, max_queue=4) as engine:
+        first = engine.submit(prompt("first"), greedy(20))
+        queued = engine.submit(prompt("second"), greedy(20))
+        queued.cancel()
+        events = [e async for e in first]
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        assert [e async for e in queued] == []
+        with anyio.fail_after(10):
+            while engine.stats().queued:
+                await anyio.sleep(0.01)
+        assert engine.stats().prefills == 1
+
+
+async def test_admission_bounds_running_and_queued() -> None:
+    async with make_engine(max_in_flight=2, max_queue=1) as engine:
+        streams = [engine.submit(prompt(t), greedy(5)) for t in ("a", "b", "c")]
+        with pytest.raises(QueueFullError) as info:
+            engine.submit(prompt("d"), greedy(5))
+        assert info.value.retry_after >= 1
+        for s in streams:
+            assert [e async for e in s][-1].finish_reason is FinishReason.LENGTH
+        assert engine.stats().rejected == 1
+        # once drained, serial requests are served again
+        assert (await engine.complete(prompt("e"), greedy(3))).completion_tokens == 3
+
+
+async def test_fault_in_one_router_fails_only_that_request(monkeypatch) -> None:
+    bad_prompt = prompt("poison")
+
+    class Fragile(IncrementalDetokenizer):
+        def add(self, token_id: int) -> str:
+            if tuple(self._poison) == tuple(bad_prompt):
+                raise ValueError("cannot detokenize")
+            return super().add(token_id)
+
+        def __init__(self, tok, prompt_ids=(), **kw):
+            super().__init__(tok, prompt_ids, **kw)
+            self._poison = tuple(prompt_ids)
+
+    monkeypatch.setattr(router_module, "IncrementalDetokenizer", Fragile)
+    async with make_engine(max_in_flight=4) as engine:
+        good = engine.submit(prompt("healthy"), greedy(15))
+        bad = engine.submit(bad_prompt, greedy(15))
+        bad_events = [e async for e in bad]
+        good_events = [e async for e in good]
+        assert bad_events[-1].finish_reason is FinishReason.ERROR
+        assert good_events[-1].finish_reason is FinishReason.LENGTH
+        assert good_events[-1].completion_tokens == 15
+        assert engine.healthy
+
+
+async def test_invalid_requests_are_refused_before_admission() -> None:
+    async with make_engine() as engine:
+        cases = [
+            ([], greedy(5), "prompt"),
+            ([engine.vocab_size], greedy(5), "prompt"),
+            ([-1], greedy(5), "prompt"),
+            ([1] * engine.context_len, greedy(1), "prompt"),
+            ([1, 2], greedy(engine.context_len), "max_tokens"),
+        ]
+        for ids, params, param in cases:
+            with pytest.raises(InvalidRequestError) as info:
+                engine.submit(ids, params)
+            assert info.value.param == param
+        with pytest.raises(InvalidRequestError, match=str(engine.context_len)):
+            engine.submit([1] * (engine.context_len + 5), greedy(1))
+        assert engine.stats().admitted == 0
+
+
+def test_sampling_params_validation() -> None:
+    bad = [
+        {"max_tokens": 0},
+        {"max_tokens": 1.5},
+        {"temperature": -1},
+        {"temperature": float("nan")},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {"presence_penalty": 3},
+        {"stop": ("",)},
+        {"stop": tuple("x" * 20)},
+    ]
+    for kw in bad:
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**kw)  # type: ignore[arg-type]
+        assert info.value.param == next(iter(kw))
+    assert SamplingParams(top_p=1.0, top_k=-1).top_p == 1.0
+
+
+async def test_neuron_batching_zero_forces_one_at_a_time(monkeypatch) -> None:
+    monkeypatch.setenv("NEURON_BATCHING", "0")
+    async with make_engine(max_in_flight=8) as engine:
+        assert engine.max_running == 1
+        async with anyio.create_task_group() as tg:
+            for t in ("x", "y", "z"):
+                tg.start_soon(engine.complete, prompt(t), greedy(5))
+        assert engine.stats().max_batch_size == 1

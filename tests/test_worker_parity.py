@@ -1,0 +1,108 @@
+"""Worker parity: Prefill / Assemble / ForwardLogitsBatch / Extract jobs end to end, joins and a
+leave-path rebatch included, == the sequential reference at every step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from neuronpy.arch.llama import LlamaModel
+from neuronpy.worker.jobs import (
+    AssembleKvBatch,
+    DropKvSnapshot,
+    ExtractKvRows,
+    ForwardLogitsBatch,
+    Prefill,
+    WorkerStats,
+)
+from neuronpy.worker.worker import DeviceWorker
+from tests.factories import hf_model
+
+PROMPTS = ([5, 17, 42, 99, 3, 250, 71], [12, 8], [300, 1, 44, 44, 19, 7, 65, 80, 91, 2, 33])
+LATE = [77, 78, 79, 80, 81]
+
+
+@pytest.fixture
+def worker() -> Iterator[DeviceWorker]:
+    w = DeviceWorker(LlamaModel.from_hf(hf_model("tiny-qwen2")), prefill_chunk=4).start()
+    yield w
+    w.shutdown(timeout=10)
+
+
+def run(worker: DeviceWorker, job: Any) -> Any:
+    return worker.submit(job).result(timeout=30)
+
+
+def reference(worker: DeviceWorker, ids: list[int]) -> torch.Tensor:
+    """The sequential reference: the whole sequence prefilled alone; its last logits."""
+    _, hidden = worker.model.prefill(ids)
+    return worker.model.logits(hidden[-1])
+
+
+def test_parity_jobs_end_to_end_with_join_and_leave(worker: DeviceWorker) -> None:
+    seqs = [list(p) for p in PROMPTS]
+    next_tokens = []
+    for sid, p in enumerate(PROMPTS):
+        res = run(worker, Prefill(sid, tuple(p)))
+        assert res.length == len(p) and res.logits.device.type == "cpu"
+        torch.testing.assert_close(res.logits, reference(worker, p), atol=1e-4, rtol=1e-4)
+        next_tokens.append(int(res.logits.argmax()))
+    assembled = run(worker, AssembleKvBatch((0, 1, 2)))
+    assert (assembled.batch_size, assembled.padded_len) == (3, 11)
+    assert assembled.padding_columns == (11 - 7) + (11 - 2)
+
+    def step(expected_rows: int) -> None:
+        out = run(worker, ForwardLogitsBatch(tuple(next_tokens)))
+        assert out.logits.shape[0] == expected_rows and out.logits.dtype == torch.float32
+        for row, seq in enumerate(seqs):
+            seq.append(next_tokens[row])
+            torch.testing.assert_close(
+                out.logits[row], reference(worker, seq), atol=1e-4, rtol=1e-4
+            )
+            next_tokens[row] = int(out.logits[row].argmax())
+
+    for _ in range(4):
+        step(3)
+
+    # leave: row 1 finishes; extract the two survivors, assemble them again, keep decoding
+    lengths = run(worker, ExtractKvRows(rows=(0, 2), snapshot_ids=(10, 12))).lengths
+    assert lengths == (len(seqs[0]), len(seqs[2]))
+    del seqs[1], next_tokens[1]
+    run(worker, AssembleKvBatch((10, 12)))
+    for _ in range(3):
+        step(2)
+
+    # join: a late prompt prefills alone, then the batch is rebuilt with it as the last row
+    res = run(worker, Prefill(20, tuple(LATE)))
+    run(worker, ExtractKvRows(rows=(0, 1), snapshot_ids=(30, 31)))
+    run(worker, AssembleKvBatch((30, 31, 20)))
+    seqs.append(list(LATE))
+    next_tokens.append(int(res.logits.argmax()))
+    for _ in range(4):
+        step(3)
+
+    # everyone leaves: nothing is left behind
+    run(worker, ExtractKvRows(rows=(), snapshot_ids=()))
+    stats = run(worker, WorkerStats())
+    assert (stats.snapshots, stats.live_batch_size, stats.snapshot_bytes) == (0, 0, 0)
+
+
+def test_prefill_continues_from_a_parent_snapshot(worker: DeviceWorker) -> None:
+    whole = PROMPTS[2]
+    run(worker, Prefill(1, tuple(whole[:6])))
+    res = run(worker, Prefill(2, tuple(whole[6:]), parent_id=1))
+    assert res.length == len(whole)
+    torch.testing.assert_close(res.logits, reference(worker, whole), atol=1e-4, rtol=1e-4)
+    assert run(worker, DropKvSnapshot((1, 2, 99))).dropped == 2
+
+
+def test_job_errors_come_back_through_the_future(worker: DeviceWorker) -> None:
+    with pytest.raises(Exception, match="no live batch"):
+        run(worker, ForwardLogitsBatch((1,)))
+    with pytest.raises(Exception, match="unknown snapshots"):
+        run(worker, AssembleKvBatch((404,)))
+    # the worker keeps serving after a failed job
+    assert run(worker, Prefill(1, (3, 4))).length == 2
