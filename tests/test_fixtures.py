@@ -1,0 +1,225 @@
+"""Checks that the committed tiny model fixtures load, carry their features, and rebuild exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+
+
+def _load_builder() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "build_fixtures", FIXTURES_DIR / "build_fixtures.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("build_fixtures", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+bf = _load_builder()
+TIED = {"tiny-llama", "tiny-qwen2", "tiny-qwen3"}
+
+
+@cache
+def _model(name: str) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(FIXTURES_DIR / name).eval()
+
+
+@cache
+def _tokenizer(name: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(FIXTURES_DIR / name)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("name", bf.FIXTURE_NAMES)
+def test_fixture_loads_and_is_consistent(name: str) -> None:
+    d = FIXTURES_DIR / name
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= set(
+        _files(d)
+    )
+    assert sum(len(b) for b in _files(d).values()) < 1_000_000
+    model, tok = _model(name), _tokenizer(name)
+    cfg = model.config
+    assert cfg.vocab_size == len(tok) == bf.VOCAB_SIZE
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, 2, 128)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
+    assert cfg.max_position_embeddings == 512
+    assert cfg.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>") == 0
+    assert model.generation_config.eos_token_id == cfg.eos_token_id
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", bf.FIXTURE_NAMES)
+def test_tied_and_untied_heads(name: str) -> None:
+    model = _model(name)
+    head, emb = model.lm_head.weight, model.model.embed_tokens.weight
+    with safe_open(FIXTURES_DIR / name / "model.safetensors", "pt") as f:
+        stored = set(f.keys())
+    if name in TIED:
+        assert model.config.tie_word_embeddings
+        assert head.data_ptr() == emb.data_ptr()
+        assert "lm_head.weight" not in stored
+    else:
+        assert not model.config.tie_word_embeddings
+        assert head.data_ptr() != emb.data_ptr()
+        assert "lm_head.weight" in stored
+        assert not torch.equal(head, emb)
+
+
+def test_qwen2_has_nonzero_qkv_bias() -> None:
+    attn = _model("tiny-qwen2").model.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.bias is not None
+        assert proj.bias.abs().min() > 0
+    assert attn.o_proj.bias is None
+
+
+def test_qwen3_has_q_norm_k_norm_and_explicit_head_dim() -> None:
+    attn = _model("tiny-qwen3").model.layers[0].self_attn
+    for norm in (attn.q_norm, attn.k_norm):
+        assert norm.weight.shape == (16,)
+        assert norm.weight.abs().min() > 0
+        assert not torch.allclose(norm.weight, torch.ones(16))
+    raw = json.loads((FIXTURES_DIR / "tiny-qwen3" / "config.json").read_text())
+    assert raw["head_dim"] == 16
+
+
+def test_llama3_rope_scaling_changes_frequencies() -> None:
+    model = _model("tiny-llama3")
+    rope = model.config.rope_parameters
+    assert rope["rope_type"] == "llama3"
+    assert rope["factor"] == 8.0
+    assert rope["original_max_position_embeddings"] == 64
+    default = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert torch.allclose(inv_freq[0], default[0])  # highest frequency kept as is
+    assert not torch.allclose(inv_freq, default)  # low frequencies scaled down
+
+
+def test_mistral_has_no_sliding_window() -> None:
+    assert _model("tiny-mistral").config.sliding_window is None
+
+
+def test_rebuild_is_byte_identical(tmp_path: Path) -> None:
+    built_with = json.loads((FIXTURES_DIR / "tiny-llama" / "config.json").read_text())
+    if built_with.get("transformers_version") != transformers.__version__:
+        pytest.skip(
+            f"fixtures were built with transformers {built_with.get('transformers_version')}, "
+            f"this is {transformers.__version__}: serialization may differ (rebuild to update)"
+        )
+    bf.build(tmp_path)
+    for name in (bf.TOKENIZER_DIR, *bf.FIXTURE_NAMES):
+        committed, rebuilt = _files(FIXTURES_DIR / name), _files(tmp_path / name)
+        assert sorted(committed) == sorted(rebuilt), name
+        for rel, data in committed.items():
+            assert rebuilt[rel] == data, f"{name}/{rel} differs from a fresh build"
+
+
+@pytest.mark.parametrize(
+    "text", [bf.MULTIBYTE_SAMPLE, "naïve Ελληνικά 🚀 ünïcödé ✓ 中文 x\n\t 42,000.5!"]
+)
+def test_tokenizer_round_trips(text: str) -> None:
+    tok = _tokenizer(bf.TOKENIZER_DIR)
+    ids = tok.encode(text)
+    assert not set(ids) & {0, 1, 2}  # encode adds no special tokens
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("name", (bf.TOKENIZER_DIR, *bf.FIXTURE_NAMES))
+def test_every_folder_tokenizes_like_tokenizer_json(name: str) -> None:
+    """transformers may pick another class per model type (qwen2 -> Qwen2Tokenizer, which
+    rebuilds its own pipeline); the ids must still be those of the raw tokenizer.json."""
+    tok = _tokenizer(name)
+    raw = Tokenizer.from_file(str(FIXTURES_DIR / name / "tokenizer.json"))
+    text = "In 1984 it's café 日本語 🙂!\n\n  <|im_start|>user\nhi<|im_end|>\n 3.14 x"
+    assert tok.encode(text) == raw.encode(text).ids
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_multibyte_character_spans_several_tokens() -> None:
+    tok = _tokenizer(bf.TOKENIZER_DIR)
+    ids = tok.encode(bf.MULTIBYTE_SAMPLE)
+    pieces = [tok.decode([i]) for i in ids]
+    # A token holding only part of a character decodes to U+FFFD on its own.
+    assert any("\ufffd" in p for p in pieces)
+    # Concatenating the bytes of the tokens rebuilds the text; find a boundary inside a character.
+    byte_decoder = {v: k for k, v in _bytes_to_unicode().items()}
+    token_bytes = [bytes(byte_decoder[c] for c in t) for t in tok.convert_ids_to_tokens(ids)]
+    assert b"".join(token_bytes) == bf.MULTIBYTE_SAMPLE.encode()
+    boundaries, pos = set(), 0
+    for b in token_bytes:
+        pos += len(b)
+        boundaries.add(pos)
+    char_start, split_chars = 0, []
+    for ch in bf.MULTIBYTE_SAMPLE:
+        n = len(ch.encode())
+        if any(char_start < cut < char_start + n for cut in boundaries):
+            split_chars.append(ch)
+        char_start += n
+    assert "日" in split_chars and "🙂" in split_chars
+
+
+def test_chat_template() -> None:
+    tok = _tokenizer(bf.TOKENIZER_DIR)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "café?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\ncafé?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    no_prompt = tok.apply_chat_template(messages, tokenize=False)
+    assert no_prompt == text.removesuffix("<|im_start|>assistant\n")
+    ids = tok.encode(text)
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    assert ids.count(tok.eos_token_id) == 2
+
+
+@pytest.mark.parametrize("name", bf.FIXTURE_NAMES)
+def test_greedy_margins(name: str) -> None:
+    gaps, outputs = bf.greedy_stats(_model(name), _tokenizer(name))
+    assert len(gaps) == len(bf.CHECK_PROMPTS) * bf.CHECK_NEW_TOKENS
+    assert min(gaps) >= bf.CHECK_MIN_GAP
+    assert all(len(out) == bf.CHECK_NEW_TOKENS for out in outputs)  # no early EOS
+    assert all(len(set(out)) >= bf.CHECK_MIN_DISTINCT for out in outputs)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by the ByteLevel pre-tokenizer."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    bs += range(ord("®"), ord("ÿ") + 1)
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
