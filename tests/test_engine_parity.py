@@ -125,3 +125,23 @@ async def test_finish_reasons_and_token_counts() -> None:
         assert stopped.token_ids == [first] and stopped.text == ""
         assert eos in engine.eos_token_ids
         assert (await engine.worker_stats()).snapshots == 0
+
+
+async def test_parity_long_prompt_joins_in_chunks_between_decode_steps() -> None:
+    """A long prompt joining while others decode is prefilled chunk by chunk between their
+    steps; nobody's output changes."""
+    tok = tokenizer()
+    long_prompt = tok.encode(" ".join(TEXTS * 6))[:400]
+    jobs = [
+        (tok.encode(TEXTS[0]), greedy(60)),
+        (tok.encode(TEXTS[4]), greedy(60)),
+        (long_prompt, greedy(20)),
+    ]
+    async with make_engine(max_in_flight=1) as serial:
+        expected = await one_at_a_time(serial, jobs)
+    async with make_engine(max_in_flight=4, prefill_chunk=32) as engine:
+        got = await concurrently(engine, jobs, stagger=0.05)
+        stats = engine.stats()
+    assert [summary(c) for c in got] == [summary(c) for c in expected]
+    assert stats.prefills == 3
+    assert stats.prefill_chunks >= 3 + len(long_prompt) // 32 - 1, stats

@@ -27,6 +27,13 @@ def test_steady_batch_needs_no_rebatch() -> None:
     assert not plan.rebatch and plan.joining == ()
 
 
+def test_rows_still_prefilling_count_against_max_running() -> None:
+    plan = plan_step(rows((1, False)), rows((2, False), (3, False)), 3, prefilling=1)
+    assert plan.joining == (2,)
+    plan = plan_step(rows((1, False)), rows((2, True), (3, False)), 2, prefilling=1)
+    assert plan.joining == () and plan.dropped == (2,)
+
+
 def test_max_running_is_validated() -> None:
     with pytest.raises(ValueError):
         plan_step([], [], 0)

@@ -82,6 +82,7 @@ class EngineStats:
     multi_row_steps: int  # decode steps with more than one row
     rebatches: int
     prefills: int
+    prefill_chunks: int  # prefill jobs: a long prompt joining mid-batch takes several
     admitted: int
     rejected: int
     cancelled: int
@@ -174,6 +175,7 @@ class Engine:
                 "multi_row_steps",
                 "rebatches",
                 "prefills",
+                "prefill_chunks",
                 "admitted",
                 "rejected",
                 "cancelled",
@@ -183,6 +185,9 @@ class Engine:
             0,
         )
         self._request_seconds = 0.0  # moving average, for Retry-After
+        self._step_seconds = 0.0  # moving average of a decode step's forward
+        self._prefill_tps = 0.0  # moving average of prefill tokens per second
+        self._timing = dict.fromkeys(("forward", "prefill", "rebatch", "sampling"), 0.0)
 
     @classmethod
     def from_pretrained(
@@ -370,7 +375,7 @@ class Engine:
     async def _loop(self) -> None:
         try:
             while True:
-                if not self._running and not self._waiting:
+                if not self._active():
                     self._wake = anyio.Event()
                     await self._wake.wait()
                 await self._schedule()
@@ -383,13 +388,14 @@ class Engine:
             self._fail(exc)
 
     async def _schedule(self) -> None:
-        """Plan, prefill the joiners, and rebatch: extract the survivors, assemble again."""
+        """Plan, advance the joiners' prefill, and rebatch: extract survivors, assemble again."""
         plan = plan_step(
             [RowView(s.id, s.done) for s in self._running],
             [RowView(s.id, s.done) for s in self._waiting],
             self.max_running,
+            prefilling=len(self._joining),
         )
-        by_id = {s.id: s for s in (*self._running, *self._waiting)}
+        by_id = {s.id: s for s in self._waiting}
         for sid in plan.dropped:
             slot = by_id[sid]
             self._waiting.remove(slot)
@@ -397,17 +403,25 @@ class Engine:
         for sid in plan.joining:
             slot = by_id[sid]
             self._waiting.remove(slot)
+            slot.status = SlotStatus.PREFILLING
             self._joining.append(slot)
-        for slot in list(self._joining):
-            if not await self._prefill(slot):
-                self._joining.remove(slot)
+        self._joining = [s for s in self._joining if not self._drop_if_done(s)]
+        if self._running:
+            # rows are decoding: one chunk, sized to cost about one decode step, then a step
+            if self._joining:
+                await self._prefill(self._joining[0], self._chunk_budget())
+        else:
+            for slot in self._joining:  # nobody waits on a decode step: prefill whole prompts
+                await self._prefill(slot, None)
         # rows may have finished or been cancelled while the prefills ran
+        joined = [s for s in self._joining if s.prefilled == len(s.prompt_ids)]
+        self._joining = [s for s in self._joining if s not in joined]
+        joined = [s for s in joined if not self._drop_if_done(s)]
         survivors = [s for s in self._running if not s.done]
         leaving = [s for s in self._running if s.done]
-        joined = [s for s in self._joining if not self._drop_if_done(s)]
-        self._joining.clear()
         if not leaving and not joined:
             return
+        started = time.perf_counter()
         self._counts["rebatches"] += 1
         if self._has_batch:
             rows = tuple(self._running.index(s) for s in survivors)
@@ -425,16 +439,37 @@ class Engine:
             for slot in self._running:
                 slot.status = SlotStatus.RUNNING
                 slot.snapshot_id = None  # moved into the live batch
+        self._timing["rebatch"] += time.perf_counter() - started
 
-    async def _prefill(self, slot: Slot) -> bool:
-        """B=1 prefill into a snapshot and the first token. False if the request already ended."""
-        slot.status = SlotStatus.PREFILLING
-        slot.snapshot_id = next(self._ids)
-        result: PrefillResult = await self._call(Prefill(slot.snapshot_id, slot.prompt_ids))
-        self._counts["prefills"] += 1
-        if not slot.done:
-            self._accept(slot, slot.sampler.sample(result.logits))
-        return not self._drop_if_done(slot)
+    def _chunk_budget(self) -> int:
+        """Prompt tokens to prefill between two decode steps: about one step's worth of time,
+        so a long prompt joining stretches the decoding rows' inter-token gap by ~2x, not more."""
+        if not self._prefill_tps or not self._step_seconds:
+            return min(64, self.config.prefill_chunk)
+        budget = int(self._prefill_tps * self._step_seconds)
+        return max(16, min(self.config.prefill_chunk, budget))
+
+    async def _prefill(self, slot: Slot, budget: int | None) -> None:
+        """Prefills the next `budget` prompt tokens (all, if None) into the slot's snapshot;
+        after the last chunk, samples the first token."""
+        start = slot.prefilled
+        end = len(slot.prompt_ids) if budget is None else min(len(slot.prompt_ids), start + budget)
+        parent = slot.snapshot_id
+        if parent is None:
+            slot.snapshot_id = next(self._ids)
+        began = time.perf_counter()
+        result: PrefillResult = await self._call(
+            Prefill(slot.snapshot_id, slot.prompt_ids[start:end], parent_id=parent)
+        )
+        elapsed = time.perf_counter() - began
+        self._prefill_tps = _ema(self._prefill_tps, (end - start) / max(elapsed, 1e-6))
+        self._timing["prefill"] += elapsed
+        slot.prefilled = end
+        self._counts["prefill_chunks"] += 1
+        if end == len(slot.prompt_ids):
+            self._counts["prefills"] += 1
+            if not slot.done:
+                self._accept(slot, slot.sampler.sample(result.logits))
 
     def _drop_if_done(self, slot: Slot) -> bool:
         """A joiner that finished before joining (first token EOS, cancelled) drops its snapshot."""
@@ -450,15 +485,21 @@ class Engine:
         """One lockstep decode step over every live row."""
         rows = self._running
         tokens = tuple(s.next_token for s in rows)
+        began = time.perf_counter()
         result: ForwardResult = await self._call(ForwardLogitsBatch(tokens))  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - began
+        self._step_seconds = _ema(self._step_seconds, elapsed)
+        self._timing["forward"] += elapsed
         c = self._counts
         c["decode_steps"] += 1
         c["decoded_rows"] += len(rows)
         c["multi_row_steps"] += len(rows) > 1
         c["max_batch_size"] = max(c["max_batch_size"], len(rows))
+        began = time.perf_counter()
         for slot, logits in zip(rows, result.logits, strict=True):
             if not slot.done:
                 self._accept(slot, slot.sampler.sample(logits))
+        self._timing["sampling"] += time.perf_counter() - began
 
     def _accept(self, slot: Slot, token: int) -> None:
         """Records a sampled token, hands it to the router, and decides EOS / length."""
@@ -492,9 +533,7 @@ class Engine:
         else:
             self._counts["finished"] += 1
             elapsed = time.monotonic() - slot.arrived_at
-            self._request_seconds = (
-                0.8 * self._request_seconds + 0.2 * elapsed if self._request_seconds else elapsed
-            )
+            self._request_seconds = _ema(self._request_seconds, elapsed)
 
     def _fail(self, exc: BaseException) -> None:
         """A worker fault: every active request fails, and later ones fail fast."""
@@ -508,3 +547,8 @@ class Engine:
 
     def _active(self) -> list[Slot]:
         return [*self._running, *self._joining, *self._waiting]
+
+
+def _ema(average: float, sample: float, weight: float = 0.2) -> float:
+    """Exponential moving average; the first sample stands alone."""
+    return sample if not average else (1 - weight) * average + weight * sample

@@ -27,13 +27,21 @@ class StepPlan:
         return bool(self.leaving or self.joining)
 
 
-def plan_step(running: Sequence[RowView], waiting: Sequence[RowView], max_running: int) -> StepPlan:
-    """Finished rows leave first, then the oldest waiting requests fill the free rows (FIFO)."""
+def plan_step(
+    running: Sequence[RowView],
+    waiting: Sequence[RowView],
+    max_running: int,
+    prefilling: int = 0,
+) -> StepPlan:
+    """Finished rows leave first, then the oldest waiting requests fill the free rows (FIFO).
+
+    `prefilling` requests already hold a row each: they are joining over several steps.
+    """
     if max_running < 1:
         raise ValueError("max_running must be at least 1")
     survivors = tuple(r.id for r in running if not r.done)
     leaving = tuple(r.id for r in running if r.done)
     dropped = tuple(w.id for w in waiting if w.done)
-    free = max_running - len(survivors)
+    free = max_running - len(survivors) - prefilling
     joining = tuple(w.id for w in waiting if not w.done)[: max(free, 0)]
     return StepPlan(survivors, leaving, dropped, joining)

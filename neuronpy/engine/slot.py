@@ -42,7 +42,8 @@ class Slot:
     status: SlotStatus = SlotStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, not yet fed to the model
-    snapshot_id: int | None = None
+    snapshot_id: int | None = None  # while prefilling or between batches
+    prefilled: int = 0  # prompt tokens already in the snapshot
     finish_reason: FinishReason | None = None  # decided by the engine (EOS, length)
     leave_requested: bool = False  # the router stopped (stop string) or the client went away
     cancelled: bool = False

@@ -9,8 +9,9 @@ import torch
 
 @dataclass(frozen=True)
 class Prefill:
-    """Prefill `token_ids` at B=1 (after snapshot `parent_id`'s tokens, if given) into a new
-    snapshot `snapshot_id`; answer the last position's logits."""
+    """Prefill `token_ids` at B=1 (after snapshot `parent_id`'s tokens, if given) into snapshot
+    `snapshot_id`; answer the last position's logits. With `parent_id == snapshot_id` the
+    snapshot is extended (a prompt prefilled chunk by chunk between decode steps)."""
 
     snapshot_id: int
     token_ids: tuple[int, ...]

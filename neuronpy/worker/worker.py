@@ -114,7 +114,7 @@ class DeviceWorker:
         raise TypeError(f"unknown job {job!r}")
 
     def _prefill(self, job: Prefill) -> PrefillResult:
-        if job.snapshot_id in self._snapshots:
+        if job.snapshot_id in self._snapshots and job.snapshot_id != job.parent_id:
             raise WorkerError(f"snapshot {job.snapshot_id} already exists")
         parent = self._snapshots[job.parent_id] if job.parent_id is not None else None
         snapshot, hidden = self.model.prefill(job.token_ids, parent, self.prefill_chunk)

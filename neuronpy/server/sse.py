@@ -1,0 +1,84 @@
+"""Server-sent events for one request, and cancelling work when its client disconnects."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from starlette.types import Message, Receive, Scope, Send
+
+from neuronpy.engine.engine import RequestStream
+from neuronpy.engine.types import GenerationEvent
+
+HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies must not buffer the stream
+]
+
+
+async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+    """Run `work` until it returns (True) or the client disconnects (False: it is cancelled).
+
+    The request body must have been read already: what `receive` yields next is the disconnect.
+    """
+    finished = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            message: Message = await receive()
+            while message["type"] != "http.disconnect":
+                message = await receive()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        await work()
+        finished = True
+        tg.cancel_scope.cancel()
+    return finished
+
+
+def sse_event(obj: dict[str, Any] | str) -> bytes:
+    data = (
+        obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    )
+    return f"data: {data}\n\n".encode()
+
+
+class EventStreamResponse:
+    """Streams a request's events as `data:` lines, then `data: [DONE]`. The opening chunks go
+    out at once; `render` turns each event into chunks. A client that leaves cancels the
+    request (its slot is freed within a decode step), whether it is running or still queued."""
+
+    def __init__(
+        self,
+        stream: RequestStream,
+        opening: list[dict[str, Any]],
+        render: Callable[[GenerationEvent], list[dict[str, Any]]],
+    ) -> None:
+        self.stream = stream
+        self.opening = opening
+        self.render = render
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            async with self.stream:  # leaving it cancels the request unless it finished
+                try:
+                    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+                    for obj in self.opening:
+                        await _send(send, sse_event(obj))
+                    async for event in self.stream:
+                        for obj in self.render(event):
+                            await _send(send, sse_event(obj))
+                    await _send(send, sse_event("[DONE]"))
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except OSError:  # the client went away while we wrote (ASGI spec 2.4)
+                    return
+
+        await cancel_on_disconnect(receive, pump)
+
+
+async def _send(send: Send, data: bytes) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": True})

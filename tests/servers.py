@@ -1,0 +1,98 @@
+"""Real uvicorn servers on loopback ports for the HTTP tests, serving tiny fixture models."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from neuronpy.engine.engine import Engine, EngineConfig
+from neuronpy.loading import load_pretrained
+from neuronpy.server.app import ServerState, create_app
+
+TINY_LLAMA = Path(__file__).parent / "fixtures" / "tiny-llama"
+
+
+@dataclass
+class RunningServer:
+    """A live server: its base URL (`http://127.0.0.1:PORT`) and its app state."""
+
+    url: str
+    state: ServerState
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/stats", timeout=10).json()
+
+    def wait_for(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20.0
+    ) -> dict[str, Any]:
+        """Poll /stats until `predicate` holds; fail the test if it never does."""
+        deadline = time.monotonic() + timeout
+        stats = self.stats()
+        while not predicate(stats):
+            if time.monotonic() > deadline:
+                pytest.fail(f"engine stats never reached the expected state: {stats}")
+            time.sleep(0.02)
+            stats = self.stats()
+        return stats
+
+
+def engine_loader(model_dir: Path = TINY_LLAMA, **config: Any) -> Callable[[], Engine]:
+    """What `create_app` calls to build the engine: a fixture model with an EngineConfig."""
+
+    def load() -> Engine:
+        weights = load_pretrained(str(model_dir))
+        return Engine.from_pretrained(
+            weights.hf_model, weights.tokenizer, name=weights.name, config=EngineConfig(**config)
+        )
+
+    return load
+
+
+@contextlib.contextmanager
+def run_server(
+    load_engine: Callable[[], Engine], *, wait_ready: bool = True, **app_options: Any
+) -> Iterator[RunningServer]:
+    """Start a real uvicorn server for `create_app(load_engine)` in a background thread, on a
+    loopback socket bound here (so no other process can take the port), and stop it after."""
+    app = create_app(load_engine, **app_options)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    running = RunningServer(f"http://127.0.0.1:{port}", app.state.neuron)
+    try:
+        if wait_ready:
+            _wait_healthy(running, thread)
+        yield running
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def _wait_healthy(server: RunningServer, thread: threading.Thread, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and thread.is_alive():
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                return
+        if server.state.status == "failed":
+            break
+        time.sleep(0.05)
+    pytest.fail(f"server never became healthy (status {server.state.status}: {server.state.error})")
