@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from neuronpy.arch.config import ArchConfig, rope_inv_freq
 from neuronpy.arch.kv import KvSnapshot, LiveBatch, batch_decode_mask
+from neuronpy.arch.linear import Linear
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -20,17 +21,13 @@ DEFAULT_PREFILL_CHUNK = 512
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]: q, k and v projections fused into one read
-    qkv_bias: torch.Tensor | None  # Qwen2 (and Llama with attention_bias)
+    qkv: Linear  # hidden -> (H + 2*KVH) * D: q, k and v fused into one weight read
     q_norm: torch.Tensor | None  # Qwen3: [D]
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, H * D]
-    o_bias: torch.Tensor | None
+    o_proj: Linear  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * inter, hidden]: gate and up fused
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor  # [hidden, inter]
-    down_bias: torch.Tensor | None
+    gate_up: Linear  # hidden -> 2 * inter: gate and up fused
+    down: Linear  # inter -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,8 +49,14 @@ def _cat_bias(*linears: Any) -> torch.Tensor | None:
     )
 
 
-def _bias(linear: Any) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
+def _fused(*linears: Any) -> Linear:
+    """One Linear over several transformers nn.Linear layers with the same input."""
+    weight = torch.cat([lin.weight for lin in linears]).detach()
+    return Linear(weight, _cat_bias(*linears))
+
+
+def _linear(linear: Any) -> Linear:
+    return Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
 
 class LlamaModel:
@@ -65,7 +68,7 @@ class LlamaModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
         inv_freq: torch.Tensor,
         rope_scale: float,
     ) -> None:
@@ -73,7 +76,7 @@ class LlamaModel:
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden]
-        self.lm_head = lm_head  # [vocab, hidden]
+        self.lm_head = lm_head  # hidden -> vocab
         self.inv_freq = inv_freq.to(embed.device)  # [D/2] float32
         self.rope_scale = rope_scale
 
@@ -96,19 +99,13 @@ class LlamaModel:
             layers.append(
                 LayerWeights(
                     input_norm=layer.input_layernorm.weight.detach(),
-                    qkv=torch.cat(
-                        [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-                    ).detach(),
-                    qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                    qkv=_fused(attn.q_proj, attn.k_proj, attn.v_proj),
                     q_norm=attn.q_norm.weight.detach() if config.qk_norm else None,
                     k_norm=attn.k_norm.weight.detach() if config.qk_norm else None,
-                    o_proj=attn.o_proj.weight.detach(),
-                    o_bias=_bias(attn.o_proj),
+                    o_proj=_linear(attn.o_proj),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                    gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
-                    down=mlp.down_proj.weight.detach(),
-                    down_bias=_bias(mlp.down_proj),
+                    gate_up=_fused(mlp.gate_proj, mlp.up_proj),
+                    down=_linear(mlp.down_proj),
                 )
             )
         inv_freq, scale = rope_inv_freq(hf_model.config)
@@ -117,7 +114,7 @@ class LlamaModel:
             embed=inner.embed_tokens.weight.detach(),
             layers=layers,
             norm=inner.norm.weight.detach(),
-            lm_head=hf_model.lm_head.weight.detach(),
+            lm_head=_linear(hf_model.lm_head),
             inv_freq=inv_freq,
             rope_scale=scale,
         )
@@ -130,7 +127,7 @@ class LlamaModel:
         """x: [B, T, hidden] -> q [B, H, T, D], k and v [B, KVH, T, D] (q and k after RoPE)."""
         c = self.config
         b, t, _ = x.shape
-        qkv = F.linear(rms_norm(x, lw.input_norm, c.rms_norm_eps), lw.qkv, lw.qkv_bias)
+        qkv = lw.qkv(rms_norm(x, lw.input_norm, c.rms_norm_eps))
         q, k, v = qkv.split(
             [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
             dim=-1,
@@ -146,11 +143,9 @@ class LlamaModel:
     def _finish_layer(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP, residual. x: [B, T, hidden]; attn: [B, T, H * D]."""
         c = self.config
-        x = x + F.linear(attn, lw.o_proj, lw.o_bias)
-        gate, up = F.linear(
-            rms_norm(x, lw.post_norm, c.rms_norm_eps), lw.gate_up, lw.gate_up_bias
-        ).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+        x = x + lw.o_proj(attn)
+        gate, up = lw.gate_up(rms_norm(x, lw.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
+        return x + lw.down(F.silu(gate) * up)
 
     def _group_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q: [B, H, T, D] -> [B, KVH, G * T, D]: each KV head's query heads side by side, so
@@ -271,4 +266,4 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
         with torch.inference_mode():
-            return F.linear(hidden, self.lm_head).float()
+            return self.lm_head(hidden).float()

@@ -1,0 +1,35 @@
+"""Packed linear layers compute what F.linear computes, for any row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neuronpy.arch.linear import Linear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(48, 32, generator=gen)
+    bias = torch.randn(48, generator=gen) if with_bias else None
+    x = torch.randn(rows, 1, 32, generator=gen)  # [B, T, in], as the decode step calls it
+    lin = Linear(weight, bias)
+    torch.testing.assert_close(lin(x), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lin(x[:, 0]), F.linear(x[:, 0], weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_packing_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEURON_ONEDNN", "0")
+    weight = torch.randn(4, 4)
+    lin = Linear(weight)
+    assert not lin.packed and lin.weight is weight
+
+
+def test_cpu_float32_weights_are_packed_where_onednn_exists() -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    assert Linear(torch.randn(4, 4)).packed
+    assert not Linear(torch.randn(4, 4, dtype=torch.float64)).packed
