@@ -145,3 +145,14 @@ async def test_parity_long_prompt_joins_in_chunks_between_decode_steps() -> None
     assert [summary(c) for c in got] == [summary(c) for c in expected]
     assert stats.prefills == 3
     assert stats.prefill_chunks >= 3 + len(long_prompt) // 32 - 1, stats
+
+
+async def test_parity_int8_concurrent_equals_sequential() -> None:
+    tok = tokenizer()
+    jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
+    async with make_engine(max_in_flight=1, quantize="int8") as serial:
+        expected = await one_at_a_time(serial, jobs)
+    async with make_engine(max_in_flight=8, quantize="int8") as engine:
+        got = await concurrently(engine, jobs)
+        assert engine.stats().max_batch_size >= 3
+    assert [summary(c) for c in got] == [summary(c) for c in expected]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neuronpy.arch.linear import Linear
+from neuronpy.arch.linear import Linear, make_linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
@@ -33,3 +33,23 @@ def test_cpu_float32_weights_are_packed_where_onednn_exists() -> None:
         pytest.skip("this PyTorch build has no oneDNN")
     assert Linear(torch.randn(4, 4)).packed
     assert not Linear(torch.randn(4, 4, dtype=torch.float64)).packed
+
+
+def test_int8_linear_is_close_and_bitwise_independent_of_other_rows() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 48, generator=gen) * 0.1
+    bias = torch.randn(64, generator=gen)
+    x = torch.randn(9, 1, 48, generator=gen) * torch.logspace(-2, 2, 9)[:, None, None]
+    lin = make_linear(weight, bias, "int8")
+    y = lin(x)
+    ref = F.linear(x, weight, bias)
+    # int8 weights and activations: within a few percent of each row's magnitude
+    assert ((y - ref).abs().amax(-1) <= 0.03 * ref.abs().amax(-1) + 1e-3).all()
+    for row in range(9):  # alone, or with any other rows: the very same bits
+        assert torch.equal(lin(x[row : row + 1]), y[row : row + 1])
+        assert torch.equal(lin(x[[row, 0, 5]])[0], y[row])
+
+
+def test_unknown_quantize_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="int8"):
+        make_linear(torch.randn(2, 2), None, "int4")

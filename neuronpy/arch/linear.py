@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -59,3 +60,56 @@ class Linear:
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
+
+
+QUANTIZE_MODES = ("none", "int8")
+
+
+class Int8Linear:
+    """y ~= x W^T + b with int8 weights (one scale per output channel) and int8 activations (one
+    scale per row), through PyTorch's fbgemm dynamic-quantized kernel.
+
+    That kernel derives one activation scale from the whole input, which would make a row's
+    result depend on the other rows. So each row is first divided by its own absolute maximum,
+    and a guard row holding +1 and -1 pins the input's range to exactly [-1, 1]: the kernel's
+    scale is then the same for every batch, the integer product is exact, and each row's
+    output (multiplied back by its own scale) is bitwise independent of the rest of the batch.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if weight.device.type != "cpu":
+            raise ValueError("int8 mode runs on the CPU (fbgemm); use bf16/fp16 on GPUs")
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).double()
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():
+            # torch 2.13 marks quantized tensor creation deprecated; the kernel itself is current
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(w, scales, zeros, 0, torch.qint8)
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else bias.detach().float()
+        self._guard = torch.zeros(1, self.in_features)
+        self._guard[0, 0], self._guard[0, -1] = 1.0, -1.0
+        self.dtype = weight.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features).float()  # [N, in]
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # [N, 1]
+        unit = torch.cat((rows / scale, self._guard))  # [N + 1, in], range exactly [-1, 1]
+        y = torch.ops.quantized.linear_dynamic(unit, self._packed, True)[:-1] * scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(self.dtype).reshape(*lead, self.out_features)
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, quantize: str = "none"
+) -> Linear | Int8Linear:
+    """The linear layer for `quantize` ("none": the weight as it is; "int8": see Int8Linear)."""
+    if quantize == "int8":
+        return Int8Linear(weight, bias)
+    if quantize != "none":
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
+    return Linear(weight, bias)

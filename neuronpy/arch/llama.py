@@ -12,22 +12,23 @@ import torch.nn.functional as F
 
 from neuronpy.arch.config import ArchConfig, rope_inv_freq
 from neuronpy.arch.kv import KvSnapshot, LiveBatch, batch_decode_mask
-from neuronpy.arch.linear import Linear
+from neuronpy.arch.linear import Int8Linear, Linear, make_linear
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 
 DEFAULT_PREFILL_CHUNK = 512
+AnyLinear = Linear | Int8Linear
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # hidden -> (H + 2*KVH) * D: q, k and v fused into one weight read
+    qkv: AnyLinear  # hidden -> (H + 2*KVH) * D: q, k and v fused into one weight read
     q_norm: torch.Tensor | None  # Qwen3: [D]
     k_norm: torch.Tensor | None
-    o_proj: Linear  # H * D -> hidden
+    o_proj: AnyLinear  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # hidden -> 2 * inter: gate and up fused
-    down: Linear  # inter -> hidden
+    gate_up: AnyLinear  # hidden -> 2 * inter: gate and up fused
+    down: AnyLinear  # inter -> hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,14 +50,15 @@ def _cat_bias(*linears: Any) -> torch.Tensor | None:
     )
 
 
-def _fused(*linears: Any) -> Linear:
-    """One Linear over several transformers nn.Linear layers with the same input."""
+def _fused(*linears: Any, quantize: str) -> AnyLinear:
+    """One linear layer over several transformers nn.Linear layers with the same input."""
     weight = torch.cat([lin.weight for lin in linears]).detach()
-    return Linear(weight, _cat_bias(*linears))
+    return make_linear(weight, _cat_bias(*linears), quantize)
 
 
-def _linear(linear: Any) -> Linear:
-    return Linear(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+def _linear(linear: Any, quantize: str) -> AnyLinear:
+    bias = None if linear.bias is None else linear.bias.detach()
+    return make_linear(linear.weight.detach(), bias, quantize)
 
 
 class LlamaModel:
@@ -68,7 +70,7 @@ class LlamaModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        lm_head: Linear,
+        lm_head: AnyLinear,
         inv_freq: torch.Tensor,
         rope_scale: float,
     ) -> None:
@@ -89,8 +91,9 @@ class LlamaModel:
         return self.embed.dtype
 
     @classmethod
-    def from_hf(cls, hf_model: Any) -> LlamaModel:
-        """Takes the weights of a loaded transformers `*ForCausalLM` (no copy but the fusions)."""
+    def from_hf(cls, hf_model: Any, quantize: str = "none") -> LlamaModel:
+        """Takes the weights of a loaded transformers `*ForCausalLM`. `quantize="int8"` turns
+        every projection (the vocabulary one included) into an int8 one (see Int8Linear)."""
         config = ArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
         inner = hf_model.model
         layers = []
@@ -99,13 +102,13 @@ class LlamaModel:
             layers.append(
                 LayerWeights(
                     input_norm=layer.input_layernorm.weight.detach(),
-                    qkv=_fused(attn.q_proj, attn.k_proj, attn.v_proj),
+                    qkv=_fused(attn.q_proj, attn.k_proj, attn.v_proj, quantize=quantize),
                     q_norm=attn.q_norm.weight.detach() if config.qk_norm else None,
                     k_norm=attn.k_norm.weight.detach() if config.qk_norm else None,
-                    o_proj=_linear(attn.o_proj),
+                    o_proj=_linear(attn.o_proj, quantize),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=_fused(mlp.gate_proj, mlp.up_proj),
-                    down=_linear(mlp.down_proj),
+                    gate_up=_fused(mlp.gate_proj, mlp.up_proj, quantize=quantize),
+                    down=_linear(mlp.down_proj, quantize),
                 )
             )
         inv_freq, scale = rope_inv_freq(hf_model.config)
@@ -114,7 +117,7 @@ class LlamaModel:
             embed=inner.embed_tokens.weight.detach(),
             layers=layers,
             norm=inner.norm.weight.detach(),
-            lm_head=_linear(hf_model.lm_head),
+            lm_head=_linear(hf_model.lm_head, quantize),
             inv_freq=inv_freq,
             rope_scale=scale,
         )

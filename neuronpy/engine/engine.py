@@ -18,6 +18,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream, TaskGroup
 from transformers import PreTrainedTokenizerBase
 
+from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
 from neuronpy.engine.planner import RowView, plan_step
 from neuronpy.engine.router import route
@@ -57,6 +58,7 @@ class EngineConfig:
     max_queue: int = 64  # admitted requests waiting for a row; beyond that, QueueFullError
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     batching: bool = True  # False: one sequence at a time, through the same code
+    quantize: str = "none"  # "int8": int8 weights and per-row int8 activations (CPU)
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "prefill_chunk"):
@@ -69,6 +71,10 @@ class EngineConfig:
             or self.max_queue < 0
         ):
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(
+                f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -206,8 +212,9 @@ class Engine:
                 eos.add(value)
             elif isinstance(value, (list, tuple)):
                 eos.update(v for v in value if isinstance(v, int))
+        config = config or EngineConfig()
         return cls(
-            LlamaModel.from_hf(hf_model),
+            LlamaModel.from_hf(hf_model, quantize=config.quantize),
             tokenizer,
             name=name,
             config=config,
