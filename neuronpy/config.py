@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # about this batch size, so 8 streams cost little more than one (see README, "max_in_flight").
 DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_MAX_QUEUE = 64
+# What a model may be called: it travels in URLs (/v1/models/NAME), request bodies and logs.
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
 def _check_int(section: str, name: str, value: object, low: int, high: int | None = None) -> None:
@@ -30,6 +33,11 @@ def _check_int(section: str, name: str, value: object, low: int, high: int | Non
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise ValueError(f"[{section}] {name} must be {bound}, got {value}")
+
+
+def _label(name: object) -> str:
+    """How errors name a model."""
+    return f"model '{name}'" if name else "[model]"
 
 
 @dataclass(frozen=True)
@@ -43,32 +51,6 @@ class ServerConfig:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"[server] host must be a non-empty string, got {self.host!r}")
         _check_int("server", "port", self.port, 0, 65535)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model to serve: None is the bundled default (SmolLM2-135M-Instruct)."""
-
-    path: str | None = None  # a local HF directory, a .gguf file or a hub id
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 (or float16) on CUDA, float16 on MPS
-    device: str = "auto"  # auto: cuda if available, else mps, else cpu
-
-    def __post_init__(self) -> None:
-        if self.path is not None and (not isinstance(self.path, str) or not self.path):
-            raise ValueError(f"[model] path must be a non-empty string, got {self.path!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"[model] dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
-            )
-        if not isinstance(self.device, str) or not self.device:
-            raise ValueError(f"[model] device must be a non-empty string, got {self.device!r}")
-        if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except (RuntimeError, ValueError):
-                raise ValueError(
-                    f"[model] device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}"
-                ) from None
 
 
 @dataclass(frozen=True)
@@ -97,18 +79,61 @@ class EngineKnobs:
 
 
 @dataclass(frozen=True)
+class ModelSpec:
+    """One model to serve; the defaults serve the bundled SmolLM2-135M-Instruct. `admission` is
+    the server-wide [admission] with the model's own values on top (load_config merges them)."""
+
+    name: str | None = None  # the id requests send as `model`; None: derived from the path
+    path: str | None = None  # a local HF directory, a .gguf file or a hub id; None: the default
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 (or float16) on CUDA, float16 on MPS
+    device: str = "auto"  # auto: cuda if available, else mps, else cpu
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        where = _label(self.name)
+        if self.name is not None and (not isinstance(self.name, str) or not NAME.match(self.name)):
+            raise ValueError(
+                f"a model name must be 1-128 letters, digits and . _ - : / (starting with a "
+                f"letter or digit), got {self.name!r}"
+            )
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ValueError(f"{where} path must be a non-empty string, got {self.path!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"{where} dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"{where} device must be a non-empty string, got {self.device!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, ValueError):
+                raise ValueError(
+                    f"{where} device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}"
+                ) from None
+
+
+@dataclass(frozen=True)
 class Config:
-    """Everything `neuronpy serve` needs, one section per TOML table."""
+    """Everything `neuronpy serve` needs: one section per TOML table, and the models."""
 
     server: ServerConfig = field(default_factory=ServerConfig)
-    model: ModelSpec = field(default_factory=ModelSpec)
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    models: tuple[ModelSpec, ...] = (ModelSpec(),)
     engine: EngineKnobs = field(default_factory=EngineKnobs)
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("no model to serve")
+        if len(self.models) > 1 and any(m.name is None for m in self.models):
+            raise ValueError("several models are served: give each one a name (NAME=PATH)")
+        names = [m.name for m in self.models]
+        duplicates = sorted({n for n in names if n is not None and names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(duplicates)}")
 
 
 _SECTIONS: dict[str, type] = {
     "server": ServerConfig,
-    "model": ModelSpec,
     "admission": AdmissionConfig,
     "engine": EngineKnobs,
 }
@@ -117,38 +142,81 @@ _SECTIONS: dict[str, type] = {
 def load_config(
     path: Path | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    models: Sequence[Mapping[str, Any]] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Config:
-    """Defaults, then the TOML file at `path`, then `overrides` (command-line flags, given as
-    {section: {key: value}}; None values are skipped), then the environment
-    (NEURON_BATCHING=0, false, off or no turns batching off).
-    Raises ValueError naming the bad key or value."""
-    values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-    if path is not None:
-        for section, table in _read_toml(path).items():
-            values[section].update(table)
-    for section, table in (overrides or {}).items():
-        if section not in values:
+    """Defaults, then the TOML file at `path`, then the command line, then the environment.
+
+    The command line is `overrides` ({section: {key: value}}; None values are skipped; the
+    "admission" and "model" (dtype, device) keys apply to every model) and `models` (tables of
+    name and path, from --model), which replace the file's models. NEURON_BATCHING=0, false,
+    off or no turns batching off. Raises ValueError naming the bad key or value."""
+    data = _read_toml(path) if path is not None else {}
+    where = f" in {path}" if path is not None else ""
+    values: dict[str, dict[str, Any]] = {name: dict(data.get(name, {})) for name in _SECTIONS}
+    flags = {s: {k: v for k, v in t.items() if v is not None} for s, t in (overrides or {}).items()}
+    for section, table in flags.items():
+        if section not in (*_SECTIONS, "model"):
             raise ValueError(f"unknown config section [{section}]")
-        values[section].update({k: v for k, v in table.items() if v is not None})
+        if section in values:
+            values[section].update(table)
     env = os.environ if environ is None else environ
     if env.get("NEURON_BATCHING", "").strip().lower() in ("0", "false", "off", "no"):
         values["engine"]["batching"] = False
-    where = f" in {path}" if path is not None else ""
-    sections = {}
-    for name, cls in _SECTIONS.items():
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values[name]) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in "
-                f"[{name}]{where}; known keys: {', '.join(sorted(known))}"
-            )
-        sections[name] = cls(**values[name])
-    return Config(**sections)
+    sections = {
+        name: _table(cls, values[name], f"[{name}]", where) for name, cls in _SECTIONS.items()
+    }
+    tables = list(models) if models else _model_tables(data, where) or [{}]
+    specs = tuple(_model(table, values["admission"], flags, where) for table in tables)
+    return Config(server=sections["server"], models=specs, engine=sections["engine"])
 
 
-def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
+def _model(
+    table: Mapping[str, Any],
+    admission: Mapping[str, Any],
+    flags: Mapping[str, Mapping[str, Any]],
+    where: str,
+) -> ModelSpec:
+    """One model: its table, then the flags. Its admission: the server-wide `admission`, then
+    the model's own table, then the flags."""
+    values = {**table, **flags.get("model", {})}
+    own = values.pop("admission", {})
+    label = _label(values.get("name"))
+    if not isinstance(own, dict):
+        raise ValueError(f"{label} admission must be a table{where}")
+    try:
+        merged = {**admission, **own, **flags.get("admission", {})}
+        values["admission"] = _table(AdmissionConfig, merged, "admission", where)
+    except ValueError as exc:
+        raise ValueError(f"{label}: {exc}") from None
+    return _table(ModelSpec, values, label, where)
+
+
+def _table(cls: type, values: Mapping[str, Any], label: str, where: str) -> Any:
+    """`cls(**values)`, or an error naming any key it does not know."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} in "
+            f"{label}{where}; known keys: {', '.join(sorted(known))}"
+        )
+    return cls(**values)
+
+
+def _model_tables(data: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """The file's models: [[models]] tables, or one [model] table."""
+    if "model" in data and "models" in data:
+        raise ValueError(f"use [model] (one model) or [[models]] (several), not both{where}")
+    if "model" in data:
+        return [data["model"]]
+    tables = data.get("models", [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ValueError(f"'models'{where} must be an array of tables ([[models]])")
+    return tables
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
     try:
         with Path(path).open("rb") as f:
             data = tomllib.load(f)
@@ -156,12 +224,13 @@ def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
         raise ValueError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    known = (*_SECTIONS, "model", "models")
     for section, table in data.items():
-        if section not in _SECTIONS:
+        if section not in known:
             raise ValueError(
                 f"unknown section [{section}] in {path}; known sections: "
-                f"{', '.join(f'[{s}]' for s in _SECTIONS)}"
+                f"{', '.join(f'[{s}]' for s in known[:-1])}, [[models]]"
             )
-        if not isinstance(table, dict):
+        if section != "models" and not isinstance(table, dict):
             raise ValueError(f"'{section}' in {path} must be a table ([{section}])")
     return data

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -35,6 +36,10 @@ _CACHE_FORMAT = 1
 _HASH_SPAN = 1 << 20  # bytes hashed at each end of a GGUF file
 _STALE_TMP_SECONDS = 3600
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# transformers' from_pretrained and save_pretrained are not thread-safe: two models loading at
+# once in two threads got meta tensors, or an lm_head left untied and randomly initialized. The
+# server loads its models in threads of their own, so these calls take turns.
+_TRANSFORMERS = threading.RLock()
 
 
 @dataclass
@@ -113,7 +118,8 @@ def load_pretrained(
     torch_dtype = resolve_dtype(dtype, device)
     target, name, gguf = resolve_spec(spec)
     if gguf is not None:
-        target = _cached_gguf(gguf, cache_dir or default_cache_dir(), log)
+        with _TRANSFORMERS:  # one conversion at a time; a second model of the same file hits it
+            target = _cached_gguf(gguf, cache_dir or default_cache_dir(), log)
         source = f"{gguf} (converted: {target})"
     else:
         source = target if Path(target).is_dir() else f"hub:{target}"
@@ -185,10 +191,11 @@ def _from_pretrained(
     model_dir: str, torch_dtype: torch.dtype, *, hub: bool, **kwargs: Any
 ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, **kwargs)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch_dtype, **kwargs
-        )
+        with _TRANSFORMERS:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, **kwargs)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch_dtype, **kwargs
+            )
     except Exception as exc:  # transformers and huggingface_hub raise many types; one message
         reason = _reason(exc)
         if hub:

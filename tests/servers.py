@@ -6,7 +6,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,8 @@ from neuronpy.engine.engine import Engine, EngineConfig
 from neuronpy.loading import load_pretrained
 from neuronpy.server.app import ServerState, create_app
 
-TINY_LLAMA = Path(__file__).parent / "fixtures" / "tiny-llama"
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY_LLAMA = FIXTURES / "tiny-llama"
 
 
 @dataclass
@@ -33,25 +34,35 @@ class RunningServer:
     def v1(self) -> str:
         return f"{self.url}/v1"
 
-    def stats(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/stats", timeout=10).json()
+    def stats(self, model: str | None = None) -> dict[str, Any]:
+        """One model's /stats: `model`'s, or the only model's."""
+        if model is None:
+            (stats,) = httpx.get(f"{self.url}/stats", timeout=10).json()["models"].values()
+            return stats
+        return httpx.get(f"{self.url}/stats", params={"model": model}, timeout=10).json()
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", timeout=10)
 
     def wait_for(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20.0
+        self,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout: float = 20.0,
+        model: str | None = None,
     ) -> dict[str, Any]:
-        """Poll /stats until `predicate` holds; fail the test if it never does."""
+        """Poll a model's /stats until `predicate` holds; fail the test if it never does."""
         deadline = time.monotonic() + timeout
-        stats = self.stats()
+        stats = self.stats(model)
         while not predicate(stats):
             if time.monotonic() > deadline:
                 pytest.fail(f"engine stats never reached the expected state: {stats}")
             time.sleep(0.02)
-            stats = self.stats()
+            stats = self.stats(model)
         return stats
 
 
 def engine_loader(model_dir: Path = TINY_LLAMA, **config: Any) -> Callable[[], Engine]:
-    """What `create_app` calls to build the engine: a fixture model with an EngineConfig."""
+    """What `create_app` calls to build an engine: a fixture model with an EngineConfig."""
 
     def load() -> Engine:
         weights = load_pretrained(str(model_dir))
@@ -62,13 +73,19 @@ def engine_loader(model_dir: Path = TINY_LLAMA, **config: Any) -> Callable[[], E
     return load
 
 
+def fixture_model(name: str = "tiny-llama", **config: Any) -> dict[str, Callable[[], Engine]]:
+    """One fixture model, served under its folder's name: `run_server(fixture_model(...))`."""
+    return {name: engine_loader(FIXTURES / name, **config)}
+
+
 @contextlib.contextmanager
 def run_server(
-    load_engine: Callable[[], Engine], *, wait_ready: bool = True, **app_options: Any
+    models: Mapping[str, Callable[[], Engine]], *, wait_ready: bool = True, **app_options: Any
 ) -> Iterator[RunningServer]:
-    """Start a real uvicorn server for `create_app(load_engine)` in a background thread, on a
-    loopback socket bound here (so no other process can take the port), and stop it after."""
-    app = create_app(load_engine, **app_options)
+    """Start a real uvicorn server for `create_app(models)` in a background thread, on a
+    loopback socket bound here (so no other process can take the port), and stop it after.
+    With `wait_ready`, return once every model is ready."""
+    app = create_app(models, **app_options)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -79,6 +96,8 @@ def run_server(
     try:
         if wait_ready:
             _wait_healthy(running, thread)
+        else:
+            _wait_listening(running)
         yield running
     finally:
         server.should_exit = True
@@ -90,9 +109,22 @@ def _wait_healthy(server: RunningServer, thread: threading.Thread, timeout: floa
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and thread.is_alive():
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+            if server.health().status_code == 200:
                 return
-        if server.state.status == "failed":
+        if any(m.status == "failed" for m in server.state.models.values()):
             break
         time.sleep(0.05)
-    pytest.fail(f"server never became healthy (status {server.state.status}: {server.state.error})")
+    states = {m.name: (m.status, m.error) for m in server.state.models.values()}
+    pytest.fail(f"server never became healthy: {states}")
+
+
+def _wait_listening(server: RunningServer, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            server.health()
+            return
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

@@ -45,16 +45,18 @@ def test_defaults_bind_loopback_and_serve_the_bundled_model() -> None:
     config = load_config(environ={})
     assert config == Config()
     assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
-    assert config.model.path is None
-    assert config.admission.max_in_flight == 8
+    (model,) = config.models
+    assert model.name is None and model.path is None
+    assert model.admission.max_in_flight == 8
     assert config.engine.batching
 
 
 def test_file_sets_every_section(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, FULL), environ={})
     assert config.server == ServerConfig("0.0.0.0", 9000)
-    assert config.model == ModelSpec("tests/fixtures/tiny-llama", "bfloat16", "cpu")
-    assert config.admission == AdmissionConfig(4, 10)
+    assert config.models == (
+        ModelSpec(None, "tests/fixtures/tiny-llama", "bfloat16", "cpu", AdmissionConfig(4, 10)),
+    )
     assert config.engine.prefill_chunk == 256
 
 
@@ -75,8 +77,9 @@ def test_command_line_overrides_the_file(tmp_path: Path) -> None:
     )
     config = config_from_args(args)
     assert config.server == ServerConfig("0.0.0.0", 8123)  # host from the file, port from the flag
-    assert config.admission == AdmissionConfig(2, 10)
-    assert config.model.dtype == "auto" and config.model.device == "cpu"
+    (model,) = config.models
+    assert model.admission == AdmissionConfig(2, 10)
+    assert model.dtype == "auto" and model.device == "cpu"
 
 
 def test_flags_without_a_file() -> None:
@@ -84,8 +87,10 @@ def test_flags_without_a_file() -> None:
         ["serve", "--model", "m.gguf", "--host", "::1", "--max-queue", "0", "--device", "cuda:1"]
     )
     config = config_from_args(args)
-    assert config.model.path == "m.gguf" and config.model.device == "cuda:1"
-    assert config.server.host == "::1" and config.admission.max_queue == 0
+    assert config.models == (
+        ModelSpec(path="m.gguf", device="cuda:1", admission=AdmissionConfig(max_queue=0)),
+    )
+    assert config.server.host == "::1"
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off"])
@@ -129,3 +134,105 @@ def test_cli_reports_config_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     path = write(tmp_path, "[admission]\nmax_inflight = 4\n")
     assert main(["serve", "--config", str(path)]) == 2
     assert "unknown key max_inflight in [admission]" in capsys.readouterr().err
+
+
+# ---- several models -----------------------------------------------------------------------------
+
+TWO = """
+[admission]
+max_in_flight = 4
+max_queue = 10
+
+[[models]]
+name = "llama"
+path = "tests/fixtures/tiny-llama"
+admission = { max_in_flight = 2 }
+
+[[models]]
+name = "qwen"
+path = "tests/fixtures/tiny-qwen3"
+dtype = "float32"
+device = "cpu"
+
+[models.admission]   # this [[models]] entry's own admission
+max_queue = 3
+"""
+
+
+def test_models_tables_with_their_own_admission(tmp_path: Path) -> None:
+    llama, qwen = load_config(write(tmp_path, TWO), environ={}).models
+    assert llama == ModelSpec(
+        "llama", "tests/fixtures/tiny-llama", admission=AdmissionConfig(2, 10)
+    )
+    assert qwen == ModelSpec(
+        "qwen", "tests/fixtures/tiny-qwen3", "float32", "cpu", AdmissionConfig(4, 3)
+    )
+
+
+def test_repeated_model_flags_name_each_model() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--model", "a=tests/fixtures/tiny-llama", "--model", "org/b=HF/Some-Model"]
+    )
+    a, b = config_from_args(args).models
+    assert (a.name, a.path) == ("a", "tests/fixtures/tiny-llama")
+    assert (b.name, b.path) == ("org/b", "HF/Some-Model")
+    bare = config_from_args(build_parser().parse_args(["serve", "--model", "dir/x.gguf"]))
+    assert bare.models == (ModelSpec(path="dir/x.gguf"),)  # named after the file, as before
+
+
+def test_model_flags_replace_the_files_models_and_flags_apply_to_every_model(
+    tmp_path: Path,
+) -> None:
+    path = str(write(tmp_path, TWO))
+    args = ["serve", "--config", path, "--max-in-flight", "6", "--dtype", "bfloat16"]
+    llama, qwen = config_from_args(build_parser().parse_args(args)).models
+    assert llama.admission == AdmissionConfig(6, 10) and llama.dtype == "bfloat16"
+    assert qwen.admission == AdmissionConfig(6, 3) and qwen.dtype == "bfloat16"
+    args = ["serve", "--config", path, "--model", "m=tests/fixtures/tiny-mistral"]
+    (only,) = config_from_args(build_parser().parse_args(args)).models
+    assert only == ModelSpec("m", "tests/fixtures/tiny-mistral", admission=AdmissionConfig(4, 10))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["a=x", "a=y"], "model names must be unique; repeated: a"),
+        (["x", "y"], "give each one a name"),
+        (["a=x", "y"], "give each one a name"),
+        (["two words=x"], "a model name must be"),
+        (["=x"], "a model name must be"),
+        (["-a=x"], "a model name must be"),
+        (["a="], "model 'a' path must be a non-empty string"),
+    ],
+)
+def test_bad_model_flags(flags: list[str], message: str) -> None:
+    args = build_parser().parse_args(["serve", *(f"--model={flag}" for flag in flags)])
+    with pytest.raises(ValueError, match=message):
+        config_from_args(args)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[[models]]\nname = 'a'\n[[models]]\nname = 'a'\n", "repeated: a"),
+        ("[[models]]\npath = 'x'\n[[models]]\npath = 'y'\n", "give each one a name"),
+        ("[model]\npath = 'x'\n[[models]]\nname = 'a'\n", "not both"),
+        ("models = 3\n", "must be an array of tables"),
+        ("[[models]]\nname = 'a'\nquantize = 'q4'\n", "unknown key quantize in model 'a'"),
+        ("[[models]]\nname = 'a'\nadmission = 3\n", "model 'a' admission must be a table"),
+        (
+            "[[models]]\nname = 'a'\n[models.admission]\nmax_queue = -1\n",
+            "model 'a': [admission] max_queue must be between 0",
+        ),
+        ("[[models]]\nname = 'a'\n[models.admission]\nqueue = 1\n", "unknown key queue"),
+        ("[[models]]\nname = 'a b'\n", "a model name must be"),
+    ],
+)
+def test_bad_models_tables(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(write(tmp_path, text), environ={})
+
+
+def test_cli_reports_duplicate_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "a=x", "--model", "a=y"]) == 2
+    assert "model names must be unique; repeated: a" in capsys.readouterr().err

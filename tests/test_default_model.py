@@ -36,7 +36,7 @@ def load_default() -> Engine:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    with run_server(load_default) as running:
+    with run_server({DEFAULT_MODEL_NAME: load_default}) as running:
         yield running
 
 

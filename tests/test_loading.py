@@ -7,7 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -26,7 +28,8 @@ from neuronpy.loading import (
     resolve_dtype,
 )
 
-TINY_LLAMA = Path(__file__).parent / "fixtures" / "tiny-llama"
+FIXTURES = Path(__file__).parent / "fixtures"
+TINY_LLAMA = FIXTURES / "tiny-llama"
 REPO = Path(__file__).parent.parent
 
 # transformers' parameter names (after "model.layers.N.") -> llama.cpp's (after "blk.N.")
@@ -123,6 +126,29 @@ def test_fixture_dir_loads_ready_to_serve() -> None:
     assert weights.hf_model.device.type == "cpu"
     assert weights.tokenizer.eos_token == "<|im_end|>"
     assert weights.source == str(TINY_LLAMA)
+
+
+def test_models_loaded_at_once_in_threads_equal_serial_loads() -> None:
+    # transformers' from_pretrained is not thread-safe; the server loads each model in a thread
+    names = ("tiny-llama", "tiny-qwen3")
+    start = threading.Barrier(len(names), timeout=30)
+    loaded: dict[str, Any] = {}
+
+    def load(name: str) -> None:
+        start.wait()
+        loaded[name] = load_pretrained(str(FIXTURES / name)).hf_model
+
+    threads = [threading.Thread(target=load, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for name in names:
+        alone = load_pretrained(str(FIXTURES / name)).hf_model.state_dict()
+        together = loaded[name].state_dict()
+        assert together.keys() == alone.keys()
+        assert all(torch.equal(together[k], alone[k]) for k in alone), name
+        assert loaded[name].lm_head.weight is loaded[name].model.embed_tokens.weight  # tied
 
 
 def test_dtype_is_applied() -> None:
@@ -239,8 +265,15 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_cli_missing_model_fails_before_serving() -> None:
-    done = run_cli("--model", "no/such/dir/model.gguf")
+@pytest.mark.parametrize(
+    "models",
+    [
+        ["no/such/dir/model.gguf"],
+        ["a=tests/fixtures/tiny-llama", "b=no/such/dir/model.gguf"],  # any model, named or not
+    ],
+)
+def test_cli_missing_model_fails_before_serving(models: list[str]) -> None:
+    done = run_cli(*(f"--model={model}" for model in models))
     assert done.returncode == 1
     assert "no such model file or directory" in done.stderr
     assert "Traceback" not in done.stderr

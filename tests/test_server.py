@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from neuronpy.errors import ModelLoadError
 from neuronpy.server.protocol import render_chat
-from tests.servers import TINY_LLAMA, RunningServer, engine_loader, run_server
+from tests.servers import TINY_LLAMA, RunningServer, engine_loader, fixture_model, run_server
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
 GREEDY: dict[str, Any] = {"temperature": 0.0}
@@ -28,7 +28,7 @@ LONG = {"max_tokens": 480, "temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
     """The tiny Llama fixture behind a real server: 8 in flight, a queue of 64."""
-    with run_server(engine_loader(max_in_flight=8, max_queue=64)) as running:
+    with run_server(fixture_model(max_in_flight=8, max_queue=64)) as running:
         yield running
 
 
@@ -54,15 +54,16 @@ def chat(server: RunningServer, **kwargs: Any) -> Any:
 
 
 def test_health_and_models(server: RunningServer) -> None:
-    health = httpx.get(f"{server.url}/health")
+    health = server.health()
     assert health.status_code == 200
-    assert health.json()["status"] == "ok"
+    assert health.json() == {"status": "ok", "models": {"tiny-llama": "ready"}}
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["tiny-llama"]
     assert client(server).models.retrieve("tiny-llama").id == "tiny-llama"
     missing = httpx.get(f"{server.v1}/models/other")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+    assert "available models: tiny-llama" in missing.json()["error"]["message"]
 
 
 def test_chat_usage_counts_prompt_and_completion_tokens(server, tokenizer) -> None:
@@ -457,7 +458,7 @@ def test_non_stream_disconnect_cancels_the_request(server: RunningServer) -> Non
 @pytest.fixture(scope="module")
 def narrow_server():
     """One running sequence and a queue of one: room for exactly two requests."""
-    with run_server(engine_loader(max_in_flight=1, max_queue=1)) as running:
+    with run_server(fixture_model(max_in_flight=1, max_queue=1)) as running:
         yield running
 
 
@@ -520,17 +521,10 @@ def test_health_is_503_until_loaded_and_warm() -> None:
         release.wait(30)
         return load_tiny()
 
-    with run_server(slow_load, wait_ready=False) as server:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                health = httpx.get(f"{server.url}/health")
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+    with run_server({"tiny-llama": slow_load}, wait_ready=False) as server:
+        health = server.health()
         assert health.status_code == 503
-        assert health.json()["status"] == "loading"
+        assert health.json() == {"status": "loading", "models": {"tiny-llama": "loading"}}
         check_error(httpx.post(f"{server.v1}{CHAT}", json=MSG), 503, None)
         check_error(httpx.get(f"{server.v1}/models"), 503, None)
         release.set()
@@ -538,8 +532,9 @@ def test_health_is_503_until_loaded_and_warm() -> None:
         while httpx.get(f"{server.url}/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert server.state.engine is not None
-        assert server.state.engine.stats().finished >= 1  # the warm-up ran before 200
+        engine = server.state.models["tiny-llama"].engine
+        assert engine is not None
+        assert engine.stats().finished >= 1  # the warm-up ran before 200
 
 
 def test_load_failure_is_reported_and_fatal() -> None:
@@ -548,12 +543,12 @@ def test_load_failure_is_reported_and_fatal() -> None:
     def broken() -> Any:
         raise ModelLoadError("no such model file or directory: 'nowhere'")
 
-    with run_server(broken, wait_ready=False, on_fatal=failures.append) as server:
+    with run_server({"nowhere": broken}, wait_ready=False, on_fatal=failures.append) as server:
         deadline = time.monotonic() + 30
         while not failures:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert server.state.status == "failed"
-        assert "nowhere" in (server.state.error or "")
+        assert "nowhere" in (server.state.models["nowhere"].error or "")
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"

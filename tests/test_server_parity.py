@@ -10,7 +10,7 @@ import anyio
 import openai
 import pytest
 
-from tests.servers import RunningServer, engine_loader, run_server
+from tests.servers import RunningServer, fixture_model, run_server
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,9 @@ class Outcome:
     completion_tokens: int
 
 
-async def run_case(api: openai.AsyncOpenAI, case: Case) -> Outcome:
+async def run_case(api: openai.AsyncOpenAI, case: Case, model: str = "tiny-llama") -> Outcome:
     common: dict[str, Any] = {
-        "model": "tiny-llama",
+        "model": model,
         "max_tokens": case.max_tokens,
         "temperature": 0.0,
         "extra_body": {"ignore_eos": case.ignore_eos},
@@ -76,7 +76,7 @@ def _usage(usage: Any) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RunningServer]:
-    with run_server(engine_loader(max_in_flight=8, max_queue=64)) as running:
+    with run_server(fixture_model(max_in_flight=8, max_queue=64)) as running:
         yield running
 
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -20,7 +17,8 @@ from starlette.routing import Route
 
 from neuronpy.engine.engine import Engine, RequestStream
 from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams
-from neuronpy.errors import ModelLoadError, NeuronError
+from neuronpy.errors import NeuronError
+from neuronpy.server.models import ServedModel, ServerState, log_batches, serve_model
 from neuronpy.server.protocol import (
     ApiError,
     Kind,
@@ -31,86 +29,84 @@ from neuronpy.server.protocol import (
     finish_error,
     parse_request,
     render_chat,
+    requested_model,
     unavailable,
 )
 from neuronpy.server.sse import EventStreamResponse, cancel_on_disconnect
 
-log = logging.getLogger(__name__)
-
 MAX_BODY_BYTES = 4 << 20
 
 
-@dataclass
-class ServerState:
-    """Where the model stands; the routes read it, the lifespan task writes it."""
-
-    status: str = "loading"  # loading -> ready -> stopping; or failed
-    engine: Engine | None = None
-    error: str | None = None
-    started: int = field(default_factory=lambda: int(time.time()))
-
-    def ready_engine(self) -> Engine:
-        """The engine, or 503 while loading, stopping, failed or unhealthy."""
-        if self.status == "loading":
-            raise unavailable("the model is loading; retry shortly", retry_after=5)
-        if self.status != "ready" or self.engine is None:
-            raise unavailable("the server is not serving requests")
-        if not self.engine.healthy:
-            raise unavailable("the model is unavailable after an internal error")
-        return self.engine
-
-
 def create_app(
-    load_engine: Callable[[], Engine],
+    models: Mapping[str, Callable[[], Engine]],
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     on_fatal: Callable[[BaseException], None] | None = None,
     stats_log_seconds: float = 10.0,
 ) -> Starlette:
-    """The HTTP app. `load_engine` (blocking, run in a thread once the server is up) loads the
-    model and builds the engine; /health answers 503 until it has loaded and warmed up.
-    If loading fails, `on_fatal` is called with the error (the CLI stops the server)."""
-    state = ServerState()
+    """The HTTP app serving `models`: {name: a blocking function that loads the model and builds
+    its engine}. Once the server is up, each model loads in a thread of its own and serves as
+    soon as it has loaded and warmed up; a model that fails leaves the others serving.
+    `on_fatal` is called with the error when no model could be started (the CLI stops)."""
+    if not models:
+        raise ValueError("create_app needs at least one model")
+    state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
+
+    def failed(exc: BaseException) -> None:
+        if on_fatal is not None and all(m.status == "failed" for m in state.models.values()):
+            on_fatal(exc)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        stop, loading = anyio.Event(), anyio.CancelScope()
+        stop = anyio.Event()
+        loading = {name: anyio.CancelScope() for name in state.models}
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_run_engine, state, load_engine, on_fatal, stop, loading)
-            tg.start_soon(_log_stats, state, stop, stats_log_seconds)
+            for model in state.models.values():
+                tg.start_soon(serve_model, model, stop, loading[model.name], failed)
+            tg.start_soon(log_batches, state.models.values(), stop, stats_log_seconds)
             try:
                 yield
             finally:
-                if state.status != "failed":
-                    state.status = "stopping"
-                loading.cancel()  # stopping while the weights load: stop waiting for them
+                for model in state.models.values():
+                    if model.status != "failed":
+                        model.status = "stopping"
+                for scope in loading.values():
+                    scope.cancel()  # stopping while weights load: stop waiting for them
                 stop.set()
 
     async def health(request: Request) -> Response:
-        engine = state.engine
-        if state.status == "ready" and engine is not None and engine.healthy:
-            return JSONResponse({"status": "ok", "model": engine.name})
-        status = "unhealthy" if state.status == "ready" else state.status
-        return JSONResponse({"status": status}, status_code=503)
+        """200 when every model is ready, else 503; `?model=NAME` asks about one model."""
+        wanted = request.query_params.get("model")
+        if wanted is not None:
+            model = state.find(wanted)
+            code = 200 if model.state == "ready" else 503
+            return JSONResponse({"status": model.state, "model": model.name}, status_code=code)
+        body = {
+            "status": state.status,
+            "models": {model.name: model.state for model in state.models.values()},
+        }
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
-    async def models(request: Request) -> Response:
-        engine = state.ready_engine()
-        card = _model_card(engine, state.started)
+    async def models_route(request: Request) -> Response:
         wanted = request.path_params.get("model")
-        if wanted is None:
-            return JSONResponse({"object": "list", "data": [card]})
-        if wanted != engine.name:
-            raise ApiError(404, f"the model '{wanted}' does not exist", code="model_not_found")
-        return JSONResponse(card)
+        if wanted is not None:
+            model = state.find(wanted)
+            return JSONResponse(_model_card(model.name, model.ready_engine(), state.started))
+        cards = [
+            _model_card(m.name, m.engine, state.started)
+            for m in state.models.values()
+            if m.state == "ready" and m.engine is not None
+        ]
+        if not cards:
+            raise unavailable("no model is ready to serve requests")
+        return JSONResponse({"object": "list", "data": cards})
 
     async def stats(request: Request) -> Response:
-        engine = state.engine  # also after a failure: the counters say what happened
-        if engine is None:
-            raise unavailable("the model is not loaded")
-        return JSONResponse(
-            {"model": engine.name, "max_running": engine.max_running}
-            | dataclasses.asdict(engine.stats())
-        )
+        """Each model's engine counters; `?model=NAME` gives one model's."""
+        wanted = request.query_params.get("model")
+        if wanted is not None:
+            return JSONResponse(_stats(state.find(wanted)))
+        return JSONResponse({"models": {m.name: _stats(m) for m in state.models.values()}})
 
     async def chat_completions(request: Request) -> Response | EventStreamResponse:
         return await _generate(request, state, "chat", max_body_bytes)
@@ -120,8 +116,8 @@ def create_app(
 
     routes = [
         Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", models, methods=["GET"]),
+        Route("/v1/models", models_route, methods=["GET"]),
+        Route("/v1/models/{model:path}", models_route, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/stats", stats, methods=["GET"]),
@@ -136,6 +132,16 @@ def create_app(
     return app
 
 
+def _stats(model: ServedModel) -> dict[str, Any]:
+    """A model's state and, once it has an engine (also after a failure: the counters say what
+    happened), the engine's counters."""
+    out: dict[str, Any] = {"model": model.name, "status": model.state}
+    if model.engine is not None:
+        out["max_running"] = model.engine.max_running
+        out |= dataclasses.asdict(model.engine.stats())
+    return out
+
+
 # ---- generation -----------------------------------------------------------------------------
 
 
@@ -144,13 +150,14 @@ async def _generate(
 ) -> Response | EventStreamResponse:
     """Validate, tokenize and admit (any failure is an error response and admits nothing), then
     stream or gather the result; a client that disconnects cancels its request."""
-    engine = state.ready_engine()
     body = await _read_json(request, limit)
-    req = parse_request(kind, body, engine.name)
+    model = state.find(requested_model(body))
+    engine = model.ready_engine()
+    req = parse_request(kind, body)
     prompt_ids = await anyio.to_thread.run_sync(_tokenize, engine, req)
     params = req.sampling_params(len(prompt_ids), engine.context_len)
     stream = _submit(engine, prompt_ids, params, req)
-    reply = Reply(kind, engine.name, include_usage=req.include_usage)
+    reply = Reply(kind, model.name, include_usage=req.include_usage)
     if req.stream:
         opening = [reply.chunk(None)] if kind == "chat" else []
         return EventStreamResponse(stream, opening, _renderer(reply, stream, engine))
@@ -239,88 +246,14 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
 
 
-def _model_card(engine: Engine, created: int) -> dict[str, Any]:
+def _model_card(name: str, engine: Engine, created: int) -> dict[str, Any]:
     return {
-        "id": engine.name,
+        "id": name,
         "object": "model",
         "created": created,
         "owned_by": "neuronpy",
         "max_model_len": engine.context_len,
     }
-
-
-# ---- lifecycle ------------------------------------------------------------------------------
-
-
-async def _run_engine(
-    state: ServerState,
-    load_engine: Callable[[], Engine],
-    on_fatal: Callable[[BaseException], None] | None,
-    stop: anyio.Event,
-    loading: anyio.CancelScope,
-) -> None:
-    """Load, start and warm up the engine, serve until `stop`, then stop the engine."""
-    try:
-        started = time.perf_counter()
-        with loading:
-            engine = await anyio.to_thread.run_sync(load_engine, abandon_on_cancel=True)
-        if loading.cancelled_caught:
-            return
-        async with engine:
-            await _warm_up(engine)
-            state.engine, state.status = engine, "ready"
-            log.info(
-                "ready: serving %s (context %d tokens, %d in flight) after %.1f s",
-                engine.name,
-                engine.context_len,
-                engine.max_running,
-                time.perf_counter() - started,
-            )
-            await stop.wait()
-    except Exception as exc:
-        state.status, state.error = "failed", str(exc)
-        if isinstance(exc, (ModelLoadError, NeuronError)):
-            log.error("could not start the model: %s", exc)
-        else:
-            log.exception("could not start the model")
-        if on_fatal is not None:
-            on_fatal(exc)
-
-
-async def _warm_up(engine: Engine) -> None:
-    """One tiny greedy generation, so the first client does not pay for first-call costs."""
-    prompt = engine.tokenizer.encode("Hello") or [0]
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    done = await engine.complete(prompt[: engine.context_len - 2], params)
-    if done.finish_reason is not FinishReason.LENGTH:
-        raise RuntimeError(f"warm-up generation ended with {done.finish_reason}")
-
-
-async def _log_stats(state: ServerState, stop: anyio.Event, seconds: float) -> None:
-    """Log the batch every `seconds` while the engine is busy (visible batching)."""
-    last_steps = -1
-    while not stop.is_set():
-        with anyio.move_on_after(seconds):
-            await stop.wait()
-        engine = state.engine
-        if engine is None or stop.is_set():
-            continue
-        s = engine.stats()
-        if s.decode_steps != last_steps:
-            last_steps = s.decode_steps
-            mean = s.decoded_rows / s.decode_steps if s.decode_steps else 0.0
-            log.info(
-                "batch: running=%d queued=%d live_batch=%d max_batch=%d mean_batch=%.2f "
-                "decode_steps=%d finished=%d cancelled=%d",
-                s.running,
-                s.queued,
-                s.live_batch_size,
-                s.max_batch_size,
-                mean,
-                s.decode_steps,
-                s.finished,
-                s.cancelled,
-            )
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -108,21 +108,23 @@ class ParsedRequest:
         return dataclasses.replace(self.params, max_tokens=max_tokens)
 
 
-def parse_request(kind: Kind, body: object, model_name: str) -> ParsedRequest:
-    """Validates an OpenAI chat (kind 'chat') or completions ('text') body; raises ApiError
-    (400 naming the parameter, 404 for another model). Unknown fields are ignored."""
+def requested_model(body: object) -> str | None:
+    """The model a request names, None if it names none; 400 if the body is not a JSON object
+    or its model not a string."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {_json_type(body)}")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model")
-    if model is not None and model != model_name:
-        raise ApiError(
-            404,
-            f"the model '{model}' does not exist; this server serves '{model_name}'",
-            param="model",
-            code="model_not_found",
-        )
+    return model
+
+
+def parse_request(kind: Kind, body: object) -> ParsedRequest:
+    """Validates an OpenAI chat (kind 'chat') or completions ('text') body, except its model
+    (the server routes on that first); raises ApiError (400 naming the parameter). Unknown
+    fields are ignored."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {_json_type(body)}")
     for name, allowed in UNSUPPORTED.items():
         if name in body and not any(_same(body[name], a) for a in allowed):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
