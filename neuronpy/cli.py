@@ -11,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.config import DTYPES, Config, EngineKnobs, ModelSpec, load_config
 from neuronpy.engine.engine import Engine, EngineConfig
 from neuronpy.errors import ModelLoadError
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
     serve.add_argument("--dtype", choices=DTYPES, help="weights dtype (default auto)")
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps (default auto)")
+    serve.add_argument(
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        help="int8: int8 weights and per-row int8 activations, faster on CPU (default none)",
+    )
     return parser
 
 
@@ -63,7 +69,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     """The config file (if any) with the command-line flags on top. Raises ValueError."""
     overrides = {
         "server": {"host": args.host, "port": args.port},
-        "model": {"dtype": args.dtype, "device": args.device},
+        "model": {"dtype": args.dtype, "device": args.device, "quantize": args.quantize},
         "admission": {"max_in_flight": args.max_in_flight, "max_queue": args.max_queue},
     }
     models = [model_flag(value) for value in args.model or ()]
@@ -136,6 +142,7 @@ def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
         max_queue=spec.admission.max_queue,
         prefill_chunk=knobs.prefill_chunk,
         batching=knobs.batching,
+        quantize=spec.quantize,
     )
     return Engine.from_pretrained(
         weights.hf_model, weights.tokenizer, name=name, config=engine_config

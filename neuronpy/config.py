@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from neuronpy.arch.linear import QUANTIZE_MODES
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -88,6 +90,7 @@ class ModelSpec:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 (or float16) on CUDA, float16 on MPS
     device: str = "auto"  # auto: cuda if available, else mps, else cpu
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    quantize: str = "none"  # "int8": int8 weights and per-row int8 activations (CPU)
 
     def __post_init__(self) -> None:
         where = _label(self.name)
@@ -101,6 +104,11 @@ class ModelSpec:
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"{where} dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(
+                f"{where} quantize must be one of {', '.join(QUANTIZE_MODES)}, "
+                f"got {self.quantize!r}"
             )
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"{where} device must be a non-empty string, got {self.device!r}")
@@ -148,9 +156,10 @@ def load_config(
     """Defaults, then the TOML file at `path`, then the command line, then the environment.
 
     The command line is `overrides` ({section: {key: value}}; None values are skipped; the
-    "admission" and "model" (dtype, device) keys apply to every model) and `models` (tables of
-    name and path, from --model), which replace the file's models. NEURON_BATCHING=0, false,
-    off or no turns batching off. Raises ValueError naming the bad key or value."""
+    "admission" and "model" (dtype, device, quantize) keys apply to every model) and `models`
+    (tables of name and path, from --model), which replace the file's models.
+    NEURON_BATCHING=0, false, off or no turns batching off. Raises ValueError naming the bad
+    key or value."""
     data = _read_toml(path) if path is not None else {}
     where = f" in {path}" if path is not None else ""
     values: dict[str, dict[str, Any]] = {name: dict(data.get(name, {})) for name in _SECTIONS}

@@ -193,6 +193,16 @@ def test_model_flags_replace_the_files_models_and_flags_apply_to_every_model(
     assert only == ModelSpec("m", "tests/fixtures/tiny-mistral", admission=AdmissionConfig(4, 10))
 
 
+def test_quantize_per_model_and_from_the_command_line(tmp_path: Path) -> None:
+    text = TWO.replace('name = "qwen"', 'name = "qwen"\nquantize = "int8"')
+    llama, qwen = load_config(write(tmp_path, text), environ={}).models
+    assert (llama.quantize, qwen.quantize) == ("none", "int8")
+    args = build_parser().parse_args(["serve", "--quantize", "int8"])
+    assert config_from_args(args).models[0].quantize == "int8"
+    with pytest.raises(ValueError, match="quantize must be one of none, int8"):
+        load_config(write(tmp_path, '[model]\nquantize = "int4"\n'), environ={})
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -218,7 +228,8 @@ def test_bad_model_flags(flags: list[str], message: str) -> None:
         ("[[models]]\npath = 'x'\n[[models]]\npath = 'y'\n", "give each one a name"),
         ("[model]\npath = 'x'\n[[models]]\nname = 'a'\n", "not both"),
         ("models = 3\n", "must be an array of tables"),
-        ("[[models]]\nname = 'a'\nquantize = 'q4'\n", "unknown key quantize in model 'a'"),
+        ("[[models]]\nname = 'a'\nquantize = 'q4'\n", "model 'a' quantize must be one of"),
+        ("[[models]]\nname = 'a'\nquantise = 'int8'\n", "unknown key quantise in model 'a'"),
         ("[[models]]\nname = 'a'\nadmission = 3\n", "model 'a' admission must be a table"),
         (
             "[[models]]\nname = 'a'\n[models.admission]\nmax_queue = -1\n",

@@ -50,15 +50,33 @@ def _cat_bias(*linears: Any) -> torch.Tensor | None:
     )
 
 
-def _fused(*linears: Any, quantize: str) -> AnyLinear:
+def _fused(*linears: Any, quantize: str, stats: dict[Any, torch.Tensor]) -> AnyLinear:
     """One linear layer over several transformers nn.Linear layers with the same input."""
     weight = torch.cat([lin.weight for lin in linears]).detach()
-    return make_linear(weight, _cat_bias(*linears), quantize)
+    return make_linear(weight, _cat_bias(*linears), quantize, stats.get(linears[0]))
 
 
-def _linear(linear: Any, quantize: str) -> AnyLinear:
-    bias = None if linear.bias is None else linear.bias.detach()
-    return make_linear(linear.weight.detach(), bias, quantize)
+def input_absmax(hf_model: Any, token_ids: Sequence[int]) -> dict[Any, torch.Tensor]:
+    """Calibration: each nn.Linear's largest absolute input per channel over `token_ids`."""
+    stats: dict[Any, torch.Tensor] = {}
+
+    def record(module: Any, inputs: tuple[torch.Tensor, ...], _output: Any) -> None:
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
+        stats[module] = torch.maximum(stats[module], x) if module in stats else x
+
+    hooks = [
+        m.register_forward_hook(record)
+        for m in hf_model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    try:
+        with torch.inference_mode():
+            device = next(hf_model.parameters()).device
+            hf_model(torch.tensor([list(token_ids)], device=device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return stats
 
 
 class LlamaModel:
@@ -91,10 +109,29 @@ class LlamaModel:
         return self.embed.dtype
 
     @classmethod
-    def from_hf(cls, hf_model: Any, quantize: str = "none") -> LlamaModel:
+    def from_hf(
+        cls,
+        hf_model: Any,
+        quantize: str = "none",
+        calibration_ids: Sequence[int] = (),
+    ) -> LlamaModel:
         """Takes the weights of a loaded transformers `*ForCausalLM`. `quantize="int8"` turns
-        every projection (the vocabulary one included) into an int8 one (see Int8Linear)."""
+        every projection (the vocabulary one included) into an int8 one (see Int8Linear),
+        smoothed with activation ranges measured on `calibration_ids` when given."""
         config = ArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
+        stats = (
+            input_absmax(hf_model, calibration_ids)
+            if quantize != "none" and calibration_ids
+            else {}
+        )
+
+        def one(linear: Any) -> AnyLinear:
+            bias = None if linear.bias is None else linear.bias.detach()
+            return make_linear(linear.weight.detach(), bias, quantize, stats.get(linear))
+
+        def fused(*linears: Any) -> AnyLinear:
+            return _fused(*linears, quantize=quantize, stats=stats)
+
         inner = hf_model.model
         layers = []
         for layer in inner.layers:
@@ -102,13 +139,13 @@ class LlamaModel:
             layers.append(
                 LayerWeights(
                     input_norm=layer.input_layernorm.weight.detach(),
-                    qkv=_fused(attn.q_proj, attn.k_proj, attn.v_proj, quantize=quantize),
+                    qkv=fused(attn.q_proj, attn.k_proj, attn.v_proj),
                     q_norm=attn.q_norm.weight.detach() if config.qk_norm else None,
                     k_norm=attn.k_norm.weight.detach() if config.qk_norm else None,
-                    o_proj=_linear(attn.o_proj, quantize),
+                    o_proj=one(attn.o_proj),
                     post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=_fused(mlp.gate_proj, mlp.up_proj, quantize=quantize),
-                    down=_linear(mlp.down_proj, quantize),
+                    gate_up=fused(mlp.gate_proj, mlp.up_proj),
+                    down=one(mlp.down_proj),
                 )
             )
         inv_freq, scale = rope_inv_freq(hf_model.config)
@@ -117,7 +154,7 @@ class LlamaModel:
             embed=inner.embed_tokens.weight.detach(),
             layers=layers,
             norm=inner.norm.weight.detach(),
-            lm_head=_linear(hf_model.lm_head, quantize),
+            lm_head=one(hf_model.lm_head),
             inv_freq=inv_freq,
             rope_scale=scale,
         )

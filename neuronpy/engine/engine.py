@@ -18,6 +18,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream, TaskGroup
 from transformers import PreTrainedTokenizerBase
 
+from neuronpy.arch.calibration import CALIBRATION_TEXT
 from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
 from neuronpy.engine.planner import RowView, plan_step
@@ -213,8 +214,13 @@ class Engine:
             elif isinstance(value, (list, tuple)):
                 eos.update(v for v in value if isinstance(v, int))
         config = config or EngineConfig()
+        calibration: list[int] = []
+        if config.quantize != "none":
+            calibration = tokenizer.encode(CALIBRATION_TEXT)[
+                : hf_model.config.max_position_embeddings
+            ]
         return cls(
-            LlamaModel.from_hf(hf_model, quantize=config.quantize),
+            LlamaModel.from_hf(hf_model, quantize=config.quantize, calibration_ids=calibration),
             tokenizer,
             name=name,
             config=config,
