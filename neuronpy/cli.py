@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from neuronpy.arch.linear import QUANTIZE_MODES
+from neuronpy.bench import cli as bench_cli
 from neuronpy.config import DTYPES, Config, EngineKnobs, ModelSpec, load_config
 from neuronpy.engine.engine import Engine, EngineConfig
 from neuronpy.errors import ModelLoadError
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZE_MODES,
         help="int8: int8 weights and per-row int8 activations, faster on CPU (default none)",
     )
+    bench_cli.add_parser(commands)
     return parser
 
 
@@ -90,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.command == "bench":
+        return bench_cli.run(args)
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -33,6 +33,7 @@ from neuronpy.errors import (
 )
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
+    AssembleResult,
     DropKvSnapshot,
     ExtractKvRows,
     ForwardLogitsBatch,
@@ -96,6 +97,9 @@ class EngineStats:
     finished: int
     failed: int
     healthy: bool
+    padded_kv_columns: int  # padding-gap KV columns, summed over decode steps (batching's waste)
+    kv_columns: int  # real KV columns attended, summed over decode steps
+    timing: dict[str, float]  # cumulative seconds: forward, prefill, rebatch, sampling
 
 
 class RequestStream:
@@ -183,6 +187,8 @@ class Engine:
                 "rebatches",
                 "prefills",
                 "prefill_chunks",
+                "padded_kv_columns",
+                "kv_columns",
                 "admitted",
                 "rejected",
                 "cancelled",
@@ -194,6 +200,7 @@ class Engine:
         self._request_seconds = 0.0  # moving average, for Retry-After
         self._step_seconds = 0.0  # moving average of a decode step's forward
         self._prefill_tps = 0.0  # moving average of prefill tokens per second
+        self._padding_columns = 0  # of the live batch
         self._timing = dict.fromkeys(("forward", "prefill", "rebatch", "sampling"), 0.0)
 
     @classmethod
@@ -321,6 +328,7 @@ class Engine:
             queued=len(self._waiting),
             live_batch_size=len(self._running) if self._has_batch else 0,
             healthy=self._healthy,
+            timing=dict(self._timing),
             **self._counts,
         )
 
@@ -447,7 +455,10 @@ class Engine:
             self._finish(slot, slot.finish_reason or self._abort_reason(slot))
         self._running = survivors + joined
         if self._running:
-            await self._call(AssembleKvBatch(tuple(s.snapshot_id for s in self._running)))
+            assembled: AssembleResult = await self._call(
+                AssembleKvBatch(tuple(s.snapshot_id for s in self._running))
+            )
+            self._padding_columns = assembled.padding_columns
             self._has_batch = True
             for slot in self._running:
                 slot.status = SlotStatus.RUNNING
@@ -508,6 +519,8 @@ class Engine:
         c["decoded_rows"] += len(rows)
         c["multi_row_steps"] += len(rows) > 1
         c["max_batch_size"] = max(c["max_batch_size"], len(rows))
+        c["padded_kv_columns"] += self._padding_columns
+        c["kv_columns"] += sum(s.total_tokens for s in rows)  # fed tokens, this step's included
         began = time.perf_counter()
         for slot, logits in zip(rows, result.logits, strict=True):
             if not slot.done:

@@ -1,0 +1,483 @@
+"""Runs the benchmark: loads the model once, starts neuronpy and its peers on the same weights,
+runs every workload point on every system (repeats interleaved, so drift hits all of them
+alike), and gathers the results into one JSON-ready dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from neuronpy.bench import metrics
+from neuronpy.bench.peers import (
+    HF_CB,
+    HF_SERIAL,
+    HF_STATIC,
+    NEURONPY,
+    NEURONPY_SERIAL,
+    PEERS,
+    WARMUP_TOKENS,
+    HfContinuousBatching,
+    HfGenerate,
+    NeuronpyEngine,
+    NeuronpyHttp,
+    System,
+    engine_label,
+    in_fresh_thread,
+)
+from neuronpy.bench.workloads import (
+    DESCRIPTIONS,
+    WORKLOADS,
+    BenchRequest,
+    PromptSource,
+    Workload,
+    poisson_rate,
+    w1,
+    w2,
+    w3,
+    w4,
+)
+
+log = logging.getLogger(__name__)
+
+W4_DECODERS = 7
+
+
+@dataclass
+class BenchConfig:
+    """Everything a run depends on (written into the JSON)."""
+
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    device: str = "auto"
+    max_in_flight: int | None = None  # None: the largest K (at least 8 for W2-W4)
+    quantize: str | None = None  # neuronpy's weight mode, where the engine has one ("int8")
+    workloads: tuple[str, ...] = ("W1",)
+    ks: tuple[int, ...] = (1, 2, 4, 8, 16)
+    prompt_len: int = 128
+    output_len: int = 128
+    repeats: int = 3
+    peers: tuple[str, ...] = PEERS
+    drive: str = "engine"  # "engine" (in-process) or "http"
+    url: str | None = None  # drive == "http": a running server; None: start one on loopback
+    seed: int = 0
+    w2_loads: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)
+    requests: int = 32  # W2 and W3
+    prompt_range: tuple[int, int] = (32, 512)  # W2 and W3
+    output_range: tuple[int, int] = (16, 256)  # W2 and W3
+    long_prompt: int = 2000  # W4
+    w4_decode_len: int = 256  # W4: enough tokens for the decoders to outlast the join
+    cb_max_batch_tokens: int = 512  # transformers' continuous batching: tokens per forward
+    quick: bool = False
+
+    def resolved_max_in_flight(self) -> int:
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        need = max(self.ks)
+        if set(self.workloads) & {"W2", "W3", "W4"}:
+            need = max(need, 8)
+        return need
+
+
+def quick_config(**overrides: Any) -> BenchConfig:
+    """Small sizes for a smoke run (minutes on a laptop CPU)."""
+    base = BenchConfig(
+        ks=(1, 2),
+        prompt_len=32,
+        output_len=16,
+        repeats=1,
+        w2_loads=(0.75,),
+        requests=8,
+        prompt_range=(16, 64),
+        output_range=(8, 32),
+        long_prompt=256,
+        w4_decode_len=48,
+        quick=True,
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+@dataclass
+class Weights:
+    hf_model: Any
+    tokenizer: Any
+    name: str
+    source: str = ""
+
+
+@dataclass
+class Progress:
+    """Where progress lines go (stderr by default; tests pass a no-op)."""
+
+    write: Callable[[str], None] = field(
+        default=lambda line: print(line, file=sys.stderr, flush=True)
+    )
+
+
+def load_weights(config: BenchConfig, progress: Progress) -> Weights:
+    from neuronpy.loading import load_pretrained
+
+    # in a thread of its own, so that its OpenMP team does not outlive it (see peers.py)
+    loaded = in_fresh_thread(
+        lambda: load_pretrained(
+            config.model, dtype=config.dtype, device=config.device, log=progress.write
+        )
+    )
+    return Weights(loaded.hf_model, loaded.tokenizer, loaded.name, loaded.source)
+
+
+def _engine_config(config: BenchConfig, max_in_flight: int, max_queue: int) -> Any:
+    from neuronpy.engine.engine import EngineConfig
+
+    options: dict[str, Any] = {"max_in_flight": max_in_flight, "max_queue": max_queue}
+    if config.quantize not in (None, "none"):
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        if "quantize" not in names:
+            raise ValueError("this neuronpy build has no quantize option")
+        options["quantize"] = config.quantize
+    return EngineConfig(**options)
+
+
+def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
+    """neuronpy first, then the selected peers in the order of PEERS."""
+    from neuronpy.engine.engine import Engine
+
+    width = config.resolved_max_in_flight()
+    queue = max(4096, config.requests, max(config.ks))
+
+    def loader(engine_config: Any) -> Callable[[], Any]:
+        return lambda: Engine.from_pretrained(
+            weights.hf_model, weights.tokenizer, name=weights.name, config=engine_config
+        )
+
+    def neuronpy(name: str, max_in_flight: int, url: str | None) -> System:
+        engine_config = _engine_config(config, max_in_flight, queue)
+        if config.drive == "http" and url is not None:
+            return NeuronpyHttp(name, url=url, model=weights.name)
+        if config.drive == "http":
+            system = NeuronpyHttp(name, load_engine=loader(engine_config), model=weights.name)
+            system.description += f" ({engine_label(engine_config)})"
+            return system
+        return NeuronpyEngine(
+            name, weights.hf_model, weights.tokenizer, weights.name, engine_config
+        )
+
+    systems = [neuronpy(NEURONPY, width, config.url)]
+    for peer in config.peers:
+        if peer == NEURONPY_SERIAL:
+            # over HTTP it gets a loopback server of its own, even when neuronpy is at --url
+            serial = neuronpy(NEURONPY_SERIAL, 1, None)
+            serial.workloads = frozenset({"W1", "W2", "W3"})  # W4's join needs a batch
+            systems.append(serial)
+        elif peer == HF_SERIAL:
+            systems.append(
+                HfGenerate(
+                    HF_SERIAL, weights.hf_model, weights.tokenizer, static=False, batch_size=1
+                )
+            )
+        elif peer == HF_STATIC:
+            systems.append(
+                HfGenerate(
+                    HF_STATIC, weights.hf_model, weights.tokenizer, static=True, batch_size=width
+                )
+            )
+        elif peer == HF_CB:
+            systems.append(
+                HfContinuousBatching(
+                    HF_CB, weights.hf_model, max_batch_tokens=config.cb_max_batch_tokens
+                )
+            )
+        else:
+            raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
+    return systems
+
+
+def _vocab(weights: Weights) -> tuple[int, list[int]]:
+    vocab = int(weights.hf_model.config.vocab_size)
+    with_tokenizer = len(weights.tokenizer) if hasattr(weights.tokenizer, "__len__") else vocab
+    return min(vocab, with_tokenizer), list(getattr(weights.tokenizer, "all_special_ids", []) or [])
+
+
+def _warmup(source: PromptSource, config: BenchConfig) -> Workload:
+    prompts = [source.prompt(f"warmup:{i}", min(config.prompt_len, 64)) for i in range(2)]
+    return Workload("warmup", "warmup", tuple(BenchRequest(p, WARMUP_TOKENS) for p in prompts))
+
+
+def _check_context(workload: Workload, context_len: int | None) -> None:
+    if context_len is None:
+        return
+    longest = max(len(r.prompt_ids) + r.max_tokens for r in workload.requests)
+    if longest > context_len:
+        raise ValueError(
+            f"{workload.name} {workload.point} needs {longest} tokens of context; the model has "
+            f"{context_len} (lower --prompt-len / --output-len / the workload sizes)"
+        )
+
+
+def _measure(system: System, workload: Workload, warmup: Workload) -> dict[str, Any]:
+    """One run of one system, in a fresh thread: start it (one warm-up), reset the peak RSS,
+    run the workload, close it. The metrics, its engine's figures and the peak RSS."""
+
+    def session() -> dict[str, Any]:
+        try:
+            system.start(warmup)
+            reset = metrics.reset_peak_rss()
+            metrics.reset_device_peak()
+            rss_start = metrics.rss_mb()
+            out = system.run(workload)
+            peak = metrics.peak_rss_mb()
+            device_peak = metrics.device_peak_mb()
+        finally:
+            system.close()
+        summary = metrics.summarize(out.records, out.duration)
+        summary["engine"] = out.engine
+        summary["memory"] = {
+            "rss_start_mb": rss_start,
+            "rss_peak_mb": peak,
+            "scope": "this run" if reset else "process lifetime",
+            "cuda_peak_allocated_mb": device_peak,
+        }
+        if workload.name == "W4":
+            summary["join"] = metrics.join_stall(out.records)
+        summary["_records"] = out.records  # dropped before writing; parity reads them
+        summary["_info"] = system.info()
+        return summary
+
+    started = time.perf_counter()
+    try:
+        return in_fresh_thread(session, name=f"neuronpy-bench-{system.name}")
+    except Exception as exc:  # one system failing does not end the benchmark
+        log.exception("%s failed on %s %s", system.name, workload.name, workload.point)
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        return {"error": error, "wall_s": time.perf_counter() - started}
+
+
+def _median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run whose output tokens/s is the median (the lower middle for an even count)."""
+    good = [r for r in runs if r.get("output_tok_s") is not None]
+    if not good:
+        return None
+    ordered = sorted(good, key=lambda r: r["output_tok_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _points(
+    name: str,
+    config: BenchConfig,
+    source: PromptSource,
+    peak_tok_s: Callable[[], float],
+) -> list[Workload]:
+    if name == "W1":
+        return [w1(source, k, config.prompt_len, config.output_len) for k in config.ks]
+    if name == "W2":
+        peak = peak_tok_s()
+        return [
+            w2(
+                source,
+                config.requests,
+                poisson_rate(peak, load, config.output_range),
+                load,
+                config.prompt_range,
+                config.output_range,
+            )
+            for load in config.w2_loads
+        ]
+    if name == "W3":
+        return [w3(source, config.requests, config.prompt_range, config.output_range)]
+    if name == "W4":
+        return [
+            w4(
+                source,
+                W4_DECODERS,
+                config.prompt_len,
+                max(config.w4_decode_len, 16),
+                config.long_prompt,
+            )
+        ]
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def run_bench(
+    config: BenchConfig,
+    *,
+    weights: Weights | None = None,
+    progress: Progress | None = None,
+    argv: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Runs the benchmark and returns its results (see report.write_json for the file)."""
+    progress = progress or Progress()
+    for name in config.workloads:
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if config.repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    if any(k < 1 for k in config.ks) or not config.ks:
+        raise ValueError("every K must be at least 1")
+    weights = weights or load_weights(config, progress)
+    vocab, special = _vocab(weights)
+    source = PromptSource(vocab, special, seed=config.seed)
+    context_len = getattr(weights.hf_model.config, "max_position_embeddings", None)
+    systems = build_systems(config, weights)
+    results: dict[str, Any] = {
+        "meta": _meta(config, weights, argv),
+        "config": _jsonable(dataclasses.asdict(config))
+        | {"max_in_flight": config.resolved_max_in_flight()},
+        "systems": {},
+        "workloads": {},
+    }
+    warmup = _warmup(source, config)
+    for system in systems:
+        results["systems"][system.name] = system.info()
+        progress.write(f"{system.name}: {system.description}")
+    peak_cache: dict[str, float] = {}
+
+    def peak_tok_s() -> float:
+        """W1's peak neuronpy tokens/s, from this run or a quick calibration."""
+        if "peak" not in peak_cache:
+            w1_points = results["workloads"].get("W1", {}).get("points", [])
+            found = [
+                p["results"][NEURONPY]["output_tok_s"]
+                for p in w1_points
+                if p["results"].get(NEURONPY, {}).get("output_tok_s")
+            ]
+            if found:
+                peak_cache["peak"] = max(found)
+            else:
+                k = config.resolved_max_in_flight()
+                progress.write(f"W2: calibrating W1's peak with neuronpy at K={k}")
+                calib_point = w1(source, k, config.prompt_len, config.output_len)
+                calib = _measure(systems[0], calib_point, warmup)
+                peak_cache["peak"] = calib.get("output_tok_s") or 1.0
+        return peak_cache["peak"]
+
+    for wname in config.workloads:
+        points = _points(wname, config, source, peak_tok_s)
+        entry: dict[str, Any] = {"description": DESCRIPTIONS[wname], "points": []}
+        if wname == "W2":
+            entry["w1_peak_tok_s"] = peak_tok_s()
+        results["workloads"][wname] = entry
+        for workload in points:
+            _check_context(workload, context_len)
+            point = _run_point(workload, systems, config.repeats, warmup, progress)
+            entry["points"].append(point)
+            for system_name, result in point["results"].items():
+                info = result.pop("_info", None)
+                if info:
+                    results["systems"][system_name] = info
+        if wname == "W1":
+            entry["scaling_efficiency"] = _efficiency(entry["points"])
+    return results
+
+
+def _run_point(
+    workload: Workload,
+    systems: Sequence[System],
+    repeats: int,
+    warmup: Workload,
+    progress: Progress,
+) -> dict[str, Any]:
+    active = [s for s in systems if s.applies(workload)]
+    runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in active}
+    for rep in range(repeats):
+        # each repeat starts with the next system, so none always runs first
+        shift = rep % len(active) if active else 0
+        for system in active[shift:] + active[:shift]:
+            run = _measure(system, workload, warmup)
+            runs[system.name].append(run)
+            rate = run.get("output_tok_s")
+            shown = f"{rate:.1f} tok/s" if rate is not None else run.get("error", "no result")
+            progress.write(
+                f"{workload.name} {workload.point} [{rep + 1}/{repeats}] {system.name}: {shown}"
+            )
+    point: dict[str, Any] = {
+        "point": workload.point,
+        "params": workload.params,
+        "results": {},
+        "ratios": {},
+    }
+    for name, system_runs in runs.items():
+        chosen = _median_run(system_runs) or system_runs[-1]
+        rates = [r.get("output_tok_s") for r in system_runs]
+        point["results"][name] = _strip(chosen) | {
+            "repeats_output_tok_s": rates,
+            "repeats_median_output_tok_s": statistics.median([r for r in rates if r is not None])
+            if any(r is not None for r in rates)
+            else None,
+            "_info": chosen.get("_info"),  # the system's description; run_bench takes it out
+        }
+    ours = point["results"].get(NEURONPY, {}).get("output_tok_s")
+    for name, result in point["results"].items():
+        theirs = result.get("output_tok_s")
+        if name != NEURONPY and ours and theirs:
+            point["ratios"][f"{NEURONPY}/{name}"] = ours / theirs
+    if NEURONPY in runs and NEURONPY_SERIAL in runs:
+        batched = runs[NEURONPY][-1].get("_records")
+        alone = runs[NEURONPY_SERIAL][-1].get("_records")
+        if batched and alone:
+            point["parity"] = metrics.parity(batched, alone)
+    return point
+
+
+def _strip(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if not k.startswith("_")}
+
+
+def _efficiency(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """E(K) per system, against that system's own K=1."""
+    out: dict[str, dict[str, float | None]] = {}
+    by_k = {int(p["params"]["k"]): p for p in points}
+    if 1 not in by_k:
+        return out
+    for name, result in by_k[1]["results"].items():
+        base = result.get("output_tok_s")
+        out[name] = {
+            str(k): metrics.scaling_efficiency(
+                p["results"].get(name, {}).get("output_tok_s") or 0.0, k, base
+            )
+            if base
+            else None
+            for k, p in sorted(by_k.items())
+        }
+    return out
+
+
+def _meta(config: BenchConfig, weights: Weights, argv: Sequence[str] | None) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    import neuronpy
+
+    model = weights.hf_model
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "neuronpy bench " + " ".join(argv) if argv is not None else None,
+        "model": weights.name,
+        "model_source": weights.source,
+        "parameters": params,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": str(next(model.parameters()).device),
+        "neuronpy": getattr(neuronpy, "__version__", None),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
