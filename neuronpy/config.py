@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 
 from neuronpy.arch.linear import QUANTIZE_MODES
+from neuronpy.envflags import env_flag
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -169,8 +169,7 @@ def load_config(
             raise ValueError(f"unknown config section [{section}]")
         if section in values:
             values[section].update(table)
-    env = os.environ if environ is None else environ
-    if env.get("NEURON_BATCHING", "").strip().lower() in ("0", "false", "off", "no"):
+    if not env_flag("NEURON_BATCHING", environ):
         values["engine"]["batching"] = False
     sections = {
         name: _table(cls, values[name], f"[{name}]", where) for name, cls in _SECTIONS.items()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
+
+from neuronpy.envflags import env_flag
 
 log = logging.getLogger(__name__)
 
@@ -17,9 +18,7 @@ PACK_BATCH_HINT = 8
 
 def onednn_enabled() -> bool:
     """oneDNN packed weights on CPU (NEURON_ONEDNN=0 turns them off, e.g. to compare)."""
-    if os.environ.get("NEURON_ONEDNN", "1").strip().lower() in ("0", "false", "off", "no"):
-        return False
-    return torch.backends.mkldnn.is_available()
+    return env_flag("NEURON_ONEDNN") and torch.backends.mkldnn.is_available()
 
 
 class Linear:

@@ -6,7 +6,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -26,6 +25,7 @@ from neuronpy.engine.router import route
 from neuronpy.engine.sampling import Sampler
 from neuronpy.engine.slot import Finish, RouterMessage, Slot, SlotStatus
 from neuronpy.engine.types import Completion, FinishReason, GenerationEvent, SamplingParams
+from neuronpy.envflags import env_flag
 from neuronpy.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 def batching_enabled() -> bool:
     """NEURON_BATCHING=0 in the environment forces one-at-a-time decoding."""
-    return os.environ.get("NEURON_BATCHING", "1").strip().lower() not in ("0", "false", "off", "no")
+    return env_flag("NEURON_BATCHING")
 
 
 @dataclass(frozen=True)
