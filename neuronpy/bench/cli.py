@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.bench.peers import PEER_HELP, PEERS
 from neuronpy.bench.workloads import WORKLOADS
 
@@ -28,28 +29,25 @@ def add_parser(subparsers: Any) -> None:
     add_arguments(parser)
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected integers separated by commas, got {text!r}"
-        ) from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+def _number_list(kind: type[int] | type[float], name: str) -> Any:
+    """An argparse type: positive numbers of `kind`, separated by commas."""
+
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            values = tuple(kind(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {name} separated by commas, got {text!r}"
+            ) from None
+        if not values or any(not v > 0 for v in values):
+            raise argparse.ArgumentTypeError(f"expected positive {name}, got {text!r}")
+        return values
+
+    return parse
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected numbers separated by commas, got {text!r}"
-        ) from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
+_int_list = _number_list(int, "integers")
+_float_list = _number_list(float, "numbers")
 
 
 def _workloads(text: str) -> tuple[str, ...]:
@@ -109,6 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--quantize",
         default=None,
+        choices=QUANTIZE_MODES,
         metavar="MODE",
         help="neuronpy's weight mode, e.g. int8 (the peers stay in --dtype)",
     )

@@ -284,6 +284,7 @@ class Engine:
             params=params,
             sampler=Sampler(params, prompt, self.vocab_size),
             to_router=to_router,
+            stop_ids=self._stop_ids(params),
         )
         assert self._tg is not None
         self._tg.start_soon(
@@ -293,7 +294,7 @@ class Engine:
                 tokenizer=self.tokenizer,
                 prompt_ids=prompt,
                 params=params,
-                silent_ids=self._silent_ids(params),
+                silent_ids=slot.stop_ids,
                 request_leave=lambda: self._leave(slot),
             ),
             name=f"neuronpy-router-{slot.id}",
@@ -369,7 +370,7 @@ class Engine:
             )
         return prompt
 
-    def _silent_ids(self, params: SamplingParams) -> frozenset[int]:
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         return eos | frozenset(params.stop_token_ids)
 
@@ -532,10 +533,11 @@ class Engine:
         slot.output_ids.append(token)
         slot.next_token = token
         self._send(slot, token)
-        p = slot.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        if token in slot.stop_ids:
             slot.finish_reason = FinishReason.STOP
-        elif len(slot.output_ids) >= p.max_tokens or slot.total_tokens >= self.context_len:
+        elif (
+            len(slot.output_ids) >= slot.params.max_tokens or slot.total_tokens >= self.context_len
+        ):
             slot.finish_reason = FinishReason.LENGTH
 
     @staticmethod

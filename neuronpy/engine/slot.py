@@ -39,6 +39,7 @@ class Slot:
     params: SamplingParams
     sampler: Sampler
     to_router: ObjectSendStream[RouterMessage]
+    stop_ids: frozenset[int]  # EOS (unless ignored) and stop tokens: end the stream, no text
     status: SlotStatus = SlotStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, not yet fed to the model
