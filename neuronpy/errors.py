@@ -36,6 +36,11 @@ class EngineUnhealthyError(NeuronError):
     """The engine's device worker failed; every active and later request fails fast (HTTP 503)."""
 
 
+class ShuttingDownError(NeuronError):
+    """Admission refused: the server is shutting down and drains what it already admitted
+    (HTTP 503)."""
+
+
 class WorkerError(NeuronError):
     """A job failed inside the device worker thread."""
 

@@ -8,7 +8,12 @@ import pytest
 from neuronpy.engine import router as router_module
 from neuronpy.engine.detokenize import IncrementalDetokenizer
 from neuronpy.engine.types import FinishReason, SamplingParams
-from neuronpy.errors import EngineUnhealthyError, InvalidRequestError, QueueFullError
+from neuronpy.errors import (
+    EngineUnhealthyError,
+    InvalidRequestError,
+    QueueFullError,
+    ShuttingDownError,
+)
 from tests.factories import make_engine, tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -177,3 +182,64 @@ async def test_neuron_batching_zero_forces_one_at_a_time(monkeypatch) -> None:
             for t in ("x", "y", "z"):
                 tg.start_soon(engine.complete, prompt(t), greedy(5))
         assert engine.stats().max_batch_size == 1
+
+
+async def test_queue_timeout_ends_a_waiting_request_that_never_runs() -> None:
+    async with make_engine(max_in_flight=1, queue_timeout=0.2) as engine:
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        runner = engine.submit(prompt("a long one"), long)
+        waiter = engine.submit(prompt("a queued one"), greedy(5))
+        with anyio.fail_after(30):
+            waited = [e async for e in waiter]
+            ran = [e async for e in runner]
+        assert waited[-1].finish_reason is FinishReason.ABORT
+        assert "queue_timeout" in waited[-1].error and not any(e.token_ids for e in waited)
+        assert ran[-1].finish_reason is FinishReason.LENGTH and ran[-1].completion_tokens == 400
+        stats = engine.stats()
+        assert (stats.timed_out, stats.prefills, stats.finished) == (1, 1, 1)  # never prefilled
+
+
+async def test_stop_admitting_then_drain_finishes_what_fits_and_aborts_the_rest() -> None:
+    async with make_engine(max_in_flight=2) as engine:
+        short = engine.submit(prompt("short"), SamplingParams(max_tokens=3, ignore_eos=True))
+        long = engine.submit(prompt("long"), SamplingParams(max_tokens=500, ignore_eos=True))
+        engine.stop_admitting("going away")
+        with pytest.raises(ShuttingDownError, match="going away"):
+            engine.submit(prompt("late"), greedy(3))
+        with anyio.fail_after(30):
+            short_events = [e async for e in short]
+            aborted = await engine.drain(0.05)
+            long_events = [e async for e in long]
+        assert short_events[-1].finish_reason is FinishReason.LENGTH
+        assert aborted == 1
+        assert long_events[-1].finish_reason is FinishReason.ABORT and long_events[-1].error
+        assert 0 < long_events[-1].completion_tokens < 500
+        with anyio.fail_after(10):
+            while engine.stats().running:
+                await anyio.sleep(0.01)
+        assert (await engine.worker_stats()).snapshots == 0
+        assert await engine.drain(1.0) == 0  # nothing left: returns at once
+
+
+async def test_counters_split_cancelled_from_finished_and_count_tokens() -> None:
+    async with make_engine(max_in_flight=4) as engine:
+        ids = [prompt(t) for t in ("one two", "three", "four five six")]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        async with anyio.create_task_group() as tg:
+            for p in ids:
+                tg.start_soon(engine.complete, p, params)
+        cancelled = engine.submit(ids[0], SamplingParams(max_tokens=500, ignore_eos=True))
+        async for event in cancelled:
+            if event.completion_tokens >= 2:
+                cancelled.cancel()
+        with anyio.fail_after(10):
+            while engine.stats().running:
+                await anyio.sleep(0.01)
+        s = engine.stats()
+        assert (s.admitted, s.finished, s.cancelled) == (4, 3, 1)
+        assert s.prompt_tokens == sum(map(len, ids)) + len(ids[0])
+        assert 18 + 2 <= s.generated_tokens < 18 + 500
+        assert sum(s.batch_size_steps.values()) == s.decode_steps
+        assert sum(size * n for size, n in s.batch_size_steps.items()) == s.decoded_rows
+        assert sum(s.alone_steps.values()) == s.batch_size_steps.get(1, 0)
+        assert s.alone_steps["no_peer"] > 0  # the cancelled request decoded alone

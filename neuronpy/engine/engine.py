@@ -30,6 +30,7 @@ from neuronpy.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
     QueueFullError,
+    ShuttingDownError,
 )
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
@@ -61,6 +62,7 @@ class EngineConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     batching: bool = True  # False: one sequence at a time, through the same code
     quantize: str = "none"  # "int8": int8 weights and per-row int8 activations (CPU)
+    queue_timeout: float | None = None  # seconds a request may wait for a row; None: no limit
 
     def __post_init__(self) -> None:
         for name in ("max_in_flight", "prefill_chunk"):
@@ -73,6 +75,14 @@ class EngineConfig:
             or self.max_queue < 0
         ):
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        timeout = self.queue_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(f"queue_timeout must be a number > 0 or None, got {timeout!r}")
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(
                 f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
@@ -92,14 +102,19 @@ class EngineStats:
     prefills: int
     prefill_chunks: int  # prefill jobs: a long prompt joining mid-batch takes several
     admitted: int
-    rejected: int
-    cancelled: int
-    finished: int
+    rejected: int  # refused at admission: the queue was full
+    timed_out: int  # admitted, then waited past queue_timeout without getting a row
+    cancelled: int  # ended by the client (or a stop string's router) before finishing
+    finished: int  # ended on their own (stop, length) or aborted by shutdown
     failed: int
+    prompt_tokens: int  # of admitted requests
+    generated_tokens: int  # sampled tokens, over every request
     healthy: bool
     padded_kv_columns: int  # padding-gap KV columns, summed over decode steps (batching's waste)
     kv_columns: int  # real KV columns attended, summed over decode steps
     timing: dict[str, float]  # cumulative seconds: forward, prefill, rebatch, sampling
+    batch_size_steps: dict[int, int]  # decode steps by their batch size
+    alone_steps: dict[str, int]  # one-row steps by why: no_peer, peer_prefilling, peer_queued
 
 
 class RequestStream:
@@ -191,12 +206,19 @@ class Engine:
                 "kv_columns",
                 "admitted",
                 "rejected",
+                "timed_out",
                 "cancelled",
                 "finished",
                 "failed",
+                "prompt_tokens",
+                "generated_tokens",
             ),
             0,
         )
+        self._batch_size_steps: dict[int, int] = {}
+        self._alone_steps = dict.fromkeys(("no_peer", "peer_prefilling", "peer_queued"), 0)
+        self._refusal: str | None = None  # why submit refuses: set when shutting down
+        self._idle = anyio.Event()  # set whenever nothing is admitted: drain waits on it
         self._request_seconds = 0.0  # moving average, for Retry-After
         self._step_seconds = 0.0  # moving average of a decode step's forward
         self._prefill_tps = 0.0  # moving average of prefill tokens per second
@@ -268,6 +290,8 @@ class Engine:
         prompt = self._validate(prompt_ids, params)
         if not self._healthy:
             raise EngineUnhealthyError(self._failure or f"model {self.name!r} is not ready")
+        if self._refusal is not None:
+            raise ShuttingDownError(self._refusal)
         in_system = len(self._waiting) + len(self._joining) + len(self._running)
         if in_system >= self.max_running + self.config.max_queue:
             self._counts["rejected"] += 1
@@ -301,6 +325,8 @@ class Engine:
         )
         self._waiting.append(slot)
         self._counts["admitted"] += 1
+        self._counts["prompt_tokens"] += len(prompt)
+        self._idle = anyio.Event()
         self._wake.set()
         return RequestStream(self, slot, events)
 
@@ -330,8 +356,28 @@ class Engine:
             live_batch_size=len(self._running) if self._has_batch else 0,
             healthy=self._healthy,
             timing=dict(self._timing),
+            batch_size_steps=dict(self._batch_size_steps),
+            alone_steps=dict(self._alone_steps),
             **self._counts,
         )
+
+    def stop_admitting(self, reason: str = "the server is shutting down") -> None:
+        """From now on `submit` raises ShuttingDownError(reason); admitted requests carry on."""
+        self._refusal = reason
+
+    async def drain(self, timeout: float) -> int:
+        """Waits up to `timeout` seconds for every admitted request to end, then aborts the rest
+        (finish reason abort). Returns how many were aborted. Call stop_admitting first."""
+        if self._active():
+            with anyio.move_on_after(timeout):
+                await self._idle.wait()
+        aborted = self._active()
+        for slot in aborted:
+            slot.finish_reason = FinishReason.ABORT  # the loop drops its row
+            self._finish(slot, FinishReason.ABORT, "the server is shutting down")
+        if aborted:
+            self._wake.set()  # the loop drops the aborted rows at its next schedule
+        return len(aborted)
 
     async def worker_stats(self) -> WorkerStatsResult:
         """What the device worker holds: snapshots, bytes, live batch (for leak checks)."""
@@ -398,6 +444,7 @@ class Engine:
         try:
             while True:
                 if not self._active():
+                    self._idle.set()
                     self._wake = anyio.Event()
                     await self._wake.wait()
                 await self._schedule()
@@ -411,6 +458,7 @@ class Engine:
 
     async def _schedule(self) -> None:
         """Plan, advance the joiners' prefill, and rebatch: extract survivors, assemble again."""
+        self._expire_waiting()
         plan = plan_step(
             [RowView(s.id, s.done) for s in self._running],
             [RowView(s.id, s.done) for s in self._waiting],
@@ -466,6 +514,24 @@ class Engine:
                 slot.snapshot_id = None  # moved into the live batch
         self._timing["rebatch"] += time.perf_counter() - started
 
+    def _expire_waiting(self) -> None:
+        """Requests that waited past queue_timeout for a row end now, never prefilled."""
+        timeout = self.config.queue_timeout
+        if timeout is None or not self._waiting:
+            return
+        now = time.monotonic()
+        for slot in [s for s in self._waiting if now - s.arrived_at > timeout]:
+            if slot.done:
+                continue  # cancelled: the planner drops it
+            self._waiting.remove(slot)
+            self._counts["timed_out"] += 1
+            slot.finish_reason = FinishReason.ABORT
+            message = (
+                f"the request waited {now - slot.arrived_at:.1f} s for model {self.name!r} "
+                f"without getting a row (queue_timeout {timeout:g} s); retry later"
+            )
+            self._finish(slot, FinishReason.ABORT, message, counted=True)
+
     def _chunk_budget(self) -> int:
         """Prompt tokens to prefill between two decode steps: about one step's worth of time,
         so a long prompt joining stretches the decoding rows' inter-token gap by ~2x, not more."""
@@ -519,6 +585,12 @@ class Engine:
         c["decode_steps"] += 1
         c["decoded_rows"] += len(rows)
         c["multi_row_steps"] += len(rows) > 1
+        self._batch_size_steps[len(rows)] = self._batch_size_steps.get(len(rows), 0) + 1
+        if len(rows) == 1:
+            if self._joining:
+                self._alone_steps["peer_prefilling"] += 1
+            else:
+                self._alone_steps["peer_queued" if self._waiting else "no_peer"] += 1
         c["max_batch_size"] = max(c["max_batch_size"], len(rows))
         c["padded_kv_columns"] += self._padding_columns
         c["kv_columns"] += sum(s.total_tokens for s in rows)  # fed tokens, this step's included
@@ -532,6 +604,7 @@ class Engine:
         """Records a sampled token, hands it to the router, and decides EOS / length."""
         slot.output_ids.append(token)
         slot.next_token = token
+        self._counts["generated_tokens"] += 1
         self._send(slot, token)
         if token in slot.stop_ids:
             slot.finish_reason = FinishReason.STOP
@@ -550,13 +623,19 @@ class Engine:
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
             slot.to_router.send_nowait(message)
 
-    def _finish(self, slot: Slot, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(
+        self, slot: Slot, reason: FinishReason, error: str | None = None, *, counted: bool = False
+    ) -> None:
+        """Ends a request: its final message to the router, and the counters (`counted`: the
+        caller has counted it already)."""
         if slot.status is SlotStatus.FINISHED:
             return
         slot.status = SlotStatus.FINISHED
         self._send(slot, Finish(reason, error))
         slot.to_router.close()
-        if reason is FinishReason.ERROR:
+        if counted or slot.cancelled:
+            pass  # timed out, or cancelled: counted when it happened
+        elif reason is FinishReason.ERROR:
             self._counts["failed"] += 1
         else:
             self._counts["finished"] += 1
@@ -572,6 +651,7 @@ class Engine:
         self._running.clear()
         self._joining.clear()
         self._waiting.clear()
+        self._idle.set()
 
     def _active(self) -> list[Slot]:
         return [*self._running, *self._joining, *self._waiting]
