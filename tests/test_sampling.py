@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from neuronpy.engine.sampling import Sampler
+from neuronpy.engine.sampling import Sampler, sample_rows
 from neuronpy.engine.types import SamplingParams
 
 BASE = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
 PROBS = [0.5, 0.3, 0.15, 0.05]
+VOCAB = 50
 
 
 def sampler(prompt: tuple[int, ...] = (), vocab: int = 5, **params: Any) -> Sampler:
@@ -215,3 +216,26 @@ def test_rejects_a_row_shorter_than_the_vocab() -> None:
 def test_tiny_temperature_is_greedy() -> None:
     logits = torch.tensor([1.0, 1.0 + 1e-3, -math.inf])
     assert all(sampler(vocab=3, temperature=1e-7, seed=s).sample(logits) == 1 for s in range(5))
+
+
+def test_sample_rows_matches_row_by_row_and_skips_none() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, VOCAB)
+    logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # a tie: the first id wins either way
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, seed=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+    ]
+    batched = [Sampler(p, [1, 2], VOCAB) for p in params]
+    alone = [Sampler(p, [1, 2], VOCAB) for p in params]
+    rows: list[Sampler | None] = [*batched[:4], None]
+    tokens = sample_rows(rows, logits)
+    assert tokens[:4] == [alone[i].sample(logits[i]) for i in range(4)]
+    assert tokens[3] == 7 and tokens[4] is None
+    assert [s.output_ids for s in batched[:4]] == [s.output_ids for s in alone[:4]]
+    assert batched[4].output_ids == []
+    with pytest.raises(ValueError, match="samplers for logits"):
+        sample_rows(rows[:3], logits)

@@ -22,7 +22,7 @@ from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
 from neuronpy.engine.planner import RowView, plan_step
 from neuronpy.engine.router import route
-from neuronpy.engine.sampling import Sampler
+from neuronpy.engine.sampling import Sampler, sample_rows
 from neuronpy.engine.slot import Finish, RouterMessage, Slot, SlotStatus
 from neuronpy.engine.types import Completion, FinishReason, GenerationEvent, SamplingParams
 from neuronpy.envflags import env_flag
@@ -42,6 +42,7 @@ from neuronpy.worker.jobs import (
     Job,
     Prefill,
     PrefillResult,
+    RowSampler,
     WorkerStats,
     WorkerStatsResult,
 )
@@ -223,6 +224,7 @@ class Engine:
         self._step_seconds = 0.0  # moving average of a decode step's forward
         self._prefill_tps = 0.0  # moving average of prefill tokens per second
         self._padding_columns = 0  # of the live batch
+        self._sampled_seconds = 0.0  # the last job's sampling time, on the worker thread
         self._timing = dict.fromkeys(("forward", "prefill", "rebatch", "sampling"), 0.0)
 
     @classmethod
@@ -548,19 +550,22 @@ class Engine:
         parent = slot.snapshot_id
         if parent is None:
             slot.snapshot_id = next(self._ids)
+        last = end == len(slot.prompt_ids)
+        self._sampled_seconds = 0.0
         began = time.perf_counter()
+        sample = self._sampling([slot]) if last else None
         result: PrefillResult = await self._call(
-            Prefill(slot.snapshot_id, slot.prompt_ids[start:end], parent_id=parent)
+            Prefill(slot.snapshot_id, slot.prompt_ids[start:end], parent_id=parent, sample=sample)
         )
-        elapsed = time.perf_counter() - began
+        elapsed = time.perf_counter() - began - self._sampled_seconds
         self._prefill_tps = _ema(self._prefill_tps, (end - start) / max(elapsed, 1e-6))
         self._timing["prefill"] += elapsed
         slot.prefilled = end
         self._counts["prefill_chunks"] += 1
-        if end == len(slot.prompt_ids):
+        if last:
             self._counts["prefills"] += 1
-            if not slot.done:
-                self._accept(slot, slot.sampler.sample(result.logits))
+            if not slot.done and result.token is not None:
+                self._accept(slot, result.token)
 
     def _drop_if_done(self, slot: Slot) -> bool:
         """A joiner that finished before joining (first token EOS, cancelled) drops its snapshot."""
@@ -576,9 +581,11 @@ class Engine:
         """One lockstep decode step over every live row."""
         rows = self._running
         tokens = tuple(s.next_token for s in rows)
+        self._sampled_seconds = 0.0
         began = time.perf_counter()
-        result: ForwardResult = await self._call(ForwardLogitsBatch(tokens))  # type: ignore[arg-type]
-        elapsed = time.perf_counter() - began
+        job = ForwardLogitsBatch(tokens, sample=self._sampling(rows))  # type: ignore[arg-type]
+        result: ForwardResult = await self._call(job)
+        elapsed = time.perf_counter() - began - self._sampled_seconds
         self._step_seconds = _ema(self._step_seconds, elapsed)
         self._timing["forward"] += elapsed
         c = self._counts
@@ -594,11 +601,26 @@ class Engine:
         c["max_batch_size"] = max(c["max_batch_size"], len(rows))
         c["padded_kv_columns"] += self._padding_columns
         c["kv_columns"] += sum(s.total_tokens for s in rows)  # fed tokens, this step's included
-        began = time.perf_counter()
-        for slot, logits in zip(rows, result.logits, strict=True):
-            if not slot.done:
-                self._accept(slot, slot.sampler.sample(logits))
-        self._timing["sampling"] += time.perf_counter() - began
+        assert result.tokens is not None
+        for slot, token in zip(rows, result.tokens, strict=True):
+            if not slot.done and token is not None:
+                self._accept(slot, token)
+
+    def _sampling(self, slots: Sequence[Slot]) -> RowSampler:
+        """Samples the slots' rows on the worker thread, so that no tensor operation runs on
+        the event loop's thread: two threads running parallel ops make OpenMP's teams
+        oversubscribe the cores and both run slower. A slot done by now gets no token."""
+        samplers = tuple(None if s.done else s.sampler for s in slots)
+
+        def sample(logits: Any) -> list[int | None]:
+            began = time.perf_counter()
+            try:
+                return sample_rows(samplers, logits)
+            finally:
+                self._sampled_seconds = time.perf_counter() - began
+                self._timing["sampling"] += self._sampled_seconds
+
+        return sample
 
     def _accept(self, slot: Slot, token: int) -> None:
         """Records a sampled token, hands it to the router, and decides EOS / length."""

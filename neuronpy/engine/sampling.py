@@ -39,15 +39,21 @@ class Sampler:
         self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.long)
         self._generated: set[int] = set()  # generated ids (frequency and presence penalties)
         self._generated_ids = torch.empty(0, dtype=torch.long)
-        self._counts = torch.zeros(self._min_vocab, dtype=torch.float32)  # [vocab] per id
+        # [vocab] count per id; made on first use (on the thread that samples, not this one)
+        self._counts = torch.empty(0, dtype=torch.float32)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._generator = torch.Generator(device="cpu")
         # manual_seed takes any 64-bit pattern; the request's seed may be any Python int.
         self._generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty: the token is the row's argmax (rows can share one argmax)."""
+        return self._greedy and not (self._repetition or self._frequency)
+
     def sample(self, logits: torch.Tensor) -> int:
         """Choose the next token from `logits` ([vocab] CPU), record it and return it."""
-        if self._greedy and not (self._repetition or self._frequency):
+        if self.plain_greedy:
             token = int(torch.argmax(self._check(logits)))
         elif self._greedy:
             token = int(torch.argmax(self.penalize(logits)))
@@ -116,9 +122,15 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits for a vocabulary of {self._min_vocab}")
         return logits
 
+    def record(self, token: int) -> None:
+        """Note a token chosen for this request elsewhere (a batched argmax)."""
+        self._record(token)
+
     def _record(self, token: int) -> None:
         self.output_ids.append(token)
         if self._frequency:
+            if not self._counts.numel():
+                self._counts = torch.zeros(self._min_vocab, dtype=torch.float32)
             if token >= self._counts.numel():
                 # The model's vocabulary may be padded past the tokenizer's.
                 grow = token + 1 - self._counts.numel()
@@ -130,6 +142,27 @@ class Sampler:
         if self._repetition and token not in self._seen:
             self._seen.add(token)
             self._seen_ids = torch.cat([self._seen_ids, torch.tensor([token])])
+
+
+def sample_rows(samplers: Sequence[Sampler | None], logits: torch.Tensor) -> list[int | None]:
+    """One token per row of `logits` ([B, vocab] CPU) from that row's sampler (None: skip the
+    row). Plain greedy rows share one argmax over their rows, the same tokens as row by row."""
+    if logits.dim() != 2 or logits.shape[0] != len(samplers):
+        raise ValueError(f"{len(samplers)} samplers for logits of shape {tuple(logits.shape)}")
+    tokens: list[int | None] = [None] * len(samplers)
+    greedy = [i for i, s in enumerate(samplers) if s is not None and s.plain_greedy]
+    if len(greedy) > 1:
+        rows = logits if len(greedy) == len(samplers) else logits[greedy]
+        for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            sampler = samplers[i]
+            assert sampler is not None
+            sampler._check(logits[i])
+            sampler.record(token)
+            tokens[i] = token
+    for i, sampler in enumerate(samplers):
+        if sampler is not None and tokens[i] is None:
+            tokens[i] = sampler.sample(logits[i])
+    return tokens
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

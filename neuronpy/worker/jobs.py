@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+# Chooses tokens from a [B, vocab] logits tensor, one per row (None: no token wanted for that
+# row). Runs on the worker thread, so that every tensor operation of the engine runs there.
+RowSampler = Callable[[torch.Tensor], Sequence[int | None]]
 
 
 @dataclass(frozen=True)
@@ -16,13 +21,15 @@ class Prefill:
     snapshot_id: int
     token_ids: tuple[int, ...]
     parent_id: int | None = None
+    sample: RowSampler | None = None  # given: answer the sampled token rather than the logits
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     snapshot_id: int
     length: int
-    logits: torch.Tensor  # [vocab] float32, CPU
+    logits: torch.Tensor | None  # [vocab] float32, CPU; None when the job sampled
+    token: int | None = None  # the sampled token, when the job had `sample`
 
 
 @dataclass(frozen=True)
@@ -47,11 +54,13 @@ class ForwardLogitsBatch:
     from the live batch the worker holds."""
 
     token_ids: tuple[int, ...]
+    sample: RowSampler | None = None  # given: answer sampled tokens rather than the logits
 
 
 @dataclass(frozen=True)
 class ForwardResult:
-    logits: torch.Tensor  # [B, vocab] float32, CPU
+    logits: torch.Tensor | None  # [B, vocab] float32, CPU; None when the job sampled
+    tokens: tuple[int | None, ...] | None = None  # when the job had `sample`
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 import torch
 
 from neuronpy.arch.kv import KvSnapshot, LiveBatch, assemble_batch, extract_row
@@ -31,6 +33,30 @@ from neuronpy.worker.jobs import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def run_in_own_thread(fn: Callable[[], T], name: str) -> T:
+    """Runs blocking `fn` (loading weights, building a model) on a new thread that ends with it.
+
+    Under OpenMP every thread that runs a parallel tensor operation keeps a team of threads for
+    as long as it lives. Once there are more of them than cores, every team stops spinning
+    between operations and sleeps, and each operation pays for waking its team: the device
+    worker's steps ran up to 1.5x slower next to the idle pool thread that had loaded the
+    model. A thread that exits takes its team with it.
+    """
+    fut: Future[T] = Future()
+
+    def run() -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
 
 
 class DeviceWorker:
@@ -119,8 +145,11 @@ class DeviceWorker:
         parent = self._snapshots[job.parent_id] if job.parent_id is not None else None
         snapshot, hidden = self.model.prefill(job.token_ids, parent, self.prefill_chunk)
         self._snapshots[job.snapshot_id] = snapshot
-        logits = self.model.logits(hidden[-1])
-        return PrefillResult(job.snapshot_id, snapshot.length, logits.to("cpu"))
+        logits = self.model.logits(hidden[-1]).to("cpu")
+        if job.sample is not None:
+            (token,) = job.sample(logits[None])
+            return PrefillResult(job.snapshot_id, snapshot.length, None, token)
+        return PrefillResult(job.snapshot_id, snapshot.length, logits)
 
     def _assemble(self, job: AssembleKvBatch) -> AssembleResult:
         missing = [i for i in job.snapshot_ids if i not in self._snapshots]
@@ -139,7 +168,10 @@ class DeviceWorker:
             raise WorkerError("no live batch to step")
         tokens = torch.tensor(job.token_ids, dtype=torch.long, device=self.model.device)
         hidden = self.model.forward_batch_decode(self._batch, tokens[:, None])
-        return ForwardResult(self.model.logits(hidden).to("cpu"))
+        logits = self.model.logits(hidden).to("cpu")
+        if job.sample is not None:
+            return ForwardResult(None, tuple(job.sample(logits)))
+        return ForwardResult(logits)
 
     def _extract(self, job: ExtractKvRows) -> ExtractResult:
         if len(job.rows) != len(job.snapshot_ids):
