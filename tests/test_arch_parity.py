@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from neuronpy.arch.config import ArchConfig
-from neuronpy.arch.kv import assemble_batch, batch_decode_mask, extract_row
+from neuronpy.arch.kv import BatchRow, assemble_batch, batch_decode_mask, extract_row
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.errors import UnsupportedArchitectureError
@@ -90,6 +90,42 @@ def test_parity_extract_then_continue_alone() -> None:
     fresh, _ = model.prefill(snap.token_ids)
     for a, b in zip(snap.keys + snap.values, fresh.keys + fresh.values, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_rebatch_from_batch_rows_equals_extract_then_assemble() -> None:
+    """Survivors taken straight from the old batch (one copy) give the very batch that
+    extracting them first and assembling again gives, padding gaps zeroed."""
+    model = native("tiny-llama")
+    batch = assemble_batch([model.prefill(p)[0] for p in PROMPTS[:3]])
+    for _ in range(3):
+        model.forward_batch_decode(batch, torch.tensor([[4], [5], [6]]))
+    joiner = model.prefill(PROMPTS[3] * 20)[0]  # longer than every row: the padding grows
+    direct = assemble_batch([BatchRow(batch, 2), BatchRow(batch, 0), joiner])
+    copied = assemble_batch([extract_row(batch, 2), extract_row(batch, 0), joiner])
+    assert direct.prefix_lens == copied.prefix_lens and direct.padded_len == joiner.length
+    assert direct.token_ids == copied.token_ids
+    used = direct.used
+    for a, b in zip(direct.keys + direct.values, copied.keys + copied.values, strict=True):
+        assert torch.equal(a[:, :, :used], b[:, :, :used])
+    for row, length in enumerate(direct.prefix_lens):
+        assert not direct.keys[0][row, :, length:used].any()  # the gap holds zeros
+    assert BatchRow(batch, 0).length == len(PROMPTS[0]) + 3
+    assert torch.equal(BatchRow(batch, 1).materialize().keys[-1], extract_row(batch, 1).keys[-1])
+
+
+def test_chunked_prefill_grows_its_reserved_snapshot_in_place() -> None:
+    model = native("tiny-llama")
+    ids = PROMPTS[2] * 3
+    whole, _ = model.prefill(ids[:10], chunk_size=4)
+    whole, _ = model.prefill(ids[10:], whole, chunk_size=4)
+    grown, _ = model.prefill(ids[:10], chunk_size=4, reserve=len(ids))
+    assert grown.capacity == len(ids) and grown.length == 10
+    storage = grown.keys[0].data_ptr()
+    grown, _ = model.prefill(ids[10:], grown, chunk_size=4, extend=True)
+    assert grown.keys[0].data_ptr() == storage  # no copy of the first chunk
+    assert grown.length == grown.capacity == len(ids) and grown.token_ids == ids
+    for a, b in zip(grown.keys + grown.values, whole.keys + whole.values, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_mask_has_exactly_one_gap_per_row() -> None:

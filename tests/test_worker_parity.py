@@ -106,3 +106,30 @@ def test_job_errors_come_back_through_the_future(worker: DeviceWorker) -> None:
         run(worker, AssembleKvBatch((404,)))
     # the worker keeps serving after a failed job
     assert run(worker, Prefill(1, (3, 4))).length == 2
+
+
+def test_a_row_left_out_of_the_next_batch_keeps_its_kv(worker: DeviceWorker) -> None:
+    """Extracted rows are copied straight into the next batch; one that batch leaves out gets
+    storage of its own and still continues exactly (a preempted or parked sequence)."""
+    for sid, p in enumerate(PROMPTS):
+        run(worker, Prefill(sid, tuple(p)))
+    run(worker, AssembleKvBatch((0, 1, 2)))
+    run(worker, ForwardLogitsBatch((4, 5, 6)))
+    run(worker, ExtractKvRows(rows=(0, 1, 2), snapshot_ids=(10, 11, 12)))
+    run(worker, AssembleKvBatch((12, 10)))
+    stats = run(worker, WorkerStats())
+    assert (stats.snapshots, stats.live_batch_size) == (1, 2)
+    assert stats.snapshot_bytes == worker._snapshots[11].nbytes > 0
+    parked = [*PROMPTS[1], 5]
+    res = run(worker, Prefill(13, (7,), parent_id=11))
+    torch.testing.assert_close(res.logits, reference(worker, [*parked, 7]), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_with_reserve_extends_in_place(worker: DeviceWorker) -> None:
+    whole = PROMPTS[2] * 2
+    run(worker, Prefill(1, tuple(whole[:5]), reserve=len(whole)))
+    run(worker, Prefill(1, tuple(whole[5:12]), parent_id=1))
+    res = run(worker, Prefill(1, tuple(whole[12:]), parent_id=1))
+    assert res.length == len(whole)
+    torch.testing.assert_close(res.logits, reference(worker, whole), atol=1e-4, rtol=1e-4)
+    assert run(worker, WorkerStats()).snapshots == 1

@@ -1,13 +1,15 @@
 """KV snapshots, the live batch, and the assemble / extract / mask primitives of rebatching.
 
 Keys are stored after RoPE, so what lies in a padding column (and at which position) never
-matters: only the mask does. Every row of a live batch has exactly one padding gap.
+matters: only the mask does (padding columns hold zeros, so that masked scores stay finite).
+Every row of a live batch has exactly one padding gap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -25,6 +27,9 @@ class KvSnapshot:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     token_ids: list[int]
+    # The whole per-layer K and V buffers when `keys` and `values` are views of their first P
+    # columns: room reserved for a prompt prefilled chunk by chunk to grow into, in place.
+    buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.keys and self.keys[0].shape[2] != len(self.token_ids):
@@ -38,8 +43,72 @@ class KvSnapshot:
         return len(self.token_ids)
 
     @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def capacity(self) -> int:
+        """Columns it can hold without a new buffer (its length unless it has `buffers`)."""
+        return self.buffers[0][0].shape[2] if self.buffers else self.length
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        keys, values = self.buffers or (self.keys, self.values)
+        return sum(t.numel() * t.element_size() for t in (*keys, *values))
+
+    def layer(self, kind: Literal["keys", "values"], layer: int) -> torch.Tensor:
+        """One layer's K or V as [KVH, columns, D]; its columns are `spans()`."""
+        return getattr(self, kind)[layer][0]
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The column ranges of `layer()` that hold this sequence, in order."""
+        return ((0, self.length),)
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """A row of a live batch released by extraction, not copied out yet: a snapshot in all but
+    storage. `assemble_batch` copies it straight into the next batch, so a rebatch copies each
+    surviving row once rather than out and back in; `materialize` gives it storage of its own
+    (which releases the old batch's buffers once no row refers to them)."""
+
+    batch: LiveBatch
+    row: int
+
+    @property
+    def length(self) -> int:
+        return self.batch.prefix_lens[self.row] + self.batch.steps
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.batch.token_ids[self.row]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.batch.keys)
+
+    @property
+    def nbytes(self) -> int:
+        """What the row would take as a snapshot of its own."""
+        per_column = sum(
+            t.shape[1] * t.shape[3] * t.element_size()
+            for t in (*self.batch.keys, *self.batch.values)
+        )
+        return per_column * self.length
+
+    def layer(self, kind: Literal["keys", "values"], layer: int) -> torch.Tensor:
+        return getattr(self.batch, kind)[layer][self.row]
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        b = self.batch
+        prefix = b.prefix_lens[self.row]
+        return ((0, prefix), (b.padded_len, b.used)) if b.steps else ((0, prefix),)
+
+    def materialize(self) -> KvSnapshot:
+        return extract_row(self.batch, self.row)
+
+
+KvSource = KvSnapshot | BatchRow
 
 
 @dataclass
@@ -101,13 +170,17 @@ class LiveBatch:
         new_cap = max(need, self.capacity + max(DEFAULT_HEADROOM, self.capacity // 2))
         for cache in (self.keys, self.values):
             for i, t in enumerate(cache):
-                grown = t.new_zeros(t.shape[0], t.shape[1], new_cap, t.shape[3])
+                # columns past `used` are written by a step before any step reads them
+                grown = t.new_empty(t.shape[0], t.shape[1], new_cap, t.shape[3])
                 grown[:, :, : self.used] = t[:, :, : self.used]
                 cache[i] = grown
 
 
-def assemble_batch(snapshots: Sequence[KvSnapshot], headroom: int = DEFAULT_HEADROOM) -> LiveBatch:
-    """Right-pads each snapshot to the longest and stacks them on dim 0 into a live batch."""
+def assemble_batch(snapshots: Sequence[KvSource], headroom: int = DEFAULT_HEADROOM) -> LiveBatch:
+    """Right-pads each snapshot to the longest and stacks them on dim 0 into a live batch.
+
+    Every column a source holds is copied once; only the padding gaps are zeroed (headroom
+    columns are written by a decode step before any step reads them)."""
     if not snapshots:
         raise ValueError("cannot assemble an empty batch")
     prefix_lens = [s.length for s in snapshots]
@@ -115,13 +188,22 @@ def assemble_batch(snapshots: Sequence[KvSnapshot], headroom: int = DEFAULT_HEAD
     batch = len(snapshots)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
-    for layer in range(len(snapshots[0].keys)):
-        for src, dst in ((keys, "keys"), (values, "values")):
-            first = getattr(snapshots[0], dst)[layer]  # [1, KVH, P_0, D]
-            out = first.new_zeros(batch, first.shape[1], padded_len + headroom, first.shape[3])
-            for b, snap in enumerate(snapshots):
-                out[b, :, : snap.length] = getattr(snap, dst)[layer][0]
-            src.append(out)
+    kinds: tuple[tuple[list[torch.Tensor], Literal["keys", "values"]], ...] = (
+        (keys, "keys"),
+        (values, "values"),
+    )
+    for layer in range(snapshots[0].num_layers):
+        for dst, kind in kinds:
+            first = snapshots[0].layer(kind, layer)  # [KVH, columns, D]
+            out = first.new_empty(batch, first.shape[0], padded_len + headroom, first.shape[2])
+            for b, src in enumerate(snapshots):
+                t, at = src.layer(kind, layer), 0
+                for lo, hi in src.spans():
+                    out[b, :, at : at + hi - lo] = t[:, lo:hi]
+                    at += hi - lo
+                if at < padded_len:
+                    out[b, :, at:padded_len].zero_()
+            dst.append(out)
     return LiveBatch(
         keys=keys,
         values=values,

@@ -209,11 +209,16 @@ class LlamaModel:
         token_ids: Sequence[int],
         past: KvSnapshot | None = None,
         chunk_size: int = DEFAULT_PREFILL_CHUNK,
+        *,
+        reserve: int = 0,
+        extend: bool = False,
     ) -> tuple[KvSnapshot, torch.Tensor]:
         """Runs one sequence's new tokens (after `past`, if given) in chunks of `chunk_size`.
 
         Returns the snapshot of past + new tokens and the final-normed hidden states of the new
-        tokens: [N, hidden].
+        tokens: [N, hidden]. `reserve`: allocate room for that many tokens in all, so that later
+        calls with `extend` grow the snapshot in place. `extend`: `past` is consumed, and when
+        its buffers have room the new columns are written into them rather than into a copy.
         """
         c = self.config
         new = list(token_ids)
@@ -224,15 +229,19 @@ class LlamaModel:
         if total > c.context_len:
             raise ValueError(f"sequence of {total} tokens exceeds the context of {c.context_len}")
         dev, dt = self.device, self.dtype
-        keys = [
-            torch.empty(1, c.num_kv_heads, total, c.head_dim, device=dev, dtype=dt)
-            for _ in range(c.num_layers)
-        ]
-        values = [torch.empty_like(k) for k in keys]
-        if past is not None:
-            for layer in range(c.num_layers):
-                keys[layer][:, :, :start] = past.keys[layer]
-                values[layer][:, :, :start] = past.values[layer]
+        if extend and past is not None and past.buffers and past.capacity >= total:
+            keys, values = past.buffers  # the prefix is in place already
+        else:
+            capacity = min(max(total, reserve), c.context_len)
+            keys = [
+                torch.empty(1, c.num_kv_heads, capacity, c.head_dim, device=dev, dtype=dt)
+                for _ in range(c.num_layers)
+            ]
+            values = [torch.empty_like(k) for k in keys]
+            if past is not None:
+                for layer in range(c.num_layers):
+                    keys[layer][:, :, :start] = past.keys[layer]
+                    values[layer][:, :, :start] = past.values[layer]
         ids = torch.tensor(new, dtype=torch.long, device=dev)
         hidden_out = []
         for lo in range(0, len(new), chunk_size):
@@ -254,7 +263,15 @@ class LlamaModel:
                 x = self._finish_layer(lw, x, self._ungroup(out, hi - lo))
             hidden_out.append(rms_norm(x[0], self.norm, c.rms_norm_eps))
         prefix_ids = list(past.token_ids) if past is not None else []
-        snapshot = KvSnapshot(keys=keys, values=values, token_ids=prefix_ids + new)
+        if keys[0].shape[2] == total:
+            snapshot = KvSnapshot(keys=keys, values=values, token_ids=prefix_ids + new)
+        else:  # room left: views of the first `total` columns, the buffers kept beside them
+            snapshot = KvSnapshot(
+                keys=[k[:, :, :total] for k in keys],
+                values=[v[:, :, :total] for v in values],
+                token_ids=prefix_ids + new,
+                buffers=(keys, values),
+            )
         return snapshot, torch.cat(hidden_out)
 
     # ---- lockstep decode ----------------------------------------------------------------------

@@ -555,7 +555,13 @@ class Engine:
         began = time.perf_counter()
         sample = self._sampling([slot]) if last else None
         result: PrefillResult = await self._call(
-            Prefill(slot.snapshot_id, slot.prompt_ids[start:end], parent_id=parent, sample=sample)
+            Prefill(
+                slot.snapshot_id,
+                slot.prompt_ids[start:end],
+                parent_id=parent,
+                sample=sample,
+                reserve=len(slot.prompt_ids),  # later chunks grow it in place
+            )
         )
         elapsed = time.perf_counter() - began - self._sampled_seconds
         self._prefill_tps = _ema(self._prefill_tps, (end - start) / max(elapsed, 1e-6))

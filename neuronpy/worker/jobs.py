@@ -22,6 +22,7 @@ class Prefill:
     token_ids: tuple[int, ...]
     parent_id: int | None = None
     sample: RowSampler | None = None  # given: answer the sampled token rather than the logits
+    reserve: int = 0  # tokens the snapshot will grow to (chunk by chunk): allocated up front
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import anyio
 import torch
 
-from neuronpy.arch.kv import KvSnapshot, LiveBatch, assemble_batch, extract_row
+from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, assemble_batch
 from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
 from neuronpy.errors import WorkerError
 from neuronpy.worker.jobs import (
@@ -67,7 +67,8 @@ class DeviceWorker:
     ) -> None:
         self.model = model
         self.prefill_chunk = prefill_chunk
-        self._snapshots: dict[int, KvSnapshot] = {}
+        # a snapshot, or a row of the last live batch not copied out yet (see BatchRow)
+        self._snapshots: dict[int, KvSource] = {}
         self._batch: LiveBatch | None = None
         self._jobs: queue.SimpleQueue[tuple[Job, Future[Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(
@@ -139,11 +140,27 @@ class DeviceWorker:
                 return None
         raise TypeError(f"unknown job {job!r}")
 
+    def _snapshot(self, snapshot_id: int) -> KvSnapshot:
+        """A stored snapshot, given storage of its own if it is still a row of a batch."""
+        source = self._snapshots[snapshot_id]
+        if isinstance(source, BatchRow):
+            source = self._snapshots[snapshot_id] = source.materialize()
+        return source
+
+    def _materialize_rows(self) -> None:
+        """Copies out the rows no batch took, so the retired batch's buffers can go."""
+        for sid, source in self._snapshots.items():
+            if isinstance(source, BatchRow):
+                self._snapshots[sid] = source.materialize()
+
     def _prefill(self, job: Prefill) -> PrefillResult:
-        if job.snapshot_id in self._snapshots and job.snapshot_id != job.parent_id:
+        extend = job.parent_id == job.snapshot_id
+        if job.snapshot_id in self._snapshots and not extend:
             raise WorkerError(f"snapshot {job.snapshot_id} already exists")
-        parent = self._snapshots[job.parent_id] if job.parent_id is not None else None
-        snapshot, hidden = self.model.prefill(job.token_ids, parent, self.prefill_chunk)
+        parent = self._snapshot(job.parent_id) if job.parent_id is not None else None
+        snapshot, hidden = self.model.prefill(
+            job.token_ids, parent, self.prefill_chunk, reserve=job.reserve, extend=extend
+        )
         self._snapshots[job.snapshot_id] = snapshot
         logits = self.model.logits(hidden[-1]).to("cpu")
         if job.sample is not None:
@@ -159,6 +176,7 @@ class DeviceWorker:
         if not job.keep_snapshots:
             for i in job.snapshot_ids:
                 del self._snapshots[i]
+        self._materialize_rows()
         return AssembleResult(
             self._batch.batch_size, self._batch.padded_len, self._batch.padding_columns
         )
@@ -178,10 +196,16 @@ class DeviceWorker:
             raise WorkerError("ExtractKvRows needs one snapshot id per row")
         if job.rows and self._batch is None:
             raise WorkerError("no live batch to extract from")
+        if len(set(job.rows)) != len(job.rows) or any(
+            not 0 <= row < self._batch.batch_size  # type: ignore[union-attr]
+            for row in job.rows
+        ):
+            raise WorkerError(f"bad rows {job.rows} to extract")
         lengths = []
         for row, sid in zip(job.rows, job.snapshot_ids, strict=True):
-            snap = extract_row(self._batch, row)  # type: ignore[arg-type]
-            self._snapshots[sid] = snap
-            lengths.append(snap.length)
+            # copied when the next batch is assembled, straight into it
+            source = BatchRow(self._batch, row)  # type: ignore[arg-type]
+            self._snapshots[sid] = source
+            lengths.append(source.length)
         self._batch = None
         return ExtractResult(tuple(lengths))
