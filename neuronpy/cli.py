@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
@@ -17,7 +18,7 @@ from neuronpy.config import DTYPES, Config, EngineKnobs, ModelSpec, load_config
 from neuronpy.engine.engine import Engine, EngineConfig
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import load_pretrained, resolve_spec
-from neuronpy.server.app import create_app
+from neuronpy.server.app import ServerState, create_app
 
 log = logging.getLogger("neuronpy")
 
@@ -55,6 +56,34 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="Q",
         help="requests that may wait beyond those, per model (default 64)",
     )
+    serve.add_argument(
+        "--queue-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a request may wait in the queue for a row before it gets 503, per model "
+        "(default 60; 0: no deadline)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long in-flight requests get to finish before they are "
+        "aborted (default 30)",
+    )
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+        "[server] api_key, else $NEURONPY_API_KEY, else none); the environment keeps it out "
+        "of the process list",
+    )
+    serve.add_argument(
+        "--cors-allow-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="let pages from ORIGIN (scheme://host[:port]) call the API from a browser; "
+        "repeat it for several (default: CORS off)",
+    )
     serve.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
     serve.add_argument("--dtype", choices=DTYPES, help="weights dtype (default auto)")
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps (default auto)")
@@ -70,9 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Config:
     """The config file (if any) with the command-line flags on top. Raises ValueError."""
     overrides = {
-        "server": {"host": args.host, "port": args.port},
+        "server": {
+            "host": args.host,
+            "port": args.port,
+            "drain_timeout": args.drain_timeout,
+            "api_key": args.api_key,
+            "cors_allow_origins": args.cors_allow_origin,
+        },
         "model": {"dtype": args.dtype, "device": args.device, "quantize": args.quantize},
-        "admission": {"max_in_flight": args.max_in_flight, "max_queue": args.max_queue},
+        "admission": {
+            "max_in_flight": args.max_in_flight,
+            "max_queue": args.max_queue,
+            "queue_timeout": args.queue_timeout,
+        },
     }
     models = [model_flag(value) for value in args.model or ()]
     return load_config(args.config, overrides, models)
@@ -102,8 +141,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(config)
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with SIGTERM and Ctrl-C draining the models first: the first signal stops
+    admitting (503) and lets in-flight requests finish within the drain timeout, then the
+    server stops; a second one aborts them at once; a third stops without waiting."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit or not self.state.request_shutdown():
+            super().handle_exit(sig, frame)
+
+
 def serve(config: Config) -> int:
-    """Run the server until it is stopped (Ctrl-C, SIGTERM). 1 if no model could be started."""
+    """Run the server until it is stopped (Ctrl-C, SIGTERM: drained first, then 0). 1 if no
+    model could be started."""
     loaders: dict[str, Callable[[], Engine]] = {}
     try:
         for spec in config.models:  # a missing file or package fails now, not after start-up
@@ -115,19 +169,32 @@ def serve(config: Config) -> int:
         return 1
     server: uvicorn.Server | None = None
 
-    def stop(exc: BaseException) -> None:
+    def stop(exc: BaseException | None = None) -> None:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(loaders, on_fatal=stop)
-    server = uvicorn.Server(
+    app = create_app(
+        loaders,
+        on_fatal=stop,
+        drain_timeout=config.server.drain_timeout,
+        on_drained=stop,
+        api_key=config.server.api_key,
+        cors_allow_origins=config.server.cors_allow_origins,
+        cors_allow_credentials=config.server.cors_allow_credentials,
+    )
+    if config.server.api_key:
+        log.info("an API key is required on every route but /health")
+    elif config.server.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key (--api-key)", config.server.host)
+    server = GracefulServer(
         uvicorn.Config(
             app,
             host=config.server.host,
             port=config.server.port,
             log_level="info",
-            timeout_graceful_shutdown=10,
-        )
+            timeout_graceful_shutdown=10,  # once drained, this only bounds slow readers
+        ),
+        app.state.neuron,
     )
     server.run()
     return 1 if app.state.neuron.status == "failed" else 0
@@ -144,6 +211,7 @@ def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
     engine_config = EngineConfig(
         max_in_flight=spec.admission.max_in_flight,
         max_queue=spec.admission.max_queue,
+        queue_timeout=spec.admission.queue_timeout or None,  # 0: no deadline
         prefill_chunk=knobs.prefill_chunk,
         batching=knobs.batching,
         quantize=spec.quantize,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -25,8 +27,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # about this batch size, so 8 streams cost little more than one (see README, "max_in_flight").
 DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_MAX_QUEUE = 64
+DEFAULT_QUEUE_TIMEOUT = 60.0  # seconds a request may wait for a row; 0: no deadline
+DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds in-flight requests get to finish on SIGTERM
 # What a model may be called: it travels in URLs (/v1/models/NAME), request bodies and logs.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+API_KEY = re.compile(r"^[\x21-\x7e]+$")  # fits an HTTP header as it is
+ORIGIN = re.compile(r"^(\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+)$")
+API_KEY_ENV = "NEURONPY_API_KEY"  # the key when neither the flag nor the file gives one
 
 
 def _check_int(section: str, name: str, value: object, low: int, high: int | None = None) -> None:
@@ -35,6 +42,37 @@ def _check_int(section: str, name: str, value: object, low: int, high: int | Non
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise ValueError(f"[{section}] {name} must be {bound}, got {value}")
+
+
+def _check_seconds(section: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"[{section}] {name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"[{section}] {name} must be a finite number >= 0, got {value}")
+
+
+def check_cors(origins: object, credentials: object) -> tuple[str, ...]:
+    """The CORS origins as a tuple, checked: each `*` or `scheme://host[:port]` (what a browser
+    sends as Origin: no path, no trailing slash), and never `*` with credentials (any site could
+    then make requests with the user's credentials)."""
+    if isinstance(origins, str) or not isinstance(origins, (list, tuple)):
+        raise ValueError(f"[server] cors_allow_origins must be a list of origins, got {origins!r}")
+    for origin in origins:
+        if not isinstance(origin, str) or not ORIGIN.match(origin):
+            raise ValueError(
+                f"[server] cors_allow_origins: {origin!r} is not an origin; write "
+                f"scheme://host[:port] (no path, no trailing slash) or *"
+            )
+    if not isinstance(credentials, bool):
+        raise ValueError(
+            f"[server] cors_allow_credentials must be true or false, got {credentials!r}"
+        )
+    if credentials and "*" in origins:
+        raise ValueError(
+            '[server] cors_allow_origins = ["*"] cannot be combined with '
+            "cors_allow_credentials = true: list the origins allowed to send credentials"
+        )
+    return tuple(origins)
 
 
 def _label(name: object) -> str:
@@ -48,11 +86,28 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # on SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are aborted
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    # every route but /health needs it (Authorization: Bearer KEY); never printed
+    api_key: str | None = field(default=None, repr=False)
+    cors_allow_origins: tuple[str, ...] = ()  # empty: CORS off
+    cors_allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"[server] host must be a non-empty string, got {self.host!r}")
         _check_int("server", "port", self.port, 0, 65535)
+        _check_seconds("server", "drain_timeout", self.drain_timeout)
+        if self.api_key is not None and (
+            not isinstance(self.api_key, str) or not API_KEY.match(self.api_key)
+        ):
+            # the value itself is never shown: it may be (nearly) the secret
+            raise ValueError(
+                "[server] api_key must be a non-empty string of printable ASCII characters "
+                "without spaces"
+            )
+        origins = check_cors(self.cors_allow_origins, self.cors_allow_credentials)
+        object.__setattr__(self, "cors_allow_origins", origins)
 
 
 @dataclass(frozen=True)
@@ -61,10 +116,13 @@ class AdmissionConfig:
 
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # sequences decoded together in one batch
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond those; more get 503
+    # seconds a queued request may wait for a row before it gets 503; 0: no deadline
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
 
     def __post_init__(self) -> None:
         _check_int("admission", "max_in_flight", self.max_in_flight, 1, 4096)
         _check_int("admission", "max_queue", self.max_queue, 0, 1_000_000)
+        _check_seconds("admission", "queue_timeout", self.queue_timeout)
 
 
 @dataclass(frozen=True)
@@ -158,8 +216,9 @@ def load_config(
     The command line is `overrides` ({section: {key: value}}; None values are skipped; the
     "admission" and "model" (dtype, device, quantize) keys apply to every model) and `models`
     (tables of name and path, from --model), which replace the file's models.
-    NEURON_BATCHING=0, false, off or no turns batching off. Raises ValueError naming the bad
-    key or value."""
+    NEURON_BATCHING=0, false, off or no turns batching off. The API key is the flag's, else
+    the file's, else $NEURONPY_API_KEY's (an empty one is unset). Raises ValueError naming the
+    bad key or value."""
     data = _read_toml(path) if path is not None else {}
     where = f" in {path}" if path is not None else ""
     values: dict[str, dict[str, Any]] = {name: dict(data.get(name, {})) for name in _SECTIONS}
@@ -171,6 +230,9 @@ def load_config(
             values[section].update(table)
     if not env_flag("NEURON_BATCHING", environ):
         values["engine"]["batching"] = False
+    env_key = (os.environ if environ is None else environ).get(API_KEY_ENV)
+    if values["server"].get("api_key") is None and env_key:
+        values["server"]["api_key"] = env_key
     sections = {
         name: _table(cls, values[name], f"[{name}]", where) for name, cls in _SECTIONS.items()
     }

@@ -495,7 +495,8 @@ def test_queue_full_is_503_with_retry_after_and_queued_disconnect_never_runs(
     server = narrow_server
     before = server.stats()
     running = open_stream(server, {"messages": MESSAGES, **LONG})
-    queued = open_stream(server, {"messages": MESSAGES, **LONG})
+    # a queued stream gets no 200 before its first event: it has none while it waits
+    queued = send_request(server, {"messages": MESSAGES, "stream": True, **LONG})
     server.wait_for(lambda s: s["running"] == 1 and s["queued"] == 1)
     full = httpx.post(f"{server.v1}{CHAT}", json={**MSG, "max_tokens": 2})
     check_error(full, 503, None)

@@ -300,7 +300,7 @@ class Engine:
             raise QueueFullError(
                 f"model {self.name!r} is at capacity ({self.max_running} running, "
                 f"{self.config.max_queue} queued); retry later",
-                retry_after=self._retry_after(),
+                retry_after=self.retry_after(),
             )
         to_router, inbox = anyio.create_memory_object_stream[RouterMessage](math.inf)
         outbox, events = anyio.create_memory_object_stream[GenerationEvent](math.inf)
@@ -353,7 +353,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            running=len(self._running) + len(self._joining),
+            # rows leaving at the next rebatch no longer count: never above max_running
+            running=sum(not s.done for s in self._running) + len(self._joining),
             queued=len(self._waiting),
             live_batch_size=len(self._running) if self._has_batch else 0,
             healthy=self._healthy,
@@ -373,7 +374,7 @@ class Engine:
         if self._active():
             with anyio.move_on_after(timeout):
                 await self._idle.wait()
-        aborted = self._active()
+        aborted = [s for s in self._active() if s.status is not SlotStatus.FINISHED]
         for slot in aborted:
             slot.finish_reason = FinishReason.ABORT  # the loop drops its row
             self._finish(slot, FinishReason.ABORT, "the server is shutting down")
@@ -422,7 +423,8 @@ class Engine:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         return eos | frozenset(params.stop_token_ids)
 
-    def _retry_after(self) -> float:
+    def retry_after(self) -> float:
+        """Seconds until a row is likely free: the queue ahead at the measured request time."""
         per_request = self._request_seconds or 1.0
         return max(1.0, per_request * (len(self._waiting) + 1) / self.max_running)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,7 +19,15 @@ from starlette.routing import Route
 from neuronpy.engine.engine import Engine, RequestStream
 from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams
 from neuronpy.errors import NeuronError
-from neuronpy.server.models import ServedModel, ServerState, log_batches, serve_model
+from neuronpy.server.auth import security_middleware
+from neuronpy.server.metrics import ServerMetrics
+from neuronpy.server.models import (
+    ServedModel,
+    ServerState,
+    drain_on_request,
+    log_batches,
+    serve_model,
+)
 from neuronpy.server.protocol import (
     ApiError,
     Kind,
@@ -43,14 +52,24 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     on_fatal: Callable[[BaseException], None] | None = None,
     stats_log_seconds: float = 10.0,
+    drain_timeout: float = 30.0,
+    on_drained: Callable[[], None] | None = None,
+    api_key: str | None = None,
+    cors_allow_origins: Sequence[str] = (),
+    cors_allow_credentials: bool = False,
 ) -> Starlette:
     """The HTTP app serving `models`: {name: a blocking function that loads the model and builds
     its engine}. Once the server is up, each model loads in a thread of its own and serves as
     soon as it has loaded and warmed up; a model that fails leaves the others serving.
-    `on_fatal` is called with the error when no model could be started (the CLI stops)."""
+    `on_fatal` is called with the error when no model could be started (the CLI stops).
+    `app.state.neuron.request_shutdown()` (the CLI calls it on SIGTERM) stops admitting, gives
+    in-flight requests `drain_timeout` seconds, aborts the rest, then calls `on_drained`.
+    With `api_key`, every route but /health needs it; `cors_allow_origins` turns CORS on."""
     if not models:
         raise ValueError("create_app needs at least one model")
     state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
+    metrics = ServerMetrics(state)
+    middleware = security_middleware(api_key, cors_allow_origins, cors_allow_credentials)
 
     def failed(exc: BaseException) -> None:
         if on_fatal is not None and all(m.status == "failed" for m in state.models.values()):
@@ -64,9 +83,17 @@ def create_app(
             for model in state.models.values():
                 tg.start_soon(serve_model, model, stop, loading[model.name], failed)
             tg.start_soon(log_batches, state.models.values(), stop, stats_log_seconds)
+            draining = anyio.CancelScope()
+
+            async def drain() -> None:
+                with draining:
+                    await drain_on_request(state, drain_timeout, on_drained)
+
+            tg.start_soon(drain)
             try:
                 yield
             finally:
+                draining.cancel()
                 for model in state.models.values():
                     if model.status != "failed":
                         model.status = "stopping"
@@ -108,11 +135,16 @@ def create_app(
             return JSONResponse(_stats(state.find(wanted)))
         return JSONResponse({"models": {m.name: _stats(m) for m in state.models.values()}})
 
+    async def metrics_route(request: Request) -> Response:
+        """Prometheus metrics, in the text format the scraper asks for."""
+        content, content_type = metrics.exposition(request.headers.get("accept"))
+        return Response(content, headers={"Content-Type": content_type})
+
     async def chat_completions(request: Request) -> Response | EventStreamResponse:
-        return await _generate(request, state, "chat", max_body_bytes)
+        return await _generate(request, state, "chat", max_body_bytes, metrics)
 
     async def completions(request: Request) -> Response | EventStreamResponse:
-        return await _generate(request, state, "text", max_body_bytes)
+        return await _generate(request, state, "text", max_body_bytes, metrics)
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -121,13 +153,16 @@ def create_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/stats", stats, methods=["GET"]),
+        Route("/metrics", metrics_route, methods=["GET"]),
     ]
     handlers: dict[Any, Any] = {
         ApiError: _api_error_response,
         HTTPException: _http_error_response,
         Exception: _internal_error_response,
     }
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware
+    )
     app.state.neuron = state
     return app
 
@@ -146,22 +181,30 @@ def _stats(model: ServedModel) -> dict[str, Any]:
 
 
 async def _generate(
-    request: Request, state: ServerState, kind: Kind, limit: int
+    request: Request, state: ServerState, kind: Kind, limit: int, metrics: ServerMetrics
 ) -> Response | EventStreamResponse:
     """Validate, tokenize and admit (any failure is an error response and admits nothing), then
     stream or gather the result; a client that disconnects cancels its request."""
-    body = await _read_json(request, limit)
-    model = state.find(requested_model(body))
-    engine = model.ready_engine()
-    req = parse_request(kind, body)
-    prompt_ids = await anyio.to_thread.run_sync(_tokenize, engine, req)
-    params = req.sampling_params(len(prompt_ids), engine.context_len)
-    stream = _submit(engine, prompt_ids, params, req)
+    started = time.perf_counter()
+    model: ServedModel | None = None
+    try:
+        body = await _read_json(request, limit)
+        model = state.find(requested_model(body))
+        engine = model.ready_engine()
+        req = parse_request(kind, body)
+        prompt_ids = await anyio.to_thread.run_sync(_tokenize, engine, req)
+        params = req.sampling_params(len(prompt_ids), engine.context_len)
+        stream = _submit(engine, prompt_ids, params, req)
+    except ApiError as exc:
+        metrics.reject(model, exc)
+        raise
+    observe = metrics.admit(model.name, started)
     reply = Reply(kind, model.name, include_usage=req.include_usage)
     if req.stream:
         opening = [reply.chunk(None)] if kind == "chat" else []
-        return EventStreamResponse(stream, opening, _renderer(reply, stream, engine))
-    return await _gather(request, stream, reply, engine)
+        render = _renderer(reply, stream, engine, observe)
+        return EventStreamResponse(stream, opening, render, _refusal(engine, observe))
+    return await _gather(request, stream, reply, engine, observe)
 
 
 def _tokenize(engine: Engine, req: ParsedRequest) -> list[int]:
@@ -183,9 +226,10 @@ def _submit(
 
 
 def _renderer(
-    reply: Reply, stream: RequestStream, engine: Engine
+    reply: Reply, stream: RequestStream, engine: Engine, observe: Callable[[GenerationEvent], None]
 ) -> Callable[[GenerationEvent], list[dict[str, Any]]]:
     def render(event: GenerationEvent) -> list[dict[str, Any]]:
+        observe(event)
         chunks = [reply.chunk(event.text)] if event.text else []
         reason = event.finish_reason
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
@@ -193,14 +237,47 @@ def _renderer(
             if reply.include_usage:
                 chunks.append(reply.usage_chunk(stream.prompt_tokens, event.completion_tokens))
         elif reason is not None:
+            if reason is FinishReason.ABORT:  # cut short (shutdown): say so, then why
+                chunks.append(reply.chunk("", finish_reason=reason.value))
             chunks.append(finish_error(reason, event.error, engine.healthy).body())
         return chunks
 
     return render
 
 
+def _failure(last: GenerationEvent | None, engine: Engine) -> ApiError | None:
+    """The HTTP error for a request that ended without finishing (None if it finished):
+    503 when aborted (timed out in the queue, shutting down) or the model failed, else 500."""
+    if last is not None and last.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return None
+    reason = last.finish_reason if last and last.finish_reason else FinishReason.ERROR
+    wait = engine.retry_after() if reason is FinishReason.ABORT else None
+    return finish_error(reason, last.error if last else None, engine.healthy, wait)
+
+
+def _refusal(
+    engine: Engine, observe: Callable[[GenerationEvent], None]
+) -> Callable[[GenerationEvent | None], ApiError | None]:
+    """For a stream: the HTTP error to answer instead of a 200, when the request's first event
+    already ends it without any text (it never ran, or failed at once)."""
+
+    def refuse(first: GenerationEvent | None) -> ApiError | None:
+        if first is not None and (first.text or not first.finished):
+            return None
+        error = _failure(first, engine)
+        if error is not None and first is not None:
+            observe(first)  # it is not rendered
+        return error
+
+    return refuse
+
+
 async def _gather(
-    request: Request, stream: RequestStream, reply: Reply, engine: Engine
+    request: Request,
+    stream: RequestStream,
+    reply: Reply,
+    engine: Engine,
+    observe: Callable[[GenerationEvent], None],
 ) -> Response:
     """A non-streamed request, cancelled if its client disconnects before it ends."""
     events: list[GenerationEvent] = []
@@ -209,13 +286,14 @@ async def _gather(
         async with stream:
             async for event in stream:
                 events.append(event)
+                observe(event)
 
     if not await cancel_on_disconnect(request.receive, collect):
         return Response(status_code=499)  # nobody is listening
     last = events[-1] if events else None
-    if last is None or last.finish_reason not in (FinishReason.STOP, FinishReason.LENGTH):
-        reason = last.finish_reason if last and last.finish_reason else FinishReason.ERROR
-        raise finish_error(reason, last.error if last else None, engine.healthy)
+    error = _failure(last, engine)
+    if error is not None or last is None or last.finish_reason is None:
+        raise error or ApiError(500, "generation failed", type="server_error")
     text = "".join(e.text for e in events)
     body = reply.body(text, last.finish_reason.value, stream.prompt_tokens, last.completion_tokens)
     return JSONResponse(body)

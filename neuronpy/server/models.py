@@ -1,7 +1,9 @@
-"""The served models: each one's state, its start-up (load, warm up) and its batch log."""
+"""The served models: each one's state, its start-up (load, warm up), its batch log, and the
+graceful shutdown (stop admitting, drain, abort the rest)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -13,8 +15,11 @@ from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import FinishReason, SamplingParams
 from neuronpy.errors import ModelLoadError, NeuronError
 from neuronpy.server.protocol import ApiError, unavailable
+from neuronpy.worker.worker import run_in_own_thread
 
 log = logging.getLogger(__name__)
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
@@ -41,11 +46,20 @@ class ServedModel:
             raise unavailable(f"the model '{self.name}' is loading; retry shortly", retry_after=5)
         if self.status == "failed":
             raise unavailable(f"the model '{self.name}' could not be started")
+        if self.status == "stopping":
+            raise unavailable(f"{SHUTTING_DOWN}; it admits no new requests")
         if self.status != "ready" or self.engine is None:
             raise unavailable("the server is not serving requests")
         if not self.engine.healthy:
             raise unavailable(f"the model '{self.name}' is unavailable after an internal error")
         return self.engine
+
+    def stop_admitting(self) -> None:
+        """From now on its requests get 503; those already admitted carry on."""
+        if self.status in ("loading", "ready"):
+            self.status = "stopping"
+        if self.engine is not None:
+            self.engine.stop_admitting(SHUTTING_DOWN)
 
 
 @dataclass
@@ -54,6 +68,28 @@ class ServerState:
 
     models: dict[str, ServedModel]
     started: int = field(default_factory=lambda: int(time.time()))
+    # set while the app runs: what request_shutdown() signals, on the app's event loop
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
+    _drain: anyio.Event | None = field(default=None, init=False, repr=False)
+    _hurry: anyio.Event | None = field(default=None, init=False, repr=False)
+    _shutdown_requests: int = field(default=0, init=False, repr=False)
+
+    def request_shutdown(self) -> bool:
+        """Begin a graceful shutdown; safe to call from a signal handler or another thread. The
+        first call stops admitting and drains (`drain_on_request`); the second aborts what is
+        still running at once. False when there is nothing more it can do (the app is not
+        running, or both were asked for already): the caller stops the server itself."""
+        if self._loop is None or self._drain is None or self._hurry is None:
+            return False
+        if self._shutdown_requests >= 2:
+            return False
+        self._shutdown_requests += 1
+        event = self._drain if self._shutdown_requests == 1 else self._hurry
+        try:
+            self._loop.call_soon_threadsafe(event.set)
+        except RuntimeError:  # the loop has closed
+            return False
+        return True
 
     @property
     def status(self) -> str:
@@ -90,12 +126,16 @@ async def serve_model(
     try:
         started = time.perf_counter()
         with loading:
-            engine = await anyio.to_thread.run_sync(model.load, abandon_on_cancel=True)
-        if loading.cancelled_caught:
-            return
+            engine = await run_in_own_thread(model.load, f"neuronpy-load-{model.name}")
+        if loading.cancelled_caught or model.status != "loading":
+            return  # the server is stopping: no need to start it
         async with engine:
             await _warm_up(engine)
-            model.engine, model.status = engine, "ready"
+            model.engine = engine
+            if model.status != "loading":  # the server began to stop while it warmed up
+                engine.stop_admitting(SHUTTING_DOWN)
+                return
+            model.status = "ready"
             log.info(
                 "ready: serving %s (context %d tokens, %d in flight) after %.1f s",
                 model.name,
@@ -148,3 +188,59 @@ async def log_batches(models: Iterable[ServedModel], stop: anyio.Event, seconds:
                 s.finished,
                 s.cancelled,
             )
+
+
+async def drain_on_request(
+    state: ServerState, timeout: float, on_drained: Callable[[], None] | None
+) -> None:
+    """Run for the app's lifetime: once `state.request_shutdown()` is called, stop admitting on
+    every model at once (new requests and /health get 503, `stopping`), give the admitted
+    requests up to `timeout` seconds to finish (a second request cuts it short), abort the
+    rest, then call `on_drained` (the CLI stops the HTTP server)."""
+    state._loop = asyncio.get_running_loop()
+    state._drain, state._hurry = anyio.Event(), anyio.Event()
+    await state._drain.wait()
+    models = list(state.models.values())
+    for model in models:
+        model.stop_admitting()
+    engines = [m.engine for m in models if m.engine is not None]
+    in_flight = sum(e.stats().running + e.stats().queued for e in engines)
+    log.info(
+        "stopping: admitting no new requests; %d in flight get up to %g s to finish",
+        in_flight,
+        timeout,
+    )
+    aborted = 0
+
+    async def drain(engine: Engine) -> None:
+        nonlocal aborted
+        assert state._hurry is not None
+        hurried = False
+        async with anyio.create_task_group() as tg:
+
+            async def hurry() -> None:
+                nonlocal hurried
+                assert state._hurry is not None
+                await state._hurry.wait()
+                log.info("stopping now: aborting what is still running")
+                hurried = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(hurry)
+            aborted += await engine.drain(timeout)
+            tg.cancel_scope.cancel()
+        if hurried:  # cut short: abort the rest now
+            aborted += await engine.drain(0.0)
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for engine in engines:
+            tg.start_soon(drain, engine)
+    log.info(
+        "drained after %.1f s: %d request(s) finished, %d aborted",
+        time.perf_counter() - started,
+        in_flight - aborted,
+        aborted,
+    )
+    if on_drained is not None:
+        on_drained()

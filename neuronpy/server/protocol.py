@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -13,7 +14,13 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from neuronpy.engine.types import FinishReason, SamplingParams
-from neuronpy.errors import EngineUnhealthyError, InvalidRequestError, NeuronError, QueueFullError
+from neuronpy.errors import (
+    EngineUnhealthyError,
+    InvalidRequestError,
+    NeuronError,
+    QueueFullError,
+    ShuttingDownError,
+)
 
 Kind = Literal["chat", "text"]
 
@@ -66,7 +73,9 @@ class ApiError(Exception):
 
 
 def unavailable(message: str, retry_after: float | None = None) -> ApiError:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    """503 with OpenAI's error body; `retry_after` seconds become an integer Retry-After header
+    (rounded up, at least 1), as HTTP requires."""
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
     return ApiError(503, message, type="service_unavailable", headers=headers)
 
 
@@ -77,7 +86,7 @@ def api_error(exc: NeuronError, kind: Kind = "text") -> ApiError:
         return ApiError(400, exc.message, param=param)
     if isinstance(exc, QueueFullError):
         return unavailable(str(exc), exc.retry_after)
-    if isinstance(exc, EngineUnhealthyError):
+    if isinstance(exc, (EngineUnhealthyError, ShuttingDownError)):
         return unavailable(str(exc))
     return ApiError(500, str(exc), type="server_error")
 
@@ -275,10 +284,14 @@ class Reply:
         return out
 
 
-def finish_error(reason: FinishReason, error: str | None, healthy: bool) -> ApiError:
-    """What an ERROR or ABORT ending means to the client."""
+def finish_error(
+    reason: FinishReason, error: str | None, healthy: bool, retry_after: float | None = None
+) -> ApiError:
+    """What an ERROR or ABORT ending means to the client. An abort (the request timed out in
+    the queue, or the server is shutting down) is a 503 saying why, with `retry_after`."""
     if reason is FinishReason.ABORT:
-        return unavailable("the request was aborted: the server is shutting down")
+        message = f"the request was aborted: {error or 'the server is shutting down'}"
+        return unavailable(message, retry_after)
     if not healthy:
         return unavailable(error or "the model is unavailable")
     return ApiError(500, error or "generation failed", type="server_error")

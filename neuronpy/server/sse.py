@@ -7,10 +7,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+from starlette.responses import JSONResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from neuronpy.engine.engine import RequestStream
 from neuronpy.engine.types import GenerationEvent
+from neuronpy.server.protocol import ApiError
 
 HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -48,27 +50,43 @@ def sse_event(obj: dict[str, Any] | str) -> bytes:
 
 
 class EventStreamResponse:
-    """Streams a request's events as `data:` lines, then `data: [DONE]`. The opening chunks go
-    out at once; `render` turns each event into chunks. A client that leaves cancels the
-    request (its slot is freed within a decode step), whether it is running or still queued."""
+    """Streams a request's events as `data:` lines, then `data: [DONE]`.
+
+    Nothing is sent before the request's first event (or its end): a request that ends before
+    producing anything (it timed out in the queue, the server is shutting down, the model
+    failed) gets a real HTTP error, `refuse(first)`, instead of a 200 and an error event.
+    Otherwise the 200 goes out with the opening chunks, and `render` turns each event into
+    chunks. A client that leaves cancels the request (its slot is freed within a decode step),
+    whether it is running or still queued."""
 
     def __init__(
         self,
         stream: RequestStream,
         opening: list[dict[str, Any]],
         render: Callable[[GenerationEvent], list[dict[str, Any]]],
+        refuse: Callable[[GenerationEvent | None], ApiError | None] = lambda first: None,
     ) -> None:
         self.stream = stream
         self.opening = opening
         self.render = render
+        self.refuse = refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def pump() -> None:
             async with self.stream:  # leaving it cancels the request unless it finished
+                first = await anext(self.stream, None)
+                error = self.refuse(first)
                 try:
+                    if error is not None:
+                        reply = JSONResponse(error.body(), error.status, headers=error.headers)
+                        await reply(scope, receive, send)
+                        return
                     await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
                     for obj in self.opening:
                         await _send(send, sse_event(obj))
+                    if first is not None:
+                        for obj in self.render(first):
+                            await _send(send, sse_event(obj))
                     async for event in self.stream:
                         for obj in self.render(event):
                             await _send(send, sse_event(obj))
