@@ -7,7 +7,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from neuronpy.arch.config import ArchConfig
-from neuronpy.arch.kv import BatchRow, assemble_batch, batch_decode_mask, extract_row
+from neuronpy.arch.kv import KvSnapshot, assemble_batch, batch_decode_mask, extract_row
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.errors import UnsupportedArchitectureError
@@ -92,25 +92,62 @@ def test_parity_extract_then_continue_alone() -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_rebatch_from_batch_rows_equals_extract_then_assemble() -> None:
-    """Survivors taken straight from the old batch (one copy) give the very batch that
-    extracting them first and assembling again gives, padding gaps zeroed."""
+def same_kv(a: KvSnapshot, b: KvSnapshot) -> bool:
+    pairs = zip(a.keys + a.values, b.keys + b.values, strict=True)
+    return a.token_ids == b.token_ids and all(torch.equal(x, y) for x, y in pairs)
+
+
+def test_rebatch_keeps_unchanged_groups_and_narrows_the_others() -> None:
+    """Survivors stay where they are: a group whose rows all survive is reused as it is, one
+    that lost a row is narrowed to the rest, a joiner gets a group of its own; every row's KV
+    is exactly what it was, and the padding gaps hold zeros."""
     model = native("tiny-llama")
     batch = assemble_batch([model.prefill(p)[0] for p in PROMPTS[:3]])
     for _ in range(3):
         model.forward_batch_decode(batch, torch.tensor([[4], [5], [6]]))
-    joiner = model.prefill(PROMPTS[3] * 20)[0]  # longer than every row: the padding grows
-    direct = assemble_batch([BatchRow(batch, 2), BatchRow(batch, 0), joiner])
-    copied = assemble_batch([extract_row(batch, 2), extract_row(batch, 0), joiner])
-    assert direct.prefix_lens == copied.prefix_lens and direct.padded_len == joiner.length
-    assert direct.token_ids == copied.token_ids
-    used = direct.used
-    for a, b in zip(direct.keys + direct.values, copied.keys + copied.values, strict=True):
-        assert torch.equal(a[:, :, :used], b[:, :, :used])
-    for row, length in enumerate(direct.prefix_lens):
-        assert not direct.keys[0][row, :, length:used].any()  # the gap holds zeros
-    assert BatchRow(batch, 0).length == len(PROMPTS[0]) + 3
-    assert torch.equal(BatchRow(batch, 1).materialize().keys[-1], extract_row(batch, 1).keys[-1])
+    before = [extract_row(batch, r) for r in range(3)]
+    same = assemble_batch([batch.row(0), batch.row(1), batch.row(2)])
+    assert same.groups == batch.groups and same.groups[0] is batch.groups[0]  # no copy at all
+
+    joiner = model.prefill(PROMPTS[3] * 20)[0]  # far longer than every row
+    rebatched = assemble_batch([batch.row(0), batch.row(2), joiner])
+    narrowed, own = rebatched.groups
+    assert narrowed.padded_len == batch.groups[0].padded_len  # layout unchanged
+    assert own.padded_len == joiner.length and rebatched.padding_columns == 11 - 7
+    for row, expected in ((0, before[0]), (1, before[2]), (2, joiner)):
+        assert same_kv(extract_row(rebatched, row), expected)
+
+    merged = assemble_batch([batch.row(2), batch.row(0), joiner], max_groups=1)
+    assert len(merged.groups) == 1 and merged.padded_len == joiner.length
+    for row, expected in ((0, before[2]), (1, before[0]), (2, joiner)):
+        assert same_kv(extract_row(merged, row), expected)
+    group = merged.groups[0]
+    for row, length in enumerate(group.prefix_lens):
+        assert not group.keys[0][row, :, length : group.padded_len].any()  # zeroed gaps
+    assert batch.row(0).length == len(PROMPTS[0]) + 3
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_parity_several_groups_decode_like_one(name: str) -> None:
+    """A batch of two KV groups decodes exactly as the same rows in one group, and greedy tokens
+    match row by row: the groups share every linear layer, attention stays per group."""
+    model = native(name)
+    first = assemble_batch([model.prefill(p)[0] for p in PROMPTS[:2]])
+    second = assemble_batch([model.prefill(p)[0] for p in PROMPTS[2:]])
+    grouped = assemble_batch([first.row(0), first.row(1), second.row(0), second.row(1)])
+    single = assemble_batch([model.prefill(p)[0] for p in PROMPTS], max_groups=1)
+    assert len(grouped.groups) == 2 and len(single.groups) == 1
+    assert grouped.padding_columns < single.padding_columns
+    tokens = [[7], [8], [9], [10]]
+    for _ in range(6):
+        a = model.forward_batch_decode(grouped, torch.tensor(tokens))
+        b = model.forward_batch_decode(single, torch.tensor(tokens))
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        next_a = model.logits(a).argmax(-1)
+        assert next_a.tolist() == model.logits(b).argmax(-1).tolist()
+        tokens = next_a[:, None].tolist()
+    assert grouped.row_lengths == single.row_lengths
+    assert extract_row(grouped, 3).token_ids == extract_row(single, 3).token_ids
 
 
 def test_chunked_prefill_grows_its_reserved_snapshot_in_place() -> None:

@@ -2,7 +2,7 @@
 
 Keys are stored after RoPE, so what lies in a padding column (and at which position) never
 matters: only the mask does (padding columns hold zeros, so that masked scores stay finite).
-Every row of a live batch has exactly one padding gap.
+The live batch is one or more groups; within a group every row has exactly one padding gap.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import torch
 
 # Decode columns allocated ahead of need, so a step writes in place instead of growing the cache.
 DEFAULT_HEADROOM = 64
+# Groups a live batch may hold: each costs one attention call per layer and step, and saves
+# the padding (and the copy) of fitting rows of very different lengths into one buffer.
+DEFAULT_MAX_GROUPS = 3
 
 
 @dataclass
@@ -65,66 +68,20 @@ class KvSnapshot:
         return ((0, self.length),)
 
 
-@dataclass(frozen=True)
-class BatchRow:
-    """A row of a live batch released by extraction, not copied out yet: a snapshot in all but
-    storage. `assemble_batch` copies it straight into the next batch, so a rebatch copies each
-    surviving row once rather than out and back in; `materialize` gives it storage of its own
-    (which releases the old batch's buffers once no row refers to them)."""
-
-    batch: LiveBatch
-    row: int
-
-    @property
-    def length(self) -> int:
-        return self.batch.prefix_lens[self.row] + self.batch.steps
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.batch.token_ids[self.row]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.batch.keys)
-
-    @property
-    def nbytes(self) -> int:
-        """What the row would take as a snapshot of its own."""
-        per_column = sum(
-            t.shape[1] * t.shape[3] * t.element_size()
-            for t in (*self.batch.keys, *self.batch.values)
-        )
-        return per_column * self.length
-
-    def layer(self, kind: Literal["keys", "values"], layer: int) -> torch.Tensor:
-        return getattr(self.batch, kind)[layer][self.row]
-
-    def spans(self) -> tuple[tuple[int, int], ...]:
-        b = self.batch
-        prefix = b.prefix_lens[self.row]
-        return ((0, prefix), (b.padded_len, b.used)) if b.steps else ((0, prefix),)
-
-    def materialize(self) -> KvSnapshot:
-        return extract_row(self.batch, self.row)
-
-
-KvSource = KvSnapshot | BatchRow
-
-
 @dataclass
-class LiveBatch:
-    """B sequences decoding in lockstep.
+class KvGroup:
+    """Rows of a live batch that share one KV buffer: snapshots right-padded to `padded_len`
+    and concatenated on dim 0, then one column per decode step for every row.
 
-    Per layer K and V: [B, KVH, capacity, D]. Row b's valid columns are [0, P_b) (its snapshot)
-    and [padded_len, padded_len + steps) (its decode steps); [P_b, padded_len) is its one gap.
-    Columns from `used` to `capacity` are headroom for the next steps.
+    Per layer K and V: [B_g, KVH, capacity, D]. Row b's valid columns are [0, P_b) (its
+    snapshot) and [padded_len, padded_len + steps) (its decode steps); [P_b, padded_len) is its
+    one gap, zeroed. Columns from `used` to `capacity` are headroom for the next steps.
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     prefix_lens: list[int]
     padded_len: int
-    token_ids: list[list[int]]
     steps: int = 0
     _prefix_lens_t: torch.Tensor | None = field(default=None, repr=False)
 
@@ -148,19 +105,28 @@ class LiveBatch:
 
     @property
     def padding_columns(self) -> int:
-        """Padded KV columns across the batch (the waste of right-padding)."""
+        """Padded KV columns across the group (the waste of right-padding)."""
         return sum(self.padded_len - p for p in self.prefix_lens)
 
     def prefix_lens_tensor(self) -> torch.Tensor:
-        """prefix_lens as a [B] int64 tensor on the cache's device (cached: it never changes)."""
+        """prefix_lens as a [B_g] int64 tensor on the cache's device (cached: never changes)."""
         if self._prefix_lens_t is None:
             device = self.keys[0].device if self.keys else "cpu"
             self._prefix_lens_t = torch.tensor(self.prefix_lens, dtype=torch.long, device=device)
         return self._prefix_lens_t
 
     def positions(self) -> torch.Tensor:
-        """RoPE position of each row's next token: [B] = P_b + steps."""
+        """RoPE position of each row's next token: [B_g] = P_b + steps."""
         return self.prefix_lens_tensor() + self.steps
+
+    def decode_mask(self) -> torch.Tensor | None:
+        """The attention mask of the next step (see batch_decode_mask)."""
+        return batch_decode_mask(self.prefix_lens_tensor(), self.padded_len, self.used + 1)
+
+    def spans(self, row: int) -> tuple[tuple[int, int], ...]:
+        """Row `row`'s valid column ranges, in order."""
+        prefix = self.prefix_lens[row]
+        return ((0, prefix), (self.padded_len, self.used)) if self.steps else ((0, prefix),)
 
     def ensure_headroom(self, columns: int = 1) -> None:
         """Grows every layer's buffer so `columns` more decode steps fit (amortised doubling)."""
@@ -175,28 +141,199 @@ class LiveBatch:
                 grown[:, :, : self.used] = t[:, :, : self.used]
                 cache[i] = grown
 
+    def take_rows(self, rows: Sequence[int]) -> KvGroup:
+        """A group of these rows only, in this order, laid out as they are (one copy of each)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.keys[0].device)
+        cap = min(self.capacity, self.used + DEFAULT_HEADROOM)
+        return KvGroup(
+            keys=[t[:, :, :cap].index_select(0, index) for t in self.keys],
+            values=[t[:, :, :cap].index_select(0, index) for t in self.values],
+            prefix_lens=[self.prefix_lens[r] for r in rows],
+            padded_len=self.padded_len,
+            steps=self.steps,
+        )
 
-def assemble_batch(snapshots: Sequence[KvSource], headroom: int = DEFAULT_HEADROOM) -> LiveBatch:
-    """Right-pads each snapshot to the longest and stacks them on dim 0 into a live batch.
 
-    Every column a source holds is copied once; only the padding gaps are zeroed (headroom
-    columns are written by a decode step before any step reads them)."""
-    if not snapshots:
+@dataclass(frozen=True)
+class BatchRow:
+    """A row of a live batch released by extraction, not copied out yet: a snapshot in all but
+    storage. `assemble_batch` keeps its group when it can and copies it once when it cannot,
+    rather than out and back in; `materialize` gives it storage of its own (which releases the
+    old buffers once no row refers to them). Valid until the group decodes again."""
+
+    group: KvGroup
+    row: int
+    token_ids: list[int]
+
+    @property
+    def length(self) -> int:
+        return self.group.prefix_lens[self.row] + self.group.steps
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.group.keys)
+
+    @property
+    def nbytes(self) -> int:
+        """What the row would take as a snapshot of its own."""
+        per_column = sum(
+            t.shape[1] * t.shape[3] * t.element_size()
+            for t in (*self.group.keys, *self.group.values)
+        )
+        return per_column * self.length
+
+    def layer(self, kind: Literal["keys", "values"], layer: int) -> torch.Tensor:
+        return getattr(self.group, kind)[layer][self.row]
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        return self.group.spans(self.row)
+
+    def materialize(self) -> KvSnapshot:
+        """A contiguous snapshot: the row's prefix, then its decode columns (gap dropped)."""
+
+        def take(t: torch.Tensor) -> torch.Tensor:  # [B_g, KVH, cap, D] -> [1, KVH, P, D]
+            parts = [t[self.row : self.row + 1, :, lo:hi] for lo, hi in self.spans()]
+            if len(parts) > 1:
+                return torch.cat(parts, dim=2)
+            return parts[0].clone(memory_format=torch.contiguous_format)
+
+        return KvSnapshot(
+            keys=[take(k) for k in self.group.keys],
+            values=[take(v) for v in self.group.values],
+            token_ids=list(self.token_ids),
+        )
+
+
+KvSource = KvSnapshot | BatchRow
+
+
+@dataclass
+class LiveBatch:
+    """B sequences decoding in lockstep: one or more KvGroups, whose rows, in order, are the
+    batch's rows. A decode step runs each weight once over all B rows; attention runs per
+    group, so a long sequence joining pads only its own group, and a rebatch copies only the
+    groups whose rows changed."""
+
+    groups: list[KvGroup]
+    token_ids: list[list[int]]
+
+    @property
+    def batch_size(self) -> int:
+        return sum(g.batch_size for g in self.groups)
+
+    @property
+    def row_lengths(self) -> list[int]:
+        return [n for g in self.groups for n in g.row_lengths]
+
+    @property
+    def padding_columns(self) -> int:
+        return sum(g.padding_columns for g in self.groups)
+
+    @property
+    def padded_len(self) -> int:
+        """The longest padded snapshot of any group."""
+        return max(g.padded_len for g in self.groups)
+
+    @property
+    def kv_columns(self) -> int:
+        """KV columns a step attends over, padding included, summed over the rows."""
+        return sum(g.used * g.batch_size for g in self.groups)
+
+    def locate(self, row: int) -> tuple[KvGroup, int]:
+        """The group holding batch row `row`, and the row's index in it."""
+        if not 0 <= row < self.batch_size:
+            raise IndexError(f"row {row} of a batch of {self.batch_size}")
+        for group in self.groups:
+            if row < group.batch_size:
+                return group, row
+            row -= group.batch_size
+        raise AssertionError("unreachable")
+
+    def row(self, row: int) -> BatchRow:
+        """Batch row `row` as a snapshot source, not copied (see BatchRow)."""
+        group, index = self.locate(row)
+        return BatchRow(group, index, self.token_ids[row])
+
+
+def assemble_batch(
+    sources: Sequence[KvSource],
+    headroom: int = DEFAULT_HEADROOM,
+    max_groups: int = DEFAULT_MAX_GROUPS,
+) -> LiveBatch:
+    """The live batch of these sources, in this order.
+
+    Rows of a previous batch (BatchRow) keep their group: a group whose rows all come back, in
+    order, is reused as it is; one that lost rows is narrowed to the others (`take_rows`), its
+    layout unchanged. New snapshots given one after another form a new group, right-padded to
+    the longest of them. While there are more than `max_groups` groups, the two neighbours
+    whose merge pads the least are assembled into one."""
+    if not sources:
         raise ValueError("cannot assemble an empty batch")
-    prefix_lens = [s.length for s in snapshots]
+    runs: list[list[KvSource]] = []
+    for src in sources:
+        last = runs[-1][-1] if runs else None
+        if isinstance(src, BatchRow):
+            joins = isinstance(last, BatchRow) and src.group is last.group and src.row > last.row
+        else:
+            joins = isinstance(last, KvSnapshot)
+        if joins:
+            runs[-1].append(src)
+        else:
+            runs.append([src])
+    groups = [_group_of(run, headroom) for run in runs]
+    while len(groups) > max(1, max_groups):
+        i = min(range(len(groups) - 1), key=lambda j: _merged_padding(groups[j], groups[j + 1]))
+        rows = [BatchRow(g, r, []) for g in groups[i : i + 2] for r in range(g.batch_size)]
+        groups[i : i + 2] = [_assemble_group(rows, headroom)]
+    return LiveBatch(groups=groups, token_ids=[list(s.token_ids) for s in sources])
+
+
+def _group_of(run: Sequence[KvSource], headroom: int) -> KvGroup:
+    first = run[0]
+    if isinstance(first, KvSnapshot) and len(run) == 1 and first.capacity > first.length:
+        # a snapshot with room of its own becomes its group as it is: no copy (a long prompt
+        # joining costs the decoding rows nothing but its attention)
+        assert first.buffers is not None
+        keys, values = first.buffers
+        return KvGroup(
+            keys=list(keys),
+            values=list(values),
+            prefix_lens=[first.length],
+            padded_len=first.length,
+        )
+    if not isinstance(first, BatchRow):
+        return _assemble_group(run, headroom)
+    rows = [src.row for src in run if isinstance(src, BatchRow)]
+    if rows == list(range(first.group.batch_size)):
+        return first.group  # every row, in order: the group goes on as it is
+    return first.group.take_rows(rows)
+
+
+def _merged_padding(a: KvGroup, b: KvGroup) -> int:
+    """Padding columns of one group holding a's and b's rows, assembled afresh."""
+    lengths = a.row_lengths + b.row_lengths
+    return max(lengths) * len(lengths) - sum(lengths)
+
+
+def _assemble_group(sources: Sequence[KvSource], headroom: int) -> KvGroup:
+    """Right-pads each source to the longest and stacks them on dim 0. Every column a source
+    holds is copied once; only the padding gaps are zeroed (headroom columns are written by a
+    decode step before any step reads them)."""
+    prefix_lens = [s.length for s in sources]
     padded_len = max(prefix_lens)
-    batch = len(snapshots)
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     kinds: tuple[tuple[list[torch.Tensor], Literal["keys", "values"]], ...] = (
         (keys, "keys"),
         (values, "values"),
     )
-    for layer in range(snapshots[0].num_layers):
+    for layer in range(sources[0].num_layers):
         for dst, kind in kinds:
-            first = snapshots[0].layer(kind, layer)  # [KVH, columns, D]
-            out = first.new_empty(batch, first.shape[0], padded_len + headroom, first.shape[2])
-            for b, src in enumerate(snapshots):
+            first = sources[0].layer(kind, layer)  # [KVH, columns, D]
+            out = first.new_empty(
+                len(sources), first.shape[0], padded_len + headroom, first.shape[2]
+            )
+            for b, src in enumerate(sources):
                 t, at = src.layer(kind, layer), 0
                 for lo, hi in src.spans():
                     out[b, :, at : at + hi - lo] = t[:, lo:hi]
@@ -204,13 +341,7 @@ def assemble_batch(snapshots: Sequence[KvSource], headroom: int = DEFAULT_HEADRO
                 if at < padded_len:
                     out[b, :, at:padded_len].zero_()
             dst.append(out)
-    return LiveBatch(
-        keys=keys,
-        values=values,
-        prefix_lens=prefix_lens,
-        padded_len=padded_len,
-        token_ids=[list(s.token_ids) for s in snapshots],
-    )
+    return KvGroup(keys=keys, values=values, prefix_lens=prefix_lens, padded_len=padded_len)
 
 
 def batch_decode_mask(
@@ -230,13 +361,4 @@ def batch_decode_mask(
 
 def extract_row(batch: LiveBatch, row: int) -> KvSnapshot:
     """Turns one live row back into a contiguous snapshot: its prefix, then its decode columns."""
-    p, lo, hi = batch.prefix_lens[row], batch.padded_len, batch.used
-
-    def take(t: torch.Tensor) -> torch.Tensor:  # [B, KVH, cap, D] -> [1, KVH, p + steps, D]
-        return torch.cat((t[row : row + 1, :, :p], t[row : row + 1, :, lo:hi]), dim=2)
-
-    return KvSnapshot(
-        keys=[take(k) for k in batch.keys],
-        values=[take(v) for v in batch.values],
-        token_ids=list(batch.token_ids[row]),
-    )
+    return batch.row(row).materialize()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronpy.arch.config import ArchConfig, rope_inv_freq
-from neuronpy.arch.kv import KvSnapshot, LiveBatch, batch_decode_mask
+from neuronpy.arch.kv import KvSnapshot, LiveBatch
 from neuronpy.arch.linear import Int8Linear, Linear, make_linear
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 
@@ -277,45 +277,49 @@ class LlamaModel:
     # ---- lockstep decode ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward_batch_decode(
-        self,
-        batch: LiveBatch,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward_batch_decode(self, batch: LiveBatch, tokens: torch.Tensor) -> torch.Tensor:
         """One lockstep decode step: tokens [B, 1] -> final-normed hidden [B, hidden].
 
-        Writes each row's new K/V into column `batch.used` (in place, in the headroom) and
-        advances the batch by one step. positions: [B] (default P_b + steps); mask: as
-        `batch_decode_mask` (default derived from the batch).
+        Every linear layer runs once over all B rows. Attention runs per KV group: each group
+        writes its rows' new K/V into its column `used` (in place, in the headroom) and
+        attends with its own padding mask; then every group advances by one step.
         """
         c = self.config
         if tokens.shape != (batch.batch_size, 1):
             raise ValueError(f"tokens must be [{batch.batch_size}, 1], got {list(tokens.shape)}")
         if max(batch.row_lengths) >= c.context_len:
             raise ValueError(f"a row would exceed the context of {c.context_len} tokens")
-        batch.ensure_headroom(1)
-        col = batch.used
-        kv_len = col + 1
-        if positions is None:
-            positions = batch.positions()
-        if mask is None:
-            mask = batch_decode_mask(batch.prefix_lens_tensor(), batch.padded_len, kv_len)
+        groups = batch.groups
+        bounds, at = [], 0
+        for group in groups:
+            group.ensure_headroom(1)
+            bounds.append((at, at + group.batch_size))
+            at += group.batch_size
+        masks = [group.decode_mask() for group in groups]
+        positions = (
+            torch.cat([group.positions() for group in groups])
+            if len(groups) > 1
+            else (groups[0].positions())
+        )
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions[:, None], self.dtype)
         x = F.embedding(tokens, self.embed)  # [B, 1, hidden]
-        for lw, k_cache, v_cache in zip(self.layers, batch.keys, batch.values, strict=True):
+        for layer, lw in enumerate(self.layers):
             q, k, v = self._qkv(lw, x, cos, sin)  # q [B, H, 1, D]; k, v [B, KVH, 1, D]
-            k_cache[:, :, col] = k[:, :, 0]
-            v_cache[:, :, col] = v[:, :, 0]
-            out = F.scaled_dot_product_attention(
-                self._group_queries(q),
-                k_cache[:, :, :kv_len],
-                v_cache[:, :, :kv_len],
-                attn_mask=mask,
-            )  # [B, KVH, G, D]
+            q = self._group_queries(q)
+            outs = []
+            for group, (lo, hi), mask in zip(groups, bounds, masks, strict=True):
+                k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
+                k_cache[:, :, col] = k[lo:hi, :, 0]
+                v_cache[:, :, col] = v[lo:hi, :, 0]
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[lo:hi], k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], attn_mask=mask
+                    )
+                )  # [B_g, KVH, G, D]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
             x = self._finish_layer(lw, x, self._ungroup(out, 1))
-        batch.steps += 1
+        for group in groups:
+            group.steps += 1
         for row, tok in zip(batch.token_ids, tokens[:, 0].tolist(), strict=True):
             row.append(tok)
         return rms_norm(x[:, 0], self.norm, c.rms_norm_eps)

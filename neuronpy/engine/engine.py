@@ -18,6 +18,7 @@ from anyio.abc import ObjectReceiveStream, TaskGroup
 from transformers import PreTrainedTokenizerBase
 
 from neuronpy.arch.calibration import CALIBRATION_TEXT
+from neuronpy.arch.kv import DEFAULT_HEADROOM
 from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
 from neuronpy.engine.planner import RowView, plan_step
@@ -222,7 +223,7 @@ class Engine:
         self._idle = anyio.Event()  # set whenever nothing is admitted: drain waits on it
         self._request_seconds = 0.0  # moving average, for Retry-After
         self._step_seconds = 0.0  # moving average of a decode step's forward
-        self._prefill_tps = 0.0  # moving average of prefill tokens per second
+        self._prefill_cost = PrefillCost()  # seconds a prefill of n tokens takes
         self._padding_columns = 0  # of the live batch
         self._sampled_seconds = 0.0  # the last job's sampling time, on the worker thread
         self._timing = dict.fromkeys(("forward", "prefill", "rebatch", "sampling"), 0.0)
@@ -537,12 +538,13 @@ class Engine:
             self._finish(slot, FinishReason.ABORT, message, counted=True)
 
     def _chunk_budget(self) -> int:
-        """Prompt tokens to prefill between two decode steps: about one step's worth of time,
-        so a long prompt joining stretches the decoding rows' inter-token gap by ~2x, not more."""
-        if not self._prefill_tps or not self._step_seconds:
+        """Prompt tokens to prefill between two decode steps: as many as take about
+        CHUNK_STEPS decode steps' time, so a long prompt joining stretches the decoding rows'
+        inter-token gap to about 1 + CHUNK_STEPS steps, not more."""
+        if not self._step_seconds:
             return min(64, self.config.prefill_chunk)
-        budget = int(self._prefill_tps * self._step_seconds)
-        return max(16, min(self.config.prefill_chunk, budget))
+        budget = self._prefill_cost.tokens_within(CHUNK_STEPS * self._step_seconds)
+        return max(MIN_CHUNK, min(self.config.prefill_chunk, budget))
 
     async def _prefill(self, slot: Slot, budget: int | None) -> None:
         """Prefills the next `budget` prompt tokens (all, if None) into the slot's snapshot;
@@ -562,11 +564,12 @@ class Engine:
                 slot.prompt_ids[start:end],
                 parent_id=parent,
                 sample=sample,
-                reserve=len(slot.prompt_ids),  # later chunks grow it in place
+                # later chunks grow it in place; the headroom lets it join without a copy
+                reserve=len(slot.prompt_ids) + DEFAULT_HEADROOM,
             )
         )
         elapsed = time.perf_counter() - began - self._sampled_seconds
-        self._prefill_tps = _ema(self._prefill_tps, (end - start) / max(elapsed, 1e-6))
+        self._prefill_cost.observe(end - start, elapsed)
         self._timing["prefill"] += elapsed
         slot.prefilled = end
         self._counts["prefill_chunks"] += 1
@@ -685,6 +688,46 @@ class Engine:
 
     def _active(self) -> list[Slot]:
         return [*self._running, *self._joining, *self._waiting]
+
+
+# A prompt chunk interleaved with decode steps may take this many steps' time (see _chunk_budget)
+CHUNK_STEPS = 1.0
+MIN_CHUNK = 16
+
+
+class PrefillCost:
+    """Fits prefill time = fixed + per_token * tokens over the recent prefills. The fixed part
+    (reading every weight once) is why a chunk budget taken from tokens per second alone
+    shrinks chunk after chunk: small chunks look slow per token, so they get smaller still."""
+
+    def __init__(self, window: int = 32) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self._samples.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None before there are samples."""
+        if not self._samples:
+            return None
+        n = len(self._samples)
+        mean_x = sum(x for x, _ in self._samples) / n
+        mean_y = sum(y for _, y in self._samples) / n
+        var = sum((x - mean_x) ** 2 for x, _ in self._samples)
+        if var > 0:
+            slope = sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / var
+            fixed = mean_y - slope * mean_x
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+        # one chunk size only, or a fit that makes no sense: all of it per token
+        return 0.0, mean_y / max(mean_x, 1e-9)
+
+    def tokens_within(self, seconds: float) -> int:
+        fit = self.fit()
+        if fit is None:
+            return 64
+        fixed, per_token = fit
+        return int(max(0.0, seconds - fixed) / per_token)
 
 
 def _ema(average: float, sample: float, weight: float = 0.2) -> float:

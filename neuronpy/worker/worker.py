@@ -134,7 +134,7 @@ class DeviceWorker:
                     snapshots=len(self._snapshots),
                     snapshot_bytes=sum(s.nbytes for s in self._snapshots.values()),
                     live_batch_size=self._batch.batch_size if self._batch else 0,
-                    live_kv_columns=self._batch.used if self._batch else 0,
+                    live_kv_columns=self._batch.kv_columns if self._batch else 0,
                 )
             case Shutdown():
                 return None
@@ -173,9 +173,11 @@ class DeviceWorker:
         if missing:
             raise WorkerError(f"unknown snapshots {missing}")
         self._batch = assemble_batch([self._snapshots[i] for i in job.snapshot_ids])
-        if not job.keep_snapshots:
-            for i in job.snapshot_ids:
-                del self._snapshots[i]
+        for i in job.snapshot_ids:
+            kept = self._snapshots.pop(i)
+            if job.keep_snapshots and isinstance(kept, KvSnapshot):
+                # the batch may decode into its spare columns: it keeps them to itself
+                self._snapshots[i] = KvSnapshot(kept.keys, kept.values, kept.token_ids)
         self._materialize_rows()
         return AssembleResult(
             self._batch.batch_size, self._batch.padded_len, self._batch.padding_columns
@@ -203,8 +205,8 @@ class DeviceWorker:
             raise WorkerError(f"bad rows {job.rows} to extract")
         lengths = []
         for row, sid in zip(job.rows, job.snapshot_ids, strict=True):
-            # copied when the next batch is assembled, straight into it
-            source = BatchRow(self._batch, row)  # type: ignore[arg-type]
+            # left in place: the next batch keeps or copies it (see BatchRow)
+            source = self._batch.row(row)  # type: ignore[union-attr]
             self._snapshots[sid] = source
             lengths.append(source.length)
         self._batch = None
