@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvSnapshot, assemble_batch, batch_decode_mask, extract_row
-from neuronpy.arch.llama import LlamaModel
+from neuronpy.arch.llama import LlamaModel, PrefillChunk
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.errors import UnsupportedArchitectureError
 from tests.factories import FAMILIES, hf_model
@@ -148,6 +148,31 @@ def test_parity_several_groups_decode_like_one(name: str) -> None:
         tokens = next_a[:, None].tolist()
     assert grouped.row_lengths == single.row_lengths
     assert extract_row(grouped, 3).token_ids == extract_row(single, 3).token_ids
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_parity_prefill_chunk_riding_a_decode_step(name: str) -> None:
+    """A joiner's prompt prefilled chunk by chunk inside decode steps gives the decode rows
+    what they get without it, and the joiner what a plain prefill gives."""
+    model = native(name)
+    joiner = PROMPTS[2] * 3
+    batch = assemble_batch([model.prefill(p)[0] for p in PROMPTS[:2]])
+    alone = assemble_batch([model.prefill(p)[0] for p in PROMPTS[:2]])
+    tokens = torch.tensor([[4], [5]])
+    past, at = None, 0
+    for size in (7, 12, len(joiner) - 19):
+        chunk = PrefillChunk(joiner[at : at + size], past, reserve=len(joiner), extend=True)
+        out = model.forward_step(batch, tokens, chunk)
+        torch.testing.assert_close(
+            out.hidden, model.forward_batch_decode(alone, tokens), atol=1e-4, rtol=1e-4
+        )
+        past, at = out.snapshot, at + size
+    assert past is not None and past.token_ids == joiner and out.chunk_hidden is not None
+    whole, hidden = model.prefill(joiner)
+    torch.testing.assert_close(out.chunk_hidden, hidden[-1], atol=1e-4, rtol=1e-4)
+    for a, b in zip(past.keys + past.values, whole.keys + whole.values, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert batch.row_lengths == alone.row_lengths
 
 
 def test_chunked_prefill_grows_its_reserved_snapshot_in_place() -> None:

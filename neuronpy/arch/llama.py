@@ -229,19 +229,7 @@ class LlamaModel:
         if total > c.context_len:
             raise ValueError(f"sequence of {total} tokens exceeds the context of {c.context_len}")
         dev, dt = self.device, self.dtype
-        if extend and past is not None and past.buffers and past.capacity >= total:
-            keys, values = past.buffers  # the prefix is in place already
-        else:
-            capacity = min(max(total, reserve), c.context_len)
-            keys = [
-                torch.empty(1, c.num_kv_heads, capacity, c.head_dim, device=dev, dtype=dt)
-                for _ in range(c.num_layers)
-            ]
-            values = [torch.empty_like(k) for k in keys]
-            if past is not None:
-                for layer in range(c.num_layers):
-                    keys[layer][:, :, :start] = past.keys[layer]
-                    values[layer][:, :, :start] = past.values[layer]
+        keys, values = self._kv_buffers(past, total, reserve, extend)
         ids = torch.tensor(new, dtype=torch.long, device=dev)
         hidden_out = []
         for lo in range(0, len(new), chunk_size):
@@ -262,31 +250,56 @@ class LlamaModel:
                 )
                 x = self._finish_layer(lw, x, self._ungroup(out, hi - lo))
             hidden_out.append(rms_norm(x[0], self.norm, c.rms_norm_eps))
-        prefix_ids = list(past.token_ids) if past is not None else []
-        if keys[0].shape[2] == total:
-            snapshot = KvSnapshot(keys=keys, values=values, token_ids=prefix_ids + new)
-        else:  # room left: views of the first `total` columns, the buffers kept beside them
-            snapshot = KvSnapshot(
-                keys=[k[:, :, :total] for k in keys],
-                values=[v[:, :, :total] for v in values],
-                token_ids=prefix_ids + new,
-                buffers=(keys, values),
+        return _snapshot(keys, values, past, new), torch.cat(hidden_out)
+
+    def _kv_buffers(
+        self, past: KvSnapshot | None, total: int, reserve: int, extend: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V buffers for a sequence of `total` tokens whose first ones are
+        `past`'s: past's own buffers when `extend` and they have room, else new ones of
+        max(total, reserve) columns with past copied in."""
+        c = self.config
+        if extend and past is not None and past.buffers and past.capacity >= total:
+            return past.buffers  # the prefix is in place already
+        capacity = min(max(total, reserve), c.context_len)
+        keys = [
+            torch.empty(
+                1, c.num_kv_heads, capacity, c.head_dim, device=self.device, dtype=self.dtype
             )
-        return snapshot, torch.cat(hidden_out)
+            for _ in range(c.num_layers)
+        ]
+        values = [torch.empty_like(k) for k in keys]
+        if past is not None:
+            start = past.length
+            for layer in range(c.num_layers):
+                keys[layer][:, :, :start] = past.keys[layer]
+                values[layer][:, :, :start] = past.values[layer]
+        return keys, values
 
     # ---- lockstep decode ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward_batch_decode(self, batch: LiveBatch, tokens: torch.Tensor) -> torch.Tensor:
-        """One lockstep decode step: tokens [B, 1] -> final-normed hidden [B, hidden].
+        """One lockstep decode step: tokens [B, 1] -> final-normed hidden [B, hidden]."""
+        return self.forward_step(batch, tokens).hidden
 
-        Every linear layer runs once over all B rows. Attention runs per KV group: each group
-        writes its rows' new K/V into its column `used` (in place, in the headroom) and
-        attends with its own padding mask; then every group advances by one step.
+    @torch.inference_mode()
+    def forward_step(
+        self, batch: LiveBatch, tokens: torch.Tensor, chunk: PrefillChunk | None = None
+    ) -> StepOutput:
+        """One lockstep decode step over the live batch, and optionally a prefill chunk of a
+        joining sequence riding along in the same forward.
+
+        Every linear layer runs once over all B decode rows and the chunk's n tokens together,
+        so the chunk does not read the weights a second time. Attention runs per KV group for
+        the decode rows (each group writes its rows' new K/V into its column `used`, in place,
+        and attends with its own padding mask) and causally over the chunk's snapshot for the
+        chunk. Every group then advances by one step.
         """
         c = self.config
-        if tokens.shape != (batch.batch_size, 1):
-            raise ValueError(f"tokens must be [{batch.batch_size}, 1], got {list(tokens.shape)}")
+        b = batch.batch_size
+        if tokens.shape != (b, 1):
+            raise ValueError(f"tokens must be [{b}, 1], got {list(tokens.shape)}")
         if max(batch.row_lengths) >= c.context_len:
             raise ValueError(f"a row would exceed the context of {c.context_len} tokens")
         groups = batch.groups
@@ -296,35 +309,104 @@ class LlamaModel:
             bounds.append((at, at + group.batch_size))
             at += group.batch_size
         masks = [group.decode_mask() for group in groups]
-        positions = (
-            torch.cat([group.positions() for group in groups])
-            if len(groups) > 1
-            else (groups[0].positions())
-        )
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions[:, None], self.dtype)
-        x = F.embedding(tokens, self.embed)  # [B, 1, hidden]
+        positions = [group.positions() for group in groups]
+        ids = tokens[:, 0]
+        if chunk is not None:
+            new = list(chunk.token_ids)
+            start = chunk.past.length if chunk.past is not None else 0
+            total = start + len(new)
+            if not new or total > c.context_len:
+                raise ValueError(f"a prefill chunk of {len(new)} tokens after {start} does not fit")
+            keys, values = self._kv_buffers(chunk.past, total, chunk.reserve, chunk.extend)
+            chunk_pos = torch.arange(start, total, device=self.device)
+            positions.append(chunk_pos)
+            ids = torch.cat((ids, torch.tensor(new, dtype=torch.long, device=self.device)))
+            causal = torch.arange(total, device=self.device)[None, :] <= chunk_pos[:, None]
+            chunk_mask = causal.repeat(c.group_size, 1)  # [G * n, total], grouped query order
+        rows = torch.cat(positions) if len(positions) > 1 else positions[0]
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, rows[None], self.dtype)
+        x = F.embedding(ids, self.embed)[None]  # [1, B + n, hidden]: every token a row
         for layer, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x, cos, sin)  # q [B, H, 1, D]; k, v [B, KVH, 1, D]
-            q = self._group_queries(q)
+            q, k, v = self._qkv(lw, x, cos, sin)  # q [1, H, B + n, D]; k, v [1, KVH, B + n, D]
+            q_dec = self._group_queries(q[0, :, :b].transpose(0, 1)[:, :, None])
+            k_dec, v_dec = k[0, :, :b].transpose(0, 1), v[0, :, :b].transpose(0, 1)
             outs = []
             for group, (lo, hi), mask in zip(groups, bounds, masks, strict=True):
                 k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
-                k_cache[:, :, col] = k[lo:hi, :, 0]
-                v_cache[:, :, col] = v[lo:hi, :, 0]
+                k_cache[:, :, col] = k_dec[lo:hi]
+                v_cache[:, :, col] = v_dec[lo:hi]
                 outs.append(
                     F.scaled_dot_product_attention(
-                        q[lo:hi], k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], attn_mask=mask
+                        q_dec[lo:hi],
+                        k_cache[:, :, : col + 1],
+                        v_cache[:, :, : col + 1],
+                        attn_mask=mask,
                     )
                 )  # [B_g, KVH, G, D]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            x = self._finish_layer(lw, x, self._ungroup(out, 1))
+            attn = self._ungroup(out, 1).transpose(0, 1)  # [1, B, H * D]
+            if chunk is not None:
+                k_cache, v_cache = keys[layer], values[layer]
+                k_cache[:, :, start:total] = k[:, :, b:]
+                v_cache[:, :, start:total] = v[:, :, b:]
+                chunk_out = F.scaled_dot_product_attention(
+                    self._group_queries(q[:, :, b:]),
+                    k_cache[:, :, :total],
+                    v_cache[:, :, :total],
+                    attn_mask=chunk_mask,
+                )
+                attn = torch.cat((attn, self._ungroup(chunk_out, len(new))), dim=1)
+            x = self._finish_layer(lw, x, attn)
         for group in groups:
             group.steps += 1
         for row, tok in zip(batch.token_ids, tokens[:, 0].tolist(), strict=True):
             row.append(tok)
-        return rms_norm(x[:, 0], self.norm, c.rms_norm_eps)
+        hidden = rms_norm(x[0, :b], self.norm, c.rms_norm_eps)
+        if chunk is None:
+            return StepOutput(hidden)
+        last = rms_norm(x[0, -1], self.norm, c.rms_norm_eps)
+        return StepOutput(hidden, _snapshot(keys, values, chunk.past, new), last)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
         with torch.inference_mode():
             return self.lm_head(hidden).float()
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens of one joining sequence to prefill within a decode step (forward_step):
+    after `past` (None: from the start), into buffers of `reserve` columns, growing past's own
+    buffers in place when `extend` (as LlamaModel.prefill)."""
+
+    token_ids: Sequence[int]
+    past: KvSnapshot | None = None
+    reserve: int = 0
+    extend: bool = False
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    hidden: torch.Tensor  # [B, hidden], final-normed: the decode rows
+    snapshot: KvSnapshot | None = None  # the chunk's sequence, past and chunk
+    chunk_hidden: torch.Tensor | None = None  # [hidden], final-normed: the chunk's last token
+
+
+def _snapshot(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    past: KvSnapshot | None,
+    new: list[int],
+) -> KvSnapshot:
+    """The snapshot of past's tokens then `new`, over buffers that may hold more columns."""
+    token_ids = (list(past.token_ids) if past is not None else []) + new
+    total = len(token_ids)
+    if keys[0].shape[2] == total:
+        return KvSnapshot(keys=keys, values=values, token_ids=token_ids)
+    # room left: views of the first `total` columns, the buffers kept beside them
+    return KvSnapshot(
+        keys=[k[:, :, :total] for k in keys],
+        values=[v[:, :, :total] for v in values],
+        token_ids=token_ids,
+        buffers=(keys, values),
+    )
