@@ -1,7 +1,14 @@
 """neuronpy: lockstep gang-batched LLM serving in plain PyTorch."""
 
 from neuronpy.engine.engine import Engine, EngineConfig
-from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams
+from neuronpy.engine.types import (
+    FinishReason,
+    GenerationEvent,
+    OutputFormat,
+    SamplingParams,
+    TokenLogprob,
+    ToolCall,
+)
 from neuronpy.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
@@ -18,8 +25,11 @@ __all__ = [
     "GenerationEvent",
     "InvalidRequestError",
     "NeuronError",
+    "OutputFormat",
     "QueueFullError",
     "SamplingParams",
+    "TokenLogprob",
+    "ToolCall",
     "UnsupportedArchitectureError",
 ]
 __version__ = "0.1.0"

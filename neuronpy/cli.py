@@ -215,6 +215,10 @@ def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
         prefill_chunk=knobs.prefill_chunk,
         batching=knobs.batching,
         quantize=spec.quantize,
+        prefix_cache=spec.prefix_cache,
+        prefix_cache_bytes=spec.prefix_cache_bytes,
+        max_n=spec.admission.max_n,
+        reasoning_parser=spec.reasoning_parser,
     )
     return Engine.from_pretrained(
         weights.hf_model, weights.tokenizer, name=name, config=engine_config

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from neuronpy.arch.linear import QUANTIZE_MODES
+from neuronpy.engine.reasoning import REASONING_PARSERS
 from neuronpy.envflags import env_flag
 
 if sys.version_info >= (3, 11):
@@ -29,6 +30,8 @@ DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_QUEUE_TIMEOUT = 60.0  # seconds a request may wait for a row; 0: no deadline
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds in-flight requests get to finish on SIGTERM
+DEFAULT_MAX_N = 8  # completions one request may ask for (n); each counts as a request
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # per model: KV kept for prompts to reuse as prefixes
 # What a model may be called: it travels in URLs (/v1/models/NAME), request bodies and logs.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 API_KEY = re.compile(r"^[\x21-\x7e]+$")  # fits an HTTP header as it is
@@ -118,10 +121,12 @@ class AdmissionConfig:
     max_queue: int = DEFAULT_MAX_QUEUE  # requests waiting beyond those; more get 503
     # seconds a queued request may wait for a row before it gets 503; 0: no deadline
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
+    max_n: int = DEFAULT_MAX_N  # completions one request may ask for; each counts as a request
 
     def __post_init__(self) -> None:
         _check_int("admission", "max_in_flight", self.max_in_flight, 1, 4096)
         _check_int("admission", "max_queue", self.max_queue, 0, 1_000_000)
+        _check_int("admission", "max_n", self.max_n, 1, 128)
         _check_seconds("admission", "queue_timeout", self.queue_timeout)
 
 
@@ -149,9 +154,19 @@ class ModelSpec:
     device: str = "auto"  # auto: cuda if available, else mps, else cpu
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     quantize: str = "none"  # "int8": int8 weights and per-row int8 activations (CPU)
+    prefix_cache: bool = True  # reuse the KV of prompts (and replies) seen before
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # the prefix cache's budget; 0: off
+    # chat replies' thinking blocks go to reasoning_content: "auto" (when the chat template
+    # writes <think>), "think", or "none"
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         where = _label(self.name)
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(
+                f"{where} prefix_cache must be true or false, got {self.prefix_cache!r}"
+            )
+        _check_int("model", "prefix_cache_bytes", self.prefix_cache_bytes, 0)
         if self.name is not None and (not isinstance(self.name, str) or not NAME.match(self.name)):
             raise ValueError(
                 f"a model name must be 1-128 letters, digits and . _ - : / (starting with a "
@@ -167,6 +182,11 @@ class ModelSpec:
             raise ValueError(
                 f"{where} quantize must be one of {', '.join(QUANTIZE_MODES)}, "
                 f"got {self.quantize!r}"
+            )
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"{where} reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"{where} device must be a non-empty string, got {self.device!r}")

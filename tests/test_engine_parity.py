@@ -130,8 +130,8 @@ async def test_finish_reasons_and_token_counts() -> None:
 
 
 async def test_parity_long_prompt_joins_in_chunks_between_decode_steps() -> None:
-    """A long prompt joining while others decode is prefilled chunk by chunk between their
-    steps; nobody's output changes."""
+    """A long prompt joining while others decode is prefilled chunk by chunk, most chunks
+    riding the decode steps themselves; nobody's output changes."""
     tok = tokenizer()
     long_prompt = tok.encode(" ".join(TEXTS * 6))[:400]
     jobs = [
@@ -147,6 +147,7 @@ async def test_parity_long_prompt_joins_in_chunks_between_decode_steps() -> None
     assert [summary(c) for c in got] == [summary(c) for c in expected]
     assert stats.prefills == 3
     assert stats.prefill_chunks >= 3 + len(long_prompt) // 32 - 1, stats
+    assert stats.riding_chunks >= len(long_prompt) // 32 - 2, stats
 
 
 async def test_parity_int8_concurrent_equals_sequential() -> None:

@@ -4,6 +4,7 @@ real servers over loopback (shared/reliability.md, items 17, 18, 20, 21, 23-26).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from neuronpy.bench.load import plan, run_load
 from neuronpy.cli import build_parser, config_from_args, load_engine
 from neuronpy.config import AdmissionConfig, load_config
 from neuronpy.engine.engine import Engine
+from neuronpy.worker.jobs import WorkerStatsResult
 from tests.servers import TINY_LLAMA, RunningServer, fixture_model, run_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +121,14 @@ def worker_stats(engine: Engine) -> Any:
     """What the device worker stores now (snapshots, their bytes, the live batch), from a
     thread that runs no event loop."""
     return anyio.run(engine.worker_stats)
+
+
+def held(stats: WorkerStatsResult, engine: Engine) -> WorkerStatsResult:
+    """What the worker holds for requests: the prefix cache's snapshots left out (they stay on
+    purpose, within their budget, and the engine's index accounts for every byte of them)."""
+    assert stats.cached_bytes == engine.stats().prefix_cache_bytes
+    assert stats.cached_bytes <= engine.config.prefix_cache_bytes
+    return dataclasses.replace(stats, cached_snapshots=0, cached_bytes=0)
 
 
 def rss_bytes() -> int | None:
@@ -275,7 +285,7 @@ def test_openai_client_sees_a_queue_timeout_as_a_503() -> None:
 async def test_many_clients_timing_out_at_once_leave_nothing_behind() -> None:
     with run_server(fixture_model(max_in_flight=4, max_queue=64)) as server:
         engine = engine_of(server)
-        baseline = await engine.worker_stats()
+        baseline = held(await engine.worker_stats(), engine)
         wrap_decode(engine, lambda: time.sleep(0.002))  # 400 steps: ~1 s, past the timeouts
         before = server.stats()
         clients = 32
@@ -304,7 +314,7 @@ async def test_many_clients_timing_out_at_once_leave_nothing_behind() -> None:
         after = server.wait_for(lambda s: s["running"] == 0 and s["queued"] == 0)
         assert after["cancelled"] - before["cancelled"] == clients
         assert after["admitted"] - before["admitted"] == clients + 1
-        assert await engine.worker_stats() == baseline
+        assert held(await engine.worker_stats(), engine) == baseline
 
 
 @pytest.mark.anyio
@@ -360,7 +370,7 @@ def test_load_with_cancellations_serves_the_rest_and_leaks_nothing() -> None:
     requests = plan(200, min_tokens=4, max_tokens=16, stream_share=0.5, cancel_share=0.2)
     with run_server(fixture_model(max_in_flight=running, max_queue=queue)) as server:
         engine = engine_of(server)
-        baseline = worker_stats(engine)
+        baseline = held(worker_stats(engine), engine)
         peaks = {"running": 0, "live_batch_size": 0, "queued": 0}
         sampling = threading.Event()
 
@@ -382,7 +392,7 @@ def test_load_with_cancellations_serves_the_rest_and_leaks_nothing() -> None:
             assert report.served == len(requests) - report.cancelled
             stats = server.wait_for(lambda s: s["running"] == 0 and s["queued"] == 0)
             assert stats["healthy"]
-            stored = worker_stats(engine)
+            stored = held(worker_stats(engine), engine)
             assert stored == baseline and stored.snapshot_bytes == 0
             memory.append(rss_bytes())
         sampling.set()

@@ -293,7 +293,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("repetition-penalty", CHAT, {**MSG, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("seed-string", TEXT, {**PROMPT, "seed": "7"}, 400, "seed"),
     ("n-zero", CHAT, {**MSG, "n": 0}, 400, "n"),
-    ("n-two", CHAT, {**MSG, "n": 2}, 400, "n"),
+    ("n-past-max-n", CHAT, {**MSG, "n": 9}, 400, "n"),
     ("stop-number", CHAT, {**MSG, "stop": 5}, 400, "stop"),
     ("stop-list-of-numbers", CHAT, {**MSG, "stop": ["a", 1]}, 400, "stop"),
     ("stop-too-many", CHAT, {**MSG, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
@@ -307,9 +307,10 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "stream_options",
     ),
-    ("logit-bias", CHAT, {**MSG, "logit_bias": {"5": 10}}, 400, "logit_bias"),
-    ("logprobs", CHAT, {**MSG, "logprobs": True}, 400, "logprobs"),
-    ("tools", CHAT, {**MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("logit-bias-out-of-vocab", CHAT, {**MSG, "logit_bias": {"360": 10}}, 400, "logit_bias"),
+    ("top-logprobs", CHAT, {**MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("tools", CHAT, {**MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    ("json", CHAT, {**MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("unknown-model", CHAT, {**MSG, "model": "gpt-4"}, 404, "model"),
     ("model-not-string", TEXT, {**PROMPT, "model": 5}, 400, "model"),
 ]
@@ -343,9 +344,10 @@ def test_bad_request_is_rejected(server, path, body, status, param) -> None:
     assert server.stats()["admitted"] == before
 
 
-def test_n_error_says_only_one_is_supported(server: RunningServer) -> None:
-    response = httpx.post(f"{server.v1}{CHAT}", json={**MSG, "n": 3})
-    assert "only n=1" in check_error(response, 400, "n")["message"]
+@pytest.mark.parametrize("n", [0, -1, 1.5, "2", True, 9])
+def test_n_out_of_range_is_a_400_naming_n(server: RunningServer, n: object) -> None:
+    response = httpx.post(f"{server.v1}{CHAT}", json={**MSG, "n": n})
+    assert "'n' must be an integer" in check_error(response, 400, "n")["message"]
 
 
 @pytest.mark.parametrize("path", [TEXT, CHAT])

@@ -33,6 +33,7 @@ import anyio.from_thread
 
 from neuronpy.bench.metrics import RequestRecord, engine_delta
 from neuronpy.bench.workloads import WORKLOADS, BenchRequest, Workload
+from neuronpy.worker.worker import start_in_own_thread
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +60,9 @@ WARMUP_TOKENS = 4
 def in_fresh_thread(fn: Callable[[], T], name: str = "neuronpy-bench") -> T:
     """Runs `fn` in a new thread and returns its result (or raises its error). The thread ends
     with it, and so does the OpenMP team its torch work created (see the module docstring)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    fut, thread = start_in_own_thread(fn, name)
+    thread.join()  # gone, with its OpenMP team, before the next measurement starts
+    return fut.result()
 
 
 @dataclass

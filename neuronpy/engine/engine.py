@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -22,6 +23,8 @@ from neuronpy.arch.kv import DEFAULT_HEADROOM
 from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
 from neuronpy.engine.planner import RowView, plan_step
+from neuronpy.engine.prefix_cache import PrefixIndex
+from neuronpy.engine.reasoning import REASONING_PARSERS
 from neuronpy.engine.router import route
 from neuronpy.engine.sampling import Sampler, sample_rows
 from neuronpy.engine.slot import Finish, RouterMessage, Slot, SlotStatus
@@ -36,7 +39,11 @@ from neuronpy.errors import (
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
     AssembleResult,
+    CacheKvSnapshots,
+    CacheResult,
+    DropCachedKv,
     DropKvSnapshot,
+    ExtendKv,
     ExtractKvRows,
     ForwardLogitsBatch,
     ForwardResult,
@@ -50,6 +57,9 @@ from neuronpy.worker.jobs import (
 from neuronpy.worker.worker import DeviceWorker
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's KV budget per model
+DEFAULT_MAX_N = 8  # completions one request may ask for
 
 
 def batching_enabled() -> bool:
@@ -65,9 +75,15 @@ class EngineConfig:
     batching: bool = True  # False: one sequence at a time, through the same code
     quantize: str = "none"  # "int8": int8 weights and per-row int8 activations (CPU)
     queue_timeout: float | None = None  # seconds a request may wait for a row; None: no limit
+    prefix_cache: bool = True  # keep prompts' (and finished requests') KV to reuse as prefixes
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # its budget; 0 turns it off
+    max_n: int = DEFAULT_MAX_N  # completions one request may ask for (n)
+    # how chat replies' thinking blocks are split out (the server reads it): "auto" (from the
+    # chat template), "none", or a parser of neuronpy.engine.reasoning ("think")
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("max_in_flight", "prefill_chunk"):
+        for name in ("max_in_flight", "prefill_chunk", "max_n"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -77,6 +93,11 @@ class EngineConfig:
             or self.max_queue < 0
         ):
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
+        budget = self.prefix_cache_bytes
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {budget!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         timeout = self.queue_timeout
         if timeout is not None and (
             isinstance(timeout, bool)
@@ -88,6 +109,11 @@ class EngineConfig:
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(
                 f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
+            )
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
 
 
@@ -103,6 +129,7 @@ class EngineStats:
     rebatches: int
     prefills: int
     prefill_chunks: int  # prefill jobs: a long prompt joining mid-batch takes several
+    riding_chunks: int  # of those, chunks that rode a decode step (no weight reads of their own)
     admitted: int
     rejected: int  # refused at admission: the queue was full
     timed_out: int  # admitted, then waited past queue_timeout without getting a row
@@ -117,6 +144,12 @@ class EngineStats:
     timing: dict[str, float]  # cumulative seconds: forward, prefill, rebatch, sampling
     batch_size_steps: dict[int, int]  # decode steps by their batch size
     alone_steps: dict[str, int]  # one-row steps by why: no_peer, peer_prefilling, peer_queued
+    prefill_tokens: int = 0  # prompt tokens actually prefilled (a prefix-cache hit's not)
+    prefix_cache_hits: int = 0  # prompts that restored a cached prefix
+    prefix_cache_misses: int = 0  # prompts prefilled from scratch with the cache on
+    prefix_cache_reused_tokens: int = 0  # prompt tokens restored rather than prefilled
+    prefix_cache_entries: int = 0  # snapshots the cache holds now
+    prefix_cache_bytes: int = 0  # what they take
 
 
 class RequestStream:
@@ -132,6 +165,17 @@ class RequestStream:
     @property
     def id(self) -> int:
         return self._slot.id
+
+    @property
+    def index(self) -> int:
+        """Which of its request's n completions this is (0 when n is 1)."""
+        return self._slot.index
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens restored from the prefix cache rather than prefilled (known once the
+        first event has arrived; for n > 1, the prefill all the copies share)."""
+        return self._slot.cached_tokens
 
     def cancel(self) -> None:
         """Idempotent. A running row leaves within one decode step; a queued one never runs."""
@@ -204,6 +248,7 @@ class Engine:
                 "rebatches",
                 "prefills",
                 "prefill_chunks",
+                "riding_chunks",
                 "padded_kv_columns",
                 "kv_columns",
                 "admitted",
@@ -214,9 +259,15 @@ class Engine:
                 "failed",
                 "prompt_tokens",
                 "generated_tokens",
+                "prefill_tokens",
+                "prefix_cache_hits",
+                "prefix_cache_misses",
+                "prefix_cache_reused_tokens",
             ),
             0,
         )
+        on = self.config.prefix_cache and self.config.prefix_cache_bytes > 0
+        self._prefix = PrefixIndex(self.config.prefix_cache_bytes) if on else None
         self._batch_size_steps: dict[int, int] = {}
         self._alone_steps = dict.fromkeys(("no_peer", "peer_prefilling", "peer_queued"), 0)
         self._refusal: str | None = None  # why submit refuses: set when shutting down
@@ -226,6 +277,8 @@ class Engine:
         self._prefill_cost = PrefillCost()  # seconds a prefill of n tokens takes
         self._padding_columns = 0  # of the live batch
         self._sampled_seconds = 0.0  # the last job's sampling time, on the worker thread
+        self._riding: Slot | None = None  # a joiner whose next chunk rides the next step
+        self._ride_seconds_per_token = 0.0  # what a riding chunk adds to a step, per token
         self._timing = dict.fromkeys(("forward", "prefill", "rebatch", "sampling"), 0.0)
 
     @classmethod
@@ -290,19 +343,47 @@ class Engine:
 
         InvalidRequestError (bad prompt or max_tokens), EngineUnhealthyError, QueueFullError.
         """
+        return self.submit_many(prompt_ids, params, 1)[0]
+
+    def submit_many(
+        self, prompt_ids: Sequence[int], params: SamplingParams, n: int
+    ) -> list[RequestStream]:
+        """Admits `n` completions of one prompt (OpenAI's `n`), or raises before anything is
+        allocated; each copy counts as one request against max_in_flight and max_queue. The
+        prompt is prefilled once and its snapshot cloned into each copy. Copy i samples with
+        its own sampler, seeded `seed + i` when `params.seed` is set."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_n:
+            raise InvalidRequestError(
+                f"'n' must be an integer from 1 to {self.config.max_n}, got {n!r}", "n"
+            )
         prompt = self._validate(prompt_ids, params)
         if not self._healthy:
             raise EngineUnhealthyError(self._failure or f"model {self.name!r} is not ready")
         if self._refusal is not None:
             raise ShuttingDownError(self._refusal)
         in_system = len(self._waiting) + len(self._joining) + len(self._running)
-        if in_system >= self.max_running + self.config.max_queue:
+        if in_system + n > self.max_running + self.config.max_queue:
             self._counts["rejected"] += 1
             raise QueueFullError(
                 f"model {self.name!r} is at capacity ({self.max_running} running, "
                 f"{self.config.max_queue} queued); retry later",
                 retry_after=self.retry_after(),
             )
+        group: list[Slot] = []
+        streams = []
+        for index in range(n):
+            copy = params
+            if index and params.seed is not None:
+                copy = dataclasses.replace(params, seed=params.seed + index)
+            streams.append(self._admit(prompt, copy, index, group))
+        self._idle = anyio.Event()
+        self._wake.set()
+        return streams
+
+    def _admit(
+        self, prompt: tuple[int, ...], params: SamplingParams, index: int, group: list[Slot]
+    ) -> RequestStream:
+        """One admitted copy: its slot (queued), its router task and its event stream."""
         to_router, inbox = anyio.create_memory_object_stream[RouterMessage](math.inf)
         outbox, events = anyio.create_memory_object_stream[GenerationEvent](math.inf)
         slot = Slot(
@@ -312,7 +393,10 @@ class Engine:
             sampler=Sampler(params, prompt, self.vocab_size),
             to_router=to_router,
             stop_ids=self._stop_ids(params),
+            index=index,
+            group=group,
         )
+        group.append(slot)
         assert self._tg is not None
         self._tg.start_soon(
             lambda: route(
@@ -329,8 +413,6 @@ class Engine:
         self._waiting.append(slot)
         self._counts["admitted"] += 1
         self._counts["prompt_tokens"] += len(prompt)
-        self._idle = anyio.Event()
-        self._wake.set()
         return RequestStream(self, slot, events)
 
     async def generate(
@@ -350,6 +432,9 @@ class Engine:
             out.prompt_tokens = event.prompt_tokens
             out.completion_tokens = event.completion_tokens
             out.finish_reason = event.finish_reason
+            out.reasoning += event.reasoning
+            out.tool_calls.extend(event.tool_calls)
+            out.logprobs.extend(event.logprobs)
         return out
 
     def stats(self) -> EngineStats:
@@ -362,6 +447,8 @@ class Engine:
             timing=dict(self._timing),
             batch_size_steps=dict(self._batch_size_steps),
             alone_steps=dict(self._alone_steps),
+            prefix_cache_entries=len(self._prefix) if self._prefix else 0,
+            prefix_cache_bytes=self._prefix.bytes if self._prefix else 0,
             **self._counts,
         )
 
@@ -418,6 +505,13 @@ class Engine:
                 f"this model's context of {self.context_len} tokens",
                 "max_tokens",
             )
+        biased = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if biased:
+            raise InvalidRequestError(
+                f"'logit_bias' token ids out of the vocabulary [0, {self.vocab_size}): "
+                f"{biased[:20]}",
+                "logit_bias",
+            )
         return prompt
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -463,6 +557,7 @@ class Engine:
 
     async def _schedule(self) -> None:
         """Plan, advance the joiners' prefill, and rebatch: extract survivors, assemble again."""
+        self._riding = None
         self._expire_waiting()
         plan = plan_step(
             [RowView(s.id, s.done) for s in self._running],
@@ -474,20 +569,30 @@ class Engine:
         for sid in plan.dropped:
             slot = by_id[sid]
             self._waiting.remove(slot)
-            self._finish(slot, FinishReason.ABORT)
+            # a copy of an n > 1 request may have ended on its first token (its clone's)
+            self._finish(slot, slot.finish_reason or self._abort_reason(slot))
         for sid in plan.joining:
             slot = by_id[sid]
             self._waiting.remove(slot)
             slot.status = SlotStatus.PREFILLING
             self._joining.append(slot)
         self._joining = [s for s in self._joining if not self._drop_if_done(s)]
+        # (a copy of an n > 1 request is filled by its first copy's prefill: it has nothing left)
+        todo = [s for s in self._joining if s.prefilled < len(s.prompt_ids)]
         if self._running:
-            # rows are decoding: one chunk, sized to cost about one decode step, then a step
-            if self._joining:
-                await self._prefill(self._joining[0], self._chunk_budget())
+            # rows are decoding: one chunk, sized to cost about one decode step, rides the next
+            # step (sharing its weight reads); a prompt's first chunk (which may restore a
+            # cached prefix) and its last (which samples) run on their own
+            if todo:
+                slot = todo[0]
+                if 0 < slot.prefilled < len(slot.prompt_ids) - 1:
+                    self._riding = slot
+                else:
+                    await self._prefill(slot, self._chunk_budget())
         else:
-            for slot in self._joining:  # nobody waits on a decode step: prefill whole prompts
-                await self._prefill(slot, None)
+            for slot in todo:  # nobody waits on a decode step: prefill whole prompts
+                if slot.prefilled < len(slot.prompt_ids):
+                    await self._prefill(slot, None)
         # rows may have finished or been cancelled while the prefills ran
         joined = [s for s in self._joining if s.prefilled == len(s.prompt_ids)]
         self._joining = [s for s in self._joining if s not in joined]
@@ -499,12 +604,15 @@ class Engine:
         started = time.perf_counter()
         self._counts["rebatches"] += 1
         if self._has_batch:
-            rows = tuple(self._running.index(s) for s in survivors)
-            ids = tuple(next(self._ids) for _ in survivors)
+            kept = self._cacheable(leaving)  # leaving rows whose KV the prefix cache keeps
+            rows = tuple(self._running.index(s) for s in (*survivors, *kept))
+            ids = tuple(next(self._ids) for _ in rows)
             await self._call(ExtractKvRows(rows, ids))
             self._has_batch = False
-            for slot, sid in zip(survivors, ids, strict=True):
+            for slot, sid in zip(survivors, ids[: len(survivors)], strict=True):
                 slot.snapshot_id = sid
+            if kept:
+                await self._cache_rows(kept, ids[len(survivors) :])
         for slot in leaving:
             self._finish(slot, slot.finish_reason or self._abort_reason(slot))
         self._running = survivors + joined
@@ -546,18 +654,42 @@ class Engine:
         budget = self._prefill_cost.tokens_within(CHUNK_STEPS * self._step_seconds)
         return max(MIN_CHUNK, min(self.config.prefill_chunk, budget))
 
+    def _ride_budget(self) -> int:
+        """Prompt tokens a riding chunk may add: about CHUNK_STEPS decode steps' time at what
+        riding chunks have cost per token (no weight reads of their own: more tokens fit than
+        in a chunk run on its own)."""
+        fit = self._prefill_cost.fit()
+        # a chunk's compute costs at least about what it does run on its own, weights aside:
+        # the fit's per-token figure bounds a noisy (or not yet measured) riding estimate
+        per_token = max(self._ride_seconds_per_token, fit[1] if fit else 0.0)
+        if not per_token or not self._step_seconds:
+            return MIN_CHUNK
+        budget = int(CHUNK_STEPS * self._step_seconds / per_token)
+        return max(MIN_CHUNK, min(self.config.prefill_chunk, budget))
+
     async def _prefill(self, slot: Slot, budget: int | None) -> None:
         """Prefills the next `budget` prompt tokens (all, if None) into the slot's snapshot;
         after the last chunk, samples the first token."""
         start = slot.prefilled
-        end = len(slot.prompt_ids) if budget is None else min(len(slot.prompt_ids), start + budget)
         parent = slot.snapshot_id
+        parent_length = None
         if parent is None:
             slot.snapshot_id = next(self._ids)
+            hit = self._restore(slot)
+            if hit is not None:  # prefill after a cached prefix (a copy of it)
+                parent, parent_length = hit
+                start = slot.prefilled = parent_length
+        end = len(slot.prompt_ids) if budget is None else min(len(slot.prompt_ids), start + budget)
         last = end == len(slot.prompt_ids)
+        cache_id = clones = None
+        if last:
+            cache_id = self._cache_id(slot.prompt_ids)
+            clones = [s for s in slot.group if s.prefilled == 0 and s.snapshot_id is None]
+            clones = [s for s in clones if not s.done]
         self._sampled_seconds = 0.0
         began = time.perf_counter()
-        sample = self._sampling([slot]) if last else None
+        sample = self._sampling([slot, *clones]) if clones is not None else None
+        clone_ids = tuple(next(self._ids) for _ in clones or ())
         result: PrefillResult = await self._call(
             Prefill(
                 slot.snapshot_id,
@@ -566,8 +698,14 @@ class Engine:
                 sample=sample,
                 # later chunks grow it in place; the headroom lets it join without a copy
                 reserve=len(slot.prompt_ids) + DEFAULT_HEADROOM,
+                parent_length=parent_length,
+                cache_id=cache_id,
+                clone_ids=clone_ids,
             )
         )
+        self._counts["prefill_tokens"] += end - start
+        if cache_id is not None:
+            self._remember(cache_id, slot.prompt_ids, result.cached_bytes)
         elapsed = time.perf_counter() - began - self._sampled_seconds
         self._prefill_cost.observe(end - start, elapsed)
         self._timing["prefill"] += elapsed
@@ -577,6 +715,65 @@ class Engine:
             self._counts["prefills"] += 1
             if not slot.done and result.token is not None:
                 self._accept(slot, result.token)
+            for clone, sid, token in zip(clones or (), clone_ids, result.clone_tokens, strict=True):
+                clone.snapshot_id = sid
+                clone.prefilled = len(clone.prompt_ids)
+                clone.cached_tokens = slot.cached_tokens
+                if not clone.done and token is not None:
+                    self._accept(clone, token)
+
+    # ---- the prefix cache ---------------------------------------------------------------------
+
+    def _restore(self, slot: Slot) -> tuple[int, int] | None:
+        """The cached snapshot holding the longest prefix of the slot's prompt and that
+        prefix's length (one prompt token, at least, is left to prefill: its logits give the
+        first token), or None; counts the hit or miss."""
+        if self._prefix is None:
+            return None
+        hit = self._prefix.lookup(slot.prompt_ids, len(slot.prompt_ids) - 1)
+        if hit is None:
+            self._counts["prefix_cache_misses"] += 1
+            return None
+        self._counts["prefix_cache_hits"] += 1
+        self._counts["prefix_cache_reused_tokens"] += hit[1]
+        slot.cached_tokens = hit[1]
+        return hit
+
+    def _cache_id(self, tokens: Sequence[int]) -> int | None:
+        """A new id for the prefix cache to keep these tokens' snapshot under, or None when
+        it would add nothing (too short, or a stored sequence starts with them)."""
+        index = self._prefix
+        if index is None or len(tokens) < index.block or index.covers(tokens):
+            return None
+        return next(self._ids)
+
+    def _remember(self, cache_id: int, tokens: Sequence[int], nbytes: int) -> None:
+        """Indexes a snapshot the worker has cached; drops what that makes redundant or what
+        no longer fits the budget (least recently used first)."""
+        assert self._prefix is not None
+        dropped = self._prefix.insert(cache_id, tokens, nbytes)
+        if dropped:
+            self._worker.submit(DropCachedKv(tuple(dropped)))
+
+    def _cacheable(self, leaving: Sequence[Slot]) -> list[Slot]:
+        """Leaving rows worth keeping in the prefix cache: their prompt and output's KV."""
+        if self._prefix is None:
+            return []
+        return [
+            s
+            for s in leaving
+            if s.total_tokens > self._prefix.block
+            and not self._prefix.covers((*s.prompt_ids, *s.output_ids[:-1]))
+        ]
+
+    async def _cache_rows(self, slots: Sequence[Slot], ids: Sequence[int]) -> None:
+        """Moves extracted rows into the worker's prefix cache and indexes them."""
+        result: CacheResult = await self._call(CacheKvSnapshots(tuple(ids)))
+        for slot, sid, nbytes, length in zip(
+            slots, ids, result.nbytes, result.lengths, strict=True
+        ):
+            # the row's KV holds the tokens fed so far: the last sampled one may not be
+            self._remember(sid, (*slot.prompt_ids, *slot.output_ids)[:length], nbytes)
 
     def _drop_if_done(self, slot: Slot) -> bool:
         """A joiner that finished before joining (first token EOS, cancelled) drops its snapshot."""
@@ -592,13 +789,33 @@ class Engine:
         """One lockstep decode step over every live row."""
         rows = self._running
         tokens = tuple(s.next_token for s in rows)
+        ride, self._riding = self._riding, None
+        extend = None
+        left = len(ride.prompt_ids) - 1 - ride.prefilled if ride is not None else 0
+        if ride is not None and left > 0 and not ride.done and ride.snapshot_id is not None:
+            # the prompt's last token is prefilled on its own: it samples the first token
+            n = min(left, self._ride_budget())
+            chunk = ride.prompt_ids[ride.prefilled : ride.prefilled + n]
+            extend = ExtendKv(ride.snapshot_id, chunk)
         self._sampled_seconds = 0.0
         began = time.perf_counter()
-        job = ForwardLogitsBatch(tokens, sample=self._sampling(rows))  # type: ignore[arg-type]
+        job = ForwardLogitsBatch(tokens, sample=self._sampling(rows), extend=extend)  # type: ignore[arg-type]
         result: ForwardResult = await self._call(job)
         elapsed = time.perf_counter() - began - self._sampled_seconds
-        self._step_seconds = _ema(self._step_seconds, elapsed)
-        self._timing["forward"] += elapsed
+        if extend is None:
+            self._step_seconds = _ema(self._step_seconds, elapsed)
+            self._timing["forward"] += elapsed
+        else:
+            assert ride is not None
+            n = len(extend.token_ids)
+            extra = max(0.0, elapsed - self._step_seconds)
+            self._ride_seconds_per_token = _ema(self._ride_seconds_per_token, extra / n)
+            self._timing["forward"] += elapsed - extra
+            self._timing["prefill"] += extra
+            ride.prefilled += n
+            self._counts["prefill_chunks"] += 1
+            self._counts["riding_chunks"] += 1
+            self._counts["prefill_tokens"] += n
         c = self._counts
         c["decode_steps"] += 1
         c["decoded_rows"] += len(rows)
@@ -638,7 +855,8 @@ class Engine:
         slot.output_ids.append(token)
         slot.next_token = token
         self._counts["generated_tokens"] += 1
-        self._send(slot, token)
+        logprob = slot.sampler.take_logprob()  # sampled with the token, on the worker thread
+        self._send(slot, token if logprob is None else logprob)
         if token in slot.stop_ids:
             slot.finish_reason = FinishReason.STOP
         elif (
@@ -663,6 +881,10 @@ class Engine:
         caller has counted it already)."""
         if slot.status is SlotStatus.FINISHED:
             return
+        if slot.status is SlotStatus.WAITING and slot.snapshot_id is not None:
+            # a copy of an n > 1 request, cloned while it waited for a row
+            self._worker.submit(DropKvSnapshot((slot.snapshot_id,)))
+            slot.snapshot_id = None
         slot.status = SlotStatus.FINISHED
         self._send(slot, Finish(reason, error))
         slot.to_router.close()

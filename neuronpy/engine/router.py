@@ -1,4 +1,5 @@
-"""Per-slot router task: token ids in, text events out (detokenization, stop strings)."""
+"""Per-slot router task: token ids in, events out (detokenization, stop strings, reasoning and
+tool-call markup, log-probabilities)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from transformers import PreTrainedTokenizerBase
 
 from neuronpy.engine.detokenize import IncrementalDetokenizer
+from neuronpy.engine.output import OutputParser, Parsed
+from neuronpy.engine.reasoning import PROMPT_TAIL_IDS, opens_reasoning
 from neuronpy.engine.slot import Finish, RouterMessage
 from neuronpy.engine.stop import StopMatcher
-from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams
+from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -32,22 +35,40 @@ async def route(
 
     `silent_ids` (EOS, stop tokens) count as generated tokens but never become text. When a stop
     string matches, the router ends the stream itself and asks the engine to drop the row
-    (`request_leave`); tokens the engine produced meanwhile are ignored. A fault here (say, the
-    detokenizer raising) fails this request alone.
+    (`request_leave`); tokens the engine produced meanwhile are ignored. Stop strings apply to
+    the generated text as it is, before `params.output` splits it into reasoning, content and
+    tool calls. A request that asked for log-probabilities gets an event per token. A fault
+    here (say, the detokenizer raising) fails this request alone.
     """
     prompt_tokens = len(prompt_ids)
     count = 0
     unreported: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    per_token = params.logprobs is not None
 
-    def event(text: str, reason: FinishReason | None = None, error: str | None = None):
-        ids = tuple(unreported)
+    def event(
+        parsed: Parsed, reason: FinishReason | None = None, error: str | None = None
+    ) -> GenerationEvent:
+        ids, lps = tuple(unreported), tuple(logprobs)
         unreported.clear()
-        return GenerationEvent(text, ids, reason, prompt_tokens, count, error)
+        logprobs.clear()
+        return GenerationEvent(
+            parsed.content,
+            ids,
+            reason,
+            prompt_tokens,
+            count,
+            error,
+            reasoning=parsed.reasoning,
+            tool_calls=tuple(parsed.tool_calls),
+            logprobs=lps,
+        )
 
     async with inbox, outbox:
         try:
             detok = IncrementalDetokenizer(tokenizer, prompt_ids)
             stop = StopMatcher(params.stop)
+            parser = _parser(tokenizer, prompt_ids, params)
             async for msg in inbox:
                 if isinstance(msg, Finish):
                     text = "" if msg.reason is FinishReason.ERROR else detok.flush()
@@ -55,20 +76,29 @@ async def route(
                     if not stopped:
                         emit += stop.flush()
                         stopped = stop.stopped  # a stop can only be decided at the very end
+                    parsed = parser.push(emit)
+                    if msg.reason is not FinishReason.ERROR:
+                        parsed.extend(parser.finish())
                     reason = FinishReason.STOP if stopped else msg.reason
-                    await outbox.send(event(emit, reason, msg.error))
+                    await outbox.send(event(parsed, reason, msg.error))
                     return
+                if isinstance(msg, TokenLogprob):
+                    logprobs.append(msg)
+                    token = msg.token_id
+                else:
+                    token = msg
                 count += 1
-                unreported.append(msg)
-                if msg in silent_ids:
+                unreported.append(token)
+                if token in silent_ids:
                     continue
-                emit, stopped = stop.push(detok.add(msg))
+                emit, stopped = stop.push(detok.add(token))
+                parsed = parser.push(emit)
                 if stopped:
                     request_leave()
-                    await outbox.send(event(emit, FinishReason.STOP))
+                    await outbox.send(event(parsed.extend(parser.finish()), FinishReason.STOP))
                     return
-                if emit:
-                    await outbox.send(event(emit))
+                if parsed or (per_token and logprobs):
+                    await outbox.send(event(parsed))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             request_leave()  # the consumer went away: nobody to route to
         except Exception as exc:
@@ -77,5 +107,17 @@ async def route(
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     await outbox.send(
-                        event("", FinishReason.ERROR, f"output processing failed: {exc}")
+                        event(Parsed(), FinishReason.ERROR, f"output processing failed: {exc}")
                     )
+
+
+def _parser(
+    tokenizer: PreTrainedTokenizerBase, prompt_ids: tuple[int, ...], params: SamplingParams
+) -> OutputParser:
+    """The reply's parser; it starts inside the reasoning block if the prompt opened one."""
+    output = params.output
+    opened = False
+    if output.reasoning is not None and prompt_ids:
+        tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:]), skip_special_tokens=False)
+        opened = opens_reasoning(tail, output.reasoning)
+    return OutputParser(output, opened=opened)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from neuronpy.engine.types import SamplingParams
+from neuronpy.engine.types import SamplingParams, TokenLogprob
 
 # Temperatures below this are greedy, as in vLLM: dividing by one near zero overflows float32
 # and the softmax turns to NaN.
@@ -32,6 +32,10 @@ class Sampler:
         self._greedy = params.temperature < MIN_TEMPERATURE
         self._repetition = params.repetition_penalty != 1.0
         self._frequency = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        self._bias = bool(params.logit_bias)
+        self._bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        self._bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+        self._logprob: TokenLogprob | None = None  # the last token's, when params.logprobs
         self._min_vocab = max(vocab_size, max(prompt, default=-1) + 1)
         # Incremental state, so that a step costs O(distinct ids seen), not O(history). The
         # sets answer "new id?" without reading a tensor; the id tensors index the logits.
@@ -49,7 +53,7 @@ class Sampler:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with no penalty: the token is the row's argmax (rows can share one argmax)."""
-        return self._greedy and not (self._repetition or self._frequency)
+        return self._greedy and not (self._repetition or self._frequency or self._bias)
 
     def sample(self, logits: torch.Tensor) -> int:
         """Choose the next token from `logits` ([vocab] CPU), record it and return it."""
@@ -63,9 +67,12 @@ class Sampler:
         return token
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """A float32 copy of `logits` with the repetition, frequency and presence penalties."""
+        """A float32 copy of `logits` with the logit_bias (first), then the repetition,
+        frequency and presence penalties."""
         out = self._check(logits).to(torch.float32, copy=True)
         p = self.params
+        if self._bias:
+            out[self._bias_ids] += self._bias_values
         if self._repetition:
             ids = self._seen_ids
             vals = out[ids]
@@ -126,6 +133,11 @@ class Sampler:
         """Note a token chosen for this request elsewhere (a batched argmax)."""
         self._record(token)
 
+    def take_logprob(self) -> TokenLogprob | None:
+        """The log-probabilities of the token chosen last (once), when the request asked."""
+        logprob, self._logprob = self._logprob, None
+        return logprob
+
     def _record(self, token: int) -> None:
         self.output_ids.append(token)
         if self._frequency:
@@ -162,7 +174,30 @@ def sample_rows(samplers: Sequence[Sampler | None], logits: torch.Tensor) -> lis
     for i, sampler in enumerate(samplers):
         if sampler is not None and tokens[i] is None:
             tokens[i] = sampler.sample(logits[i])
+    _record_logprobs(samplers, logits, tokens)
     return tokens
+
+
+def _record_logprobs(
+    samplers: Sequence[Sampler | None], logits: torch.Tensor, tokens: Sequence[int | None]
+) -> None:
+    """For the rows whose request asked: the chosen token's log-probability and the row's most
+    likely ids, from a log-softmax of the raw logits row the token was sampled from (vLLM's
+    default, raw_logprobs). Costs nothing when no row asked."""
+    rows = [i for i, s in enumerate(samplers) if s is not None and s.params.logprobs is not None]
+    if not rows:
+        return
+    logp = torch.log_softmax(logits[rows].to(torch.float32), dim=-1)  # [W, vocab]
+    chosen = torch.tensor([[tokens[i]] for i in rows], dtype=torch.long)
+    picked = logp.gather(1, chosen)[:, 0].tolist()
+    counts = [samplers[i].params.logprobs or 0 for i in rows]  # type: ignore[union-attr]
+    k = min(max(counts), logp.shape[1])
+    top_values, top_ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], chosen[:, :0])
+    for row, (i, n) in enumerate(zip(rows, counts, strict=True)):
+        sampler = samplers[i]
+        assert sampler is not None
+        top = tuple(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True))
+        sampler._logprob = TokenLogprob(int(chosen[row, 0]), picked[row], top)
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

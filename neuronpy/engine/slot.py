@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from anyio.abc import ObjectSendStream
 
 from neuronpy.engine.sampling import Sampler
-from neuronpy.engine.types import FinishReason, SamplingParams
+from neuronpy.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 
 class SlotStatus(enum.IntEnum):
@@ -29,7 +29,7 @@ class Finish:
     error: str | None = None
 
 
-RouterMessage = int | Finish
+RouterMessage = int | TokenLogprob | Finish  # a token id, or one with its log-probabilities
 
 
 @dataclass(eq=False)
@@ -49,6 +49,11 @@ class Slot:
     leave_requested: bool = False  # the router stopped (stop string) or the client went away
     cancelled: bool = False
     arrived_at: float = field(default_factory=time.monotonic)
+    index: int = 0  # which of its request's n completions
+    # every copy of one request (n > 1), itself included: the first to be prefilled clones its
+    # snapshot into the others
+    group: list[Slot] = field(default_factory=list, repr=False)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
     @property
     def done(self) -> bool:

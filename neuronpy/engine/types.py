@@ -6,10 +6,14 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from neuronpy.engine.reasoning import REASONING_MARKERS
 from neuronpy.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_LOGIT_BIAS_VALUE = 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -27,6 +31,20 @@ def _check_number(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise InvalidRequestError(f"'{name}' must be finite", name)
     return float(value)
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """How the router splits a reply's text (chat): a leading reasoning block and tool calls.
+    The default splits nothing: every character is content."""
+
+    reasoning: str | None = None  # a reasoning parser ("think"); None: no reasoning block
+    tool_calls: bool = False  # Hermes/Qwen <tool_call>{...}</tool_call> markup -> ToolCalls
+    parallel_tool_calls: bool = True  # False: only the first tool call is returned
+
+    def __post_init__(self) -> None:
+        if self.reasoning is not None and self.reasoning not in REASONING_MARKERS:
+            raise InvalidRequestError(f"unknown reasoning parser {self.reasoning!r}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +67,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # top alternatives to report with each token's log-probability (0: the chosen token's
+    # only); None: no log-probabilities
+    logprobs: int | None = None
+    # (token id, bias) pairs added to the raw logits before anything else; ids are unique
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    output: OutputFormat = OutputFormat()
 
     def __post_init__(self) -> None:
         mt = self.max_tokens
@@ -89,10 +113,70 @@ class SamplingParams:
             raise InvalidRequestError(
                 "'stop_token_ids' must be a list of non-negative integers", "stop_token_ids"
             )
+        n = self.logprobs
+        if n is not None and (
+            isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}", "logprobs"
+            )
+        _check_logit_bias(self.logit_bias)
+        if not isinstance(self.output, OutputFormat):
+            raise InvalidRequestError("'output' must be an OutputFormat")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_logit_bias(bias: object) -> None:
+    if not isinstance(bias, tuple) or not all(
+        isinstance(pair, tuple) and len(pair) == 2 for pair in bias
+    ):
+        raise InvalidRequestError("'logit_bias' must be (token id, bias) pairs", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias"
+        )
+    bad_ids = [t for t, _ in bias if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+    bad_values = [
+        b
+        for _, b in bias
+        if isinstance(b, bool)
+        or not isinstance(b, (int, float))
+        or not -MAX_LOGIT_BIAS_VALUE <= b <= MAX_LOGIT_BIAS_VALUE
+    ]
+    if bad_ids or bad_values:
+        raise InvalidRequestError(
+            f"'logit_bias' needs token ids >= 0 and biases in [-100, 100]; bad ids: "
+            f"{bad_ids[:20]}, bad biases: {bad_values[:20]}",
+            "logit_bias",
+        )
+    if len({t for t, _ in bias}) != len(bias):
+        raise InvalidRequestError("'logit_bias' names a token id twice", "logit_bias")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's raw logits (a log-softmax of the
+    logits row it was sampled from, before logit_bias, penalties and temperature), with the
+    most likely ids of that row, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), as many as asked
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A complete, well-formed tool call the model wrote, as OpenAI returns it."""
+
+    index: int  # its place among the reply's tool calls
+    id: str
+    name: str
+    arguments: str  # a JSON object's text, as the model wrote it
+    # `arguments` cut where the generated text was cut into deltas (joined, they are it)
+    pieces: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +194,9 @@ class GenerationEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    reasoning: str = ""  # new text of the reasoning block (with an OutputFormat.reasoning)
+    tool_calls: tuple[ToolCall, ...] = ()  # tool calls completed since the previous event
+    logprobs: tuple[TokenLogprob, ...] = ()  # of token_ids, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -125,3 +212,6 @@ class Completion:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)

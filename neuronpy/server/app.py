@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -17,9 +18,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from neuronpy.engine.engine import Engine, RequestStream
+from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams
 from neuronpy.errors import NeuronError
 from neuronpy.server.auth import security_middleware
+from neuronpy.server.choices import ChoicesStreamResponse
+from neuronpy.server.logprobs import token_texts
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import (
     ServedModel,
@@ -40,6 +44,7 @@ from neuronpy.server.protocol import (
     render_chat,
     requested_model,
     unavailable,
+    usage,
 )
 from neuronpy.server.sse import EventStreamResponse, cancel_on_disconnect
 
@@ -193,13 +198,21 @@ async def _generate(
         engine = model.ready_engine()
         req = parse_request(kind, body)
         prompt_ids = await anyio.to_thread.run_sync(_tokenize, engine, req)
-        params = req.sampling_params(len(prompt_ids), engine.context_len)
-        stream = _submit(engine, prompt_ids, params, req)
+        reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
+        params = req.sampling_params(len(prompt_ids), engine.context_len, reasoning)
+        streams = _submit(engine, prompt_ids, params, req)
     except ApiError as exc:
         metrics.reject(model, exc)
         raise
+    texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
+    reply = Reply(kind, model.name, include_usage=req.include_usage, texts=texts)
+    if len(streams) > 1:  # n > 1: each copy counts as an admitted request
+        observers = [metrics.admit(model.name, started) for _ in streams]
+        if req.stream:
+            return _stream_choices(streams, reply, engine, observers)
+        return await _gather_choices(request, streams, reply, engine, observers)
+    (stream,) = streams
     observe = metrics.admit(model.name, started)
-    reply = Reply(kind, model.name, include_usage=req.include_usage)
     if req.stream:
         opening = [reply.chunk(None)] if kind == "chat" else []
         render = _renderer(reply, stream, engine, observe)
@@ -209,15 +222,15 @@ async def _generate(
 
 def _tokenize(engine: Engine, req: ParsedRequest) -> list[int]:
     if req.kind == "chat":
-        return render_chat(engine.tokenizer, req.messages)
+        return render_chat(engine.tokenizer, req.messages, req.tools.tools)
     return encode_prompt(engine.tokenizer, req.prompt)
 
 
 def _submit(
     engine: Engine, prompt_ids: list[int], params: SamplingParams, req: ParsedRequest
-) -> RequestStream:
+) -> list[RequestStream]:
     try:
-        return engine.submit(prompt_ids, params)
+        return engine.submit_many(prompt_ids, params, req.n)
     except NeuronError as exc:
         error = api_error(exc, req.kind)
         if error.param == "max_tokens":
@@ -230,12 +243,16 @@ def _renderer(
 ) -> Callable[[GenerationEvent], list[dict[str, Any]]]:
     def render(event: GenerationEvent) -> list[dict[str, Any]]:
         observe(event)
-        chunks = [reply.chunk(event.text)] if event.text else []
+        chunks = reply.event_chunks(event)  # content, reasoning, tool calls, logprobs
         reason = event.finish_reason
         if reason in (FinishReason.STOP, FinishReason.LENGTH):
-            chunks.append(reply.chunk("", finish_reason=reason.value))
+            chunks.append(reply.chunk("", finish_reason=reply.finish_reason(reason)))
             if reply.include_usage:
-                chunks.append(reply.usage_chunk(stream.prompt_tokens, event.completion_tokens))
+                chunks.append(
+                    reply.usage_chunk(
+                        stream.prompt_tokens, event.completion_tokens, stream.cached_tokens
+                    )
+                )
         elif reason is not None:
             if reason is FinishReason.ABORT:  # cut short (shutdown): say so, then why
                 chunks.append(reply.chunk("", finish_reason=reason.value))
@@ -290,13 +307,97 @@ async def _gather(
 
     if not await cancel_on_disconnect(request.receive, collect):
         return Response(status_code=499)  # nobody is listening
+    return JSONResponse(_body(events, stream, reply, engine))
+
+
+def _body(
+    events: list[GenerationEvent], stream: RequestStream, reply: Reply, engine: Engine
+) -> dict[str, Any]:
+    """A whole request's response body from its events; the ApiError when it did not finish."""
     last = events[-1] if events else None
     error = _failure(last, engine)
     if error is not None or last is None or last.finish_reason is None:
         raise error or ApiError(500, "generation failed", type="server_error")
     text = "".join(e.text for e in events)
-    body = reply.body(text, last.finish_reason.value, stream.prompt_tokens, last.completion_tokens)
-    return JSONResponse(body)
+    body = reply.body(
+        text, last.finish_reason.value, stream.prompt_tokens, last.completion_tokens, events=events
+    )
+    body["usage"] = usage(stream.prompt_tokens, last.completion_tokens, stream.cached_tokens)
+    return body
+
+
+async def _gather_choices(
+    request: Request,
+    streams: list[RequestStream],
+    reply: Reply,
+    engine: Engine,
+    observers: list[Callable[[GenerationEvent], None]],
+) -> Response:
+    """n > 1, not streamed: every copy gathered, one choice each (index i: copy i); the usage
+    counts the prompt once and every copy's tokens. A disconnect cancels every copy."""
+    events: list[list[GenerationEvent]] = [[] for _ in streams]
+
+    async def collect() -> None:
+        async with contextlib.AsyncExitStack() as stack, anyio.create_task_group() as tg:
+            for i, stream in enumerate(streams):
+                await stack.enter_async_context(stream)  # leaving cancels what did not finish
+
+                async def one(i: int = i, stream: RequestStream = stream) -> None:
+                    async for event in stream:
+                        events[i].append(event)
+                        observers[i](event)
+
+                tg.start_soon(one)
+
+    if not await cancel_on_disconnect(request.receive, collect):
+        return Response(status_code=499)
+    bodies = [
+        _body(evs, stream, dataclasses.replace(reply, index=i), engine)
+        for i, (evs, stream) in enumerate(zip(events, streams, strict=True))
+    ]
+    out = bodies[0]
+    out["choices"] = [b["choices"][0] for b in bodies]
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    out["usage"] = usage(streams[0].prompt_tokens, completion, streams[0].cached_tokens)
+    return JSONResponse(out)
+
+
+def _stream_choices(
+    streams: list[RequestStream],
+    reply: Reply,
+    engine: Engine,
+    observers: list[Callable[[GenerationEvent], None]],
+) -> ChoicesStreamResponse:
+    """n > 1, streamed: the copies' chunks interleaved as they come, each with its choice's
+    index; one usage chunk (when asked for) after every copy has finished."""
+    completions = [0] * len(streams)
+    replies = [dataclasses.replace(reply, index=i) for i in range(len(streams))]
+
+    def renderer(i: int) -> Callable[[GenerationEvent], list[dict[str, Any]]]:
+        render = _renderer(replies[i], streams[i], engine, observers[i])
+
+        def render_choice(event: GenerationEvent) -> list[dict[str, Any]]:
+            if event.finished:
+                completions[i] = event.completion_tokens
+            # the usage chunk goes once, for every choice, at the end
+            return [c for c in render(event) if not (c.get("choices") == [] and c.get("usage"))]
+
+        return render_choice
+
+    def closing() -> list[dict[str, Any]]:
+        if not reply.include_usage:
+            return []
+        first = streams[0]
+        return [reply.usage_chunk(first.prompt_tokens, sum(completions), first.cached_tokens)]
+
+    opening = [r.chunk(None) for r in replies] if reply.kind == "chat" else []
+    return ChoicesStreamResponse(
+        streams,
+        opening,
+        [renderer(i) for i in range(len(streams))],
+        [_refusal(engine, observe) for observe in observers],
+        closing,
+    )
 
 
 async def _read_json(request: Request, limit: int) -> object:

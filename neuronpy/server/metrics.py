@@ -45,6 +45,12 @@ ENGINE_GAUGES = (
     ("queued", "neuronpy_requests_queued", "Admitted requests waiting for a row."),
     ("live_batch_size", "neuronpy_live_batch_size", "Rows of the live batch now."),
     ("max_batch_size", "neuronpy_max_batch_size", "The largest batch a decode step has run."),
+    (
+        "prefix_cache_entries",
+        "neuronpy_prefix_cache_entries",
+        "KV snapshots the prefix cache holds.",
+    ),
+    ("prefix_cache_bytes", "neuronpy_prefix_cache_bytes", "Bytes of KV the prefix cache holds."),
 )
 ENGINE_COUNTERS = (
     ("cancelled", "neuronpy_requests_cancelled", "Requests ended early by their client."),
@@ -67,6 +73,22 @@ ENGINE_COUNTERS = (
         "Padding KV columns in decode steps' batches, summed over steps (batching's waste).",
     ),
     ("kv_columns", "neuronpy_kv_columns", "Real KV columns attended, summed over decode steps."),
+    (
+        "prefill_tokens",
+        "neuronpy_prefill_tokens",
+        "Prompt tokens prefilled (those restored from the prefix cache are not).",
+    ),
+    ("prefix_cache_hits", "neuronpy_prefix_cache_hits", "Prompts that restored a cached prefix."),
+    (
+        "prefix_cache_misses",
+        "neuronpy_prefix_cache_misses",
+        "Prompts prefilled from scratch while the prefix cache was on.",
+    ),
+    (
+        "prefix_cache_reused_tokens",
+        "neuronpy_prefix_cache_reused_tokens",
+        "Prompt tokens restored from the prefix cache rather than prefilled.",
+    ),
 )
 
 

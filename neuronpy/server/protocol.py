@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from neuronpy.engine.types import FinishReason, SamplingParams
+from neuronpy.engine.types import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_LOGPROBS,
+    FinishReason,
+    GenerationEvent,
+    OutputFormat,
+    SamplingParams,
+    TokenLogprob,
+)
 from neuronpy.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
@@ -21,23 +31,21 @@ from neuronpy.errors import (
     QueueFullError,
     ShuttingDownError,
 )
+from neuronpy.server.chat import ChatTools, parse_messages, parse_tools
+from neuronpy.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 
 Kind = Literal["chat", "text"]
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions, as OpenAI; chat defaults to the context
-# Message roles the chat template may see: the template concatenates them into control tokens.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Fields with a meaning neuronpy does not implement, and the values that ask for nothing.
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "functions": (None, []),
+    "functions": (None, []),  # the deprecated form of tools
+    "function_call": (None, "none", "auto"),
 }
+_TOKEN_ID = re.compile(r"^[0-9]{1,10}$")  # a logit_bias key
 
 
 class ApiError(Exception):
@@ -102,19 +110,29 @@ class ParsedRequest:
     max_tokens_param: str  # the field it came from: max_tokens or max_completion_tokens
     stream: bool
     include_usage: bool
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat
+    # chat: the tools the template sees, and whether tool-call markup becomes tool calls
+    tools: ChatTools = field(default_factory=ChatTools)
     prompt: str | list[int] = ""  # completions
+    n: int = 1  # completions of the prompt to return (choices)
 
-    def sampling_params(self, prompt_len: int, context_len: int) -> SamplingParams:
+    def sampling_params(
+        self, prompt_len: int, context_len: int, reasoning: str | None = None
+    ) -> SamplingParams:
         """The request's max_tokens, or its default: 16 for completions (as OpenAI), the rest of
-        the context for chat. At least 1, so a too-long prompt is reported as such."""
+        the context for chat. At least 1, so a too-long prompt is reported as such. A chat
+        reply is split by the model's reasoning parser `reasoning` and, with tools, into tool
+        calls; a completion is plain text."""
         if self.max_tokens is not None:
             max_tokens = self.max_tokens
         elif self.kind == "chat":
             max_tokens = max(1, context_len - prompt_len)
         else:
             max_tokens = max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, context_len - prompt_len))
-        return dataclasses.replace(self.params, max_tokens=max_tokens)
+        output = OutputFormat()
+        if self.kind == "chat":
+            output = OutputFormat(reasoning, self.tools.parse, self.tools.parallel)
+        return dataclasses.replace(self.params, max_tokens=max_tokens, output=output)
 
 
 def requested_model(body: object) -> str | None:
@@ -137,12 +155,11 @@ def parse_request(kind: Kind, body: object) -> ParsedRequest:
     for name, allowed in UNSUPPORTED.items():
         if name in body and not any(_same(body[name], a) for a in allowed):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise ApiError(400, "only the text response_format is supported", param="response_format")
-    n = body.get("n")
-    if n is not None and not _same(n, 1):
-        raise ApiError(400, f"only n=1 is supported, got n={n!r}", param="n")
+    _response_format(body.get("response_format"))
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not _is_int(n) or n < 1:  # the engine checks its own cap (max_n) before admitting
+        raise ApiError(400, f"'n' must be an integer >= 1, got {n!r}", param="n")
     stream = _optional(body, "stream", bool, False)
     include_usage = _stream_options(body, stream)
     newer = body.get("max_completion_tokens") is not None
@@ -164,7 +181,13 @@ def parse_request(kind: Kind, body: object) -> ParsedRequest:
             stop=_stop(body.get("stop")),
             stop_token_ids=_int_tuple(body, "stop_token_ids"),
             ignore_eos=_optional(body, "ignore_eos", bool, False),
+            logprobs=_logprobs(kind, body),
+            logit_bias=_logit_bias(body.get("logit_bias")),
         )
+        if kind == "chat":
+            messages, tools = parse_messages(body.get("messages")), parse_tools(body)
+        elif body.get("tools"):
+            raise InvalidRequestError("'tools' needs /v1/chat/completions", "tools")
     except InvalidRequestError as exc:
         raise ApiError(400, exc.message, param=exc.param) from None
     common = dict(
@@ -174,16 +197,22 @@ def parse_request(kind: Kind, body: object) -> ParsedRequest:
         max_tokens_param=max_param,
         stream=stream,
         include_usage=include_usage,
+        n=n,
     )
     if kind == "chat":
-        return ParsedRequest(**common, messages=_messages(body.get("messages")))
+        return ParsedRequest(**common, messages=messages, tools=tools)
     return ParsedRequest(**common, prompt=_prompt(body.get("prompt")))
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` through the model's own chat template, which transformers renders
-    in a sandboxed Jinja environment. Control tokens inside messages are encoded as plain text,
-    so a user cannot forge a turn. A template never comes from the request."""
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of `messages` (and `tools`, for a template that writes them) through the
+    model's own chat template, which transformers renders in a sandboxed Jinja environment.
+    Control tokens inside messages and tools are encoded as plain text, so a user cannot forge
+    a turn. A template never comes from the request."""
     if not tokenizer.chat_template:
         raise ApiError(
             400, "this model has no chat template; use /v1/completions", param="messages"
@@ -191,6 +220,7 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
     try:
         ids = tokenizer.apply_chat_template(
             messages,
+            tools=tools or None,
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
@@ -213,11 +243,13 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -
 # ---- responses --------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens restored from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -230,6 +262,15 @@ class Reply:
     include_usage: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    index: int = 0  # the choice this reply's chunks and body are (n > 1: one Reply per choice)
+    texts: TokenTexts | None = None  # given when the request asked for log-probabilities
+    # what the stream has sent so far: tool calls, and the characters of the tokens' texts
+    _sent: dict[str, int] = field(
+        default_factory=lambda: {"tool_calls": 0, "chars": 0},
+        init=False,
+        compare=False,
+        repr=False,
+    )
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -255,30 +296,109 @@ class Reply:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""}
             else:
                 delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": self.index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": self.index, "text": text or ""}
         choice.update(logprobs=None, finish_reason=finish_reason)
         out = self._envelope([choice], streaming=True)
         if self.include_usage:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def event_chunks(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        """The streamed chunks of an event's new output, none if it has none: the reasoning,
+        the content, then each tool call as OpenAI streams one (its id and name first, then
+        its arguments piece by piece). The event's log-probabilities ride on the first."""
+        logprobs = self._logprobs(event.logprobs) if event.logprobs else None
+        if self.kind == "text":
+            if not event.text and logprobs is None:
+                return []
+            return [self._chunk({"text": event.text}, logprobs)]
+        deltas: list[dict[str, Any]] = []
+        if event.reasoning:
+            deltas.append({"reasoning_content": event.reasoning})
+        if event.text:
+            deltas.append({"content": event.text})
+        for call in event.tool_calls:
+            self._sent["tool_calls"] += 1
+            function = {"name": call.name, "arguments": ""}
+            head = {"index": call.index, "id": call.id, "type": "function", "function": function}
+            deltas.append({"tool_calls": [head]})
+            deltas.extend(
+                {"tool_calls": [{"index": call.index, "function": {"arguments": piece}}]}
+                for piece in call.pieces
+            )
+        if not deltas and logprobs is not None:
+            deltas.append({})
+        return [self._chunk({"delta": d}, None if k else logprobs) for k, d in enumerate(deltas)]
+
+    def finish_reason(self, reason: FinishReason) -> str:
+        """OpenAI's finish_reason: "tool_calls" for a streamed reply that stopped after
+        making tool calls."""
+        if reason is FinishReason.STOP and self._sent["tool_calls"]:
+            return "tool_calls"
+        return reason.value
+
+    def _chunk(self, fields: dict[str, Any], logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        choice = {"index": self.index, **fields, "logprobs": logprobs, "finish_reason": None}
+        out = self._envelope([choice], streaming=True)
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens (None unless the request asked)."""
+        if self.texts is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(self.texts, logprobs)
+        out = completion_logprobs(self.texts, logprobs, self._sent["chars"])
+        self._sent["chars"] += sum(len(token) for token in out["tokens"])
+        return out
+
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage: no choices, the usage."""
         out = self._envelope([], streaming=True)
-        out["usage"] = usage(prompt_tokens, completion_tokens)
+        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return out
 
     def body(
-        self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+        self,
+        text: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        *,
+        events: Sequence[GenerationEvent] = (),
     ) -> dict[str, Any]:
-        """The whole (non-streamed) response."""
+        """The whole (non-streamed) response; `events` (all of the request's) give its
+        reasoning, tool calls and log-probabilities."""
         if self.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            reasoning = "".join(e.reasoning for e in events)
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            calls = [call for e in events for call in e.tool_calls]
+            if calls:
+                message["content"] = text or None
+                message["tool_calls"] = [
+                    {
+                        "id": c.id,
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments},
+                    }
+                    for c in calls
+                ]
+                if finish_reason == FinishReason.STOP.value:
+                    finish_reason = "tool_calls"
+            choice: dict[str, Any] = {"index": self.index, "message": message}
         else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish_reason)
+            choice = {"index": self.index, "text": text}
+        self._sent["chars"] = 0
+        logprobs = self._logprobs([lp for e in events for lp in e.logprobs])
+        choice.update(logprobs=logprobs, finish_reason=finish_reason)
         out = self._envelope([choice], streaming=False)
         out["usage"] = usage(prompt_tokens, completion_tokens)
         return out
@@ -361,46 +481,76 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _messages(value: object) -> list[dict[str, str]]:
-    """Only each message's role and text reach the template: no other key, no tool calls."""
-    if not isinstance(value, list) or not value:
-        raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages")
-    out = []
-    for i, message in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise ApiError(400, f"{where} must be an object", param=where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise ApiError(
-                400,
-                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
-                param=f"{where}.role",
-            )
-        out.append({"role": ROLES[role], "content": _content(message, where)})
-    return out
+def _response_format(value: object) -> None:
+    """Only text: a JSON mode needs constrained decoding, which this server does not have."""
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return
+    if kind in ("json_object", "json_schema"):
+        message = (
+            f"response_format {kind!r} is not supported: this server has no constrained "
+            'decoding; use {"type": "text"} (the default) and validate the reply yourself'
+        )
+    else:
+        message = "'response_format' must be an object whose type is 'text'"
+    raise ApiError(400, message, param="response_format")
 
 
-def _content(message: dict[str, Any], where: str) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if content is None and message.get("role") == "assistant":
-        return ""
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError(
-                    400, "only text content parts are supported", param=f"{where}.content"
-                )
-            if not isinstance(part.get("text"), str):
-                raise ApiError(400, "a text part needs a 'text' string", param=f"{where}.content")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise ApiError(
-        400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
-    )
+def _logprobs(kind: Kind, body: dict[str, Any]) -> int | None:
+    """How many top alternatives to report per token (0: the chosen token's only), or None.
+    Chat: `logprobs: true` and `top_logprobs: N`; completions: `logprobs: N`."""
+    cap = f"an integer from 0 to {MAX_LOGPROBS}"
+    if kind == "text":
+        value = body.get("logprobs")
+        if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"'logprobs' must be null or {cap}", "logprobs")
+        return value
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidRequestError("'logprobs' must be a boolean", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+        raise InvalidRequestError(f"'top_logprobs' must be {cap}", "top_logprobs")
+    if top and not wanted:
+        raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias}: ids written as integers, biases in [-100, 100]; a 400 lists the
+    entries that are not (ids outside the vocabulary are the engine's to refuse)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            "'logit_bias' must be an object mapping token ids to biases", "logit_bias"
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(
+            f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(value)}",
+            "logit_bias",
+        )
+    bad_keys = [k for k in value if not _TOKEN_ID.match(k)]
+    bad_values = [
+        k
+        for k, v in value.items()
+        if isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not -MAX_LOGIT_BIAS_VALUE <= v <= MAX_LOGIT_BIAS_VALUE
+    ]
+    if bad_keys or bad_values:
+        raise InvalidRequestError(
+            "'logit_bias' maps token ids (integers, as strings) to biases in [-100, 100]; "
+            f"bad keys: {[k[:20] for k in bad_keys[:20]]}, bad biases for: "
+            f"{[k[:20] for k in bad_values[:20]]}",
+            "logit_bias",
+        )
+    bias = {int(k): float(v) for k, v in value.items()}
+    if len(bias) != len(value):
+        raise InvalidRequestError("'logit_bias' names a token id twice", "logit_bias")
+    return tuple(bias.items())
 
 
 def _prompt(value: object) -> str | list[int]:

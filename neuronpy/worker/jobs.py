@@ -23,6 +23,14 @@ class Prefill:
     parent_id: int | None = None
     sample: RowSampler | None = None  # given: answer the sampled token rather than the logits
     reserve: int = 0  # tokens the snapshot will grow to (chunk by chunk): allocated up front
+    # Only the parent's first `parent_length` tokens (a prefix-cache hit may use part of a
+    # cached snapshot). The parent may be a cached snapshot: it is copied, never extended.
+    parent_length: int | None = None
+    # Keep a compact copy of the finished snapshot in the prefix cache under this id.
+    cache_id: int | None = None
+    # Copies of the finished snapshot, stored under these ids (n > 1 completions of one
+    # prompt). With `sample`, the sampler gets one logits row per snapshot, the original first.
+    clone_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,8 @@ class PrefillResult:
     length: int
     logits: torch.Tensor | None  # [vocab] float32, CPU; None when the job sampled
     token: int | None = None  # the sampled token, when the job had `sample`
+    clone_tokens: tuple[int | None, ...] = ()  # the clones' sampled tokens, in clone_ids order
+    cached_bytes: int = 0  # what the prefix-cache copy (cache_id) takes
 
 
 @dataclass(frozen=True)
@@ -50,12 +60,22 @@ class AssembleResult:
 
 
 @dataclass(frozen=True)
+class ExtendKv:
+    """Prompt tokens to append to stored snapshot `snapshot_id` (grown in place) within a
+    decode step: the chunk shares the step's weight reads (LlamaModel.forward_step)."""
+
+    snapshot_id: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ForwardLogitsBatch:
     """One lockstep decode step: row b consumes token_ids[b]. Positions and the padding mask come
     from the live batch the worker holds."""
 
     token_ids: tuple[int, ...]
     sample: RowSampler | None = None  # given: answer sampled tokens rather than the logits
+    extend: ExtendKv | None = None  # a joiner's prompt chunk riding along
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,27 @@ class DropResult:
 
 
 @dataclass(frozen=True)
+class CacheKvSnapshots:
+    """Move stored snapshots (rows extracted from the live batch included) into the prefix
+    cache, compact, under the same ids: they leave the store of running snapshots."""
+
+    snapshot_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    nbytes: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DropCachedKv:
+    """Evict these snapshots from the prefix cache."""
+
+    cache_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """Ask what the worker holds (for metrics and leak checks)."""
 
@@ -99,6 +140,8 @@ class WorkerStatsResult:
     snapshot_bytes: int
     live_batch_size: int
     live_kv_columns: int
+    cached_snapshots: int = 0  # held by the prefix cache (not counted in `snapshots`)
+    cached_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,6 +155,8 @@ Job = (
     | ForwardLogitsBatch
     | ExtractKvRows
     | DropKvSnapshot
+    | CacheKvSnapshots
+    | DropCachedKv
     | WorkerStats
     | Shutdown
 )

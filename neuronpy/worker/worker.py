@@ -13,11 +13,14 @@ import anyio
 import torch
 
 from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, assemble_batch
-from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
+from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel, PrefillChunk
 from neuronpy.errors import WorkerError
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
     AssembleResult,
+    CacheKvSnapshots,
+    CacheResult,
+    DropCachedKv,
     DropKvSnapshot,
     DropResult,
     ExtractKvRows,
@@ -37,15 +40,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def run_in_own_thread(fn: Callable[[], T], name: str) -> T:
-    """Runs blocking `fn` (loading weights, building a model) on a new thread that ends with it.
-
-    Under OpenMP every thread that runs a parallel tensor operation keeps a team of threads for
-    as long as it lives. Once there are more of them than cores, every team stops spinning
-    between operations and sleeps, and each operation pays for waking its team: the device
-    worker's steps ran up to 1.5x slower next to the idle pool thread that had loaded the
-    model. A thread that exits takes its team with it.
-    """
+def start_in_own_thread(fn: Callable[[], T], name: str) -> tuple[Future[T], threading.Thread]:
+    """Starts `fn` on a new thread that ends with it: the future holds its result or error.
+    Blocking torch work outside the device worker runs this way (see run_in_own_thread)."""
     fut: Future[T] = Future()
 
     def run() -> None:
@@ -55,7 +52,21 @@ async def run_in_own_thread(fn: Callable[[], T], name: str) -> T:
             except BaseException as exc:
                 fut.set_exception(exc)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return fut, thread
+
+
+async def run_in_own_thread(fn: Callable[[], T], name: str) -> T:
+    """Runs blocking `fn` (loading weights, building a model) on a new thread that ends with it.
+
+    Under OpenMP every thread that runs a parallel tensor operation keeps a team of threads for
+    as long as it lives. Once there are more of them than cores, every team stops spinning
+    between operations and sleeps, and each operation pays for waking its team: the device
+    worker's steps ran up to 1.5x slower next to the idle pool thread that had loaded the
+    model. A thread that exits takes its team with it.
+    """
+    fut, _ = start_in_own_thread(fn, name)
     return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
 
 
@@ -69,6 +80,9 @@ class DeviceWorker:
         self.prefill_chunk = prefill_chunk
         # a snapshot, or a row of the last live batch not copied out yet (see BatchRow)
         self._snapshots: dict[int, KvSource] = {}
+        # the prefix cache's snapshots: compact, read-only (a prefill copies them); which to
+        # keep and which to evict is the engine's decision (see engine/prefix_cache.py)
+        self._cache: dict[int, KvSnapshot] = {}
         self._batch: LiveBatch | None = None
         self._jobs: queue.SimpleQueue[tuple[Job, Future[Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(
@@ -112,6 +126,7 @@ class DeviceWorker:
                 fut.set_result(result)
             if isinstance(job, Shutdown):
                 self._snapshots.clear()
+                self._cache.clear()
                 self._batch = None
                 return
 
@@ -129,12 +144,18 @@ class DeviceWorker:
             case DropKvSnapshot():
                 dropped = sum(self._snapshots.pop(i, None) is not None for i in job.snapshot_ids)
                 return DropResult(dropped)
+            case CacheKvSnapshots():
+                return self._cache_snapshots(job)
+            case DropCachedKv():
+                return DropResult(sum(self._cache.pop(i, None) is not None for i in job.cache_ids))
             case WorkerStats():
                 return WorkerStatsResult(
                     snapshots=len(self._snapshots),
                     snapshot_bytes=sum(s.nbytes for s in self._snapshots.values()),
                     live_batch_size=self._batch.batch_size if self._batch else 0,
                     live_kv_columns=self._batch.kv_columns if self._batch else 0,
+                    cached_snapshots=len(self._cache),
+                    cached_bytes=sum(s.nbytes for s in self._cache.values()),
                 )
             case Shutdown():
                 return None
@@ -157,16 +178,47 @@ class DeviceWorker:
         extend = job.parent_id == job.snapshot_id
         if job.snapshot_id in self._snapshots and not extend:
             raise WorkerError(f"snapshot {job.snapshot_id} already exists")
-        parent = self._snapshot(job.parent_id) if job.parent_id is not None else None
+        for sid in (job.cache_id, *job.clone_ids):
+            if sid is not None and (sid in self._snapshots or sid in self._cache):
+                raise WorkerError(f"snapshot {sid} already exists")
+        parent: KvSnapshot | None = None
+        if job.parent_id is not None:
+            if job.parent_id in self._cache:  # copied by prefill: the cached one is never changed
+                parent, extend = self._cache[job.parent_id], False
+            else:
+                parent = self._snapshot(job.parent_id)
+            if job.parent_length is not None and job.parent_length != parent.length:
+                parent = _prefix_of(parent, job.parent_length)
+                extend = False
         snapshot, hidden = self.model.prefill(
             job.token_ids, parent, self.prefill_chunk, reserve=job.reserve, extend=extend
         )
         self._snapshots[job.snapshot_id] = snapshot
+        cached_bytes = 0
+        if job.cache_id is not None:
+            cached = self._cache[job.cache_id] = _compact(snapshot)
+            cached_bytes = cached.nbytes
+        for sid in job.clone_ids:
+            self._snapshots[sid] = _compact(snapshot)
         logits = self.model.logits(hidden[-1]).to("cpu")
         if job.sample is not None:
-            (token,) = job.sample(logits[None])
-            return PrefillResult(job.snapshot_id, snapshot.length, None, token)
-        return PrefillResult(job.snapshot_id, snapshot.length, logits)
+            token, *clone_tokens = job.sample(logits[None].expand(1 + len(job.clone_ids), -1))
+            return PrefillResult(
+                job.snapshot_id, snapshot.length, None, token, tuple(clone_tokens), cached_bytes
+            )
+        return PrefillResult(job.snapshot_id, snapshot.length, logits, cached_bytes=cached_bytes)
+
+    def _cache_snapshots(self, job: CacheKvSnapshots) -> CacheResult:
+        missing = [i for i in job.snapshot_ids if i not in self._snapshots]
+        if missing:
+            raise WorkerError(f"unknown snapshots {missing}")
+        nbytes, lengths = [], []
+        for sid in job.snapshot_ids:
+            cached = self._cache[sid] = _compact(self._snapshot(sid))
+            del self._snapshots[sid]
+            nbytes.append(cached.nbytes)
+            lengths.append(cached.length)
+        return CacheResult(tuple(nbytes), tuple(lengths))
 
     def _assemble(self, job: AssembleKvBatch) -> AssembleResult:
         missing = [i for i in job.snapshot_ids if i not in self._snapshots]
@@ -187,7 +239,14 @@ class DeviceWorker:
         if self._batch is None:
             raise WorkerError("no live batch to step")
         tokens = torch.tensor(job.token_ids, dtype=torch.long, device=self.model.device)
-        hidden = self.model.forward_batch_decode(self._batch, tokens[:, None])
+        if job.extend is None:
+            hidden = self.model.forward_batch_decode(self._batch, tokens[:, None])
+        else:
+            sid = job.extend.snapshot_id
+            chunk = PrefillChunk(job.extend.token_ids, self._snapshot(sid), extend=True)
+            out = self.model.forward_step(self._batch, tokens[:, None], chunk)
+            assert out.snapshot is not None
+            self._snapshots[sid], hidden = out.snapshot, out.hidden
         logits = self.model.logits(hidden).to("cpu")
         if job.sample is not None:
             return ForwardResult(None, tuple(job.sample(logits)))
@@ -211,3 +270,27 @@ class DeviceWorker:
             lengths.append(source.length)
         self._batch = None
         return ExtractResult(tuple(lengths))
+
+
+def _prefix_of(snapshot: KvSnapshot, length: int) -> KvSnapshot:
+    """Views of a snapshot's first `length` tokens (no copy)."""
+    if not 0 < length <= snapshot.length:
+        raise WorkerError(f"a prefix of {length} tokens of a snapshot of {snapshot.length}")
+    return KvSnapshot(
+        keys=[k[:, :, :length] for k in snapshot.keys],
+        values=[v[:, :, :length] for v in snapshot.values],
+        token_ids=list(snapshot.token_ids[:length]),
+    )
+
+
+def _compact(snapshot: KvSnapshot) -> KvSnapshot:
+    """A copy holding just the snapshot's columns: no spare room, no shared storage."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return t.clone(memory_format=torch.contiguous_format)
+
+    return KvSnapshot(
+        keys=[copy(k) for k in snapshot.keys],
+        values=[copy(v) for v in snapshot.values],
+        token_ids=list(snapshot.token_ids),
+    )

@@ -1,0 +1,43 @@
+"""Reasoning parsers: which markers open and close a model's thinking block, and which models
+have one (configured per model, or detected from the chat template)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# name -> (start marker, end marker). "think": Qwen3, QwQ, DeepSeek-R1 and their distills.
+REASONING_MARKERS: dict[str, tuple[str, str]] = {"think": ("<think>", "</think>")}
+# What a model's `reasoning_parser` may be: a parser name, "none", or "auto" (detected).
+REASONING_PARSERS = ("auto", "none", *REASONING_MARKERS)
+
+# Prompt ids decoded to see whether the chat template left a thinking block open.
+PROMPT_TAIL_IDS = 8
+
+
+def resolve_reasoning_parser(setting: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The reasoning parser a model's `setting` means: None for "none"; for "auto", the parser
+    whose two markers the model's chat template writes (None when it writes none of them)."""
+    if setting not in REASONING_PARSERS:
+        raise ValueError(
+            f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {setting!r}"
+        )
+    if setting == "none":
+        return None
+    if setting != "auto":
+        return setting
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    for name, (start, end) in REASONING_MARKERS.items():
+        if start in template and end in template:
+            return name
+    return None
+
+
+def opens_reasoning(prompt_tail: str, parser: str) -> bool:
+    """Whether a prompt ending in `prompt_tail` leaves the thinking block open (the template
+    wrote the start marker, DeepSeek-R1 style): then the reply begins inside it."""
+    return prompt_tail.rstrip().endswith(REASONING_MARKERS[parser][0])
