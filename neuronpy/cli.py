@@ -213,6 +213,7 @@ def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
         max_queue=spec.admission.max_queue,
         queue_timeout=spec.admission.queue_timeout or None,  # 0: no deadline
         prefill_chunk=knobs.prefill_chunk,
+        chunk_steps=float(knobs.chunk_steps),
         batching=knobs.batching,
         quantize=spec.quantize,
         prefix_cache=spec.prefix_cache,

@@ -136,11 +136,19 @@ class EngineKnobs:
 
     batching: bool = True  # False: one sequence at a time (NEURON_BATCHING=0 forces it)
     prefill_chunk: int = 512  # prompt tokens per prefill forward
+    chunk_steps: float = 0.5  # decode steps' time a joiner's chunk may add to a step
 
     def __post_init__(self) -> None:
         if not isinstance(self.batching, bool):
             raise ValueError(f"[engine] batching must be true or false, got {self.batching!r}")
         _check_int("engine", "prefill_chunk", self.prefill_chunk, 1)
+        steps = self.chunk_steps
+        if (
+            isinstance(steps, bool)
+            or not isinstance(steps, (int, float))
+            or not 0.1 <= steps <= 100
+        ):
+            raise ValueError(f"[engine] chunk_steps must be a number in [0.1, 100], got {steps!r}")
 
 
 @dataclass(frozen=True)

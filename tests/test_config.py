@@ -32,6 +32,7 @@ max_queue = 10
 [engine]
 batching = true
 prefill_chunk = 256
+chunk_steps = 0.5
 """
 
 
@@ -58,6 +59,7 @@ def test_file_sets_every_section(tmp_path: Path) -> None:
         ModelSpec(None, "tests/fixtures/tiny-llama", "bfloat16", "cpu", AdmissionConfig(4, 10)),
     )
     assert config.engine.prefill_chunk == 256
+    assert config.engine.chunk_steps == 0.5
 
 
 def test_command_line_overrides_the_file(tmp_path: Path) -> None:
@@ -116,6 +118,8 @@ def test_neuron_batching_0_forces_one_at_a_time(tmp_path: Path, value: str) -> N
         ("[model]\ndevice = 'gpu'\n", "device must be auto, cpu"),
         ("[model]\npath = 3\n", "path must be a non-empty string"),
         ("[engine]\nbatching = 'no'\n", "batching must be true or false"),
+        ("[engine]\nchunk_steps = 0\n", "chunk_steps must be a number in"),
+        ("[engine]\nchunk_steps = 'fast'\n", "chunk_steps must be a number in"),
         ("[server\n", "not valid TOML"),
     ],
 )

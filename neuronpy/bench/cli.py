@@ -111,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODE",
         help="neuronpy's weight mode, e.g. int8 (the peers stay in --dtype)",
     )
+    model.add_argument(
+        "--chunk-steps",
+        type=float,
+        default=None,
+        metavar="S",
+        help="neuronpy's [engine] chunk_steps: decode steps' time a joining prompt's chunk "
+        "may add to a step (default 0.5)",
+    )
     what = parser.add_argument_group("what to run")
     what.add_argument(
         "--workloads",
@@ -231,6 +239,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "dtype": args.dtype,
         "device": args.device,
         "quantize": args.quantize,
+        "chunk_steps": args.chunk_steps,
         "workloads": args.workloads,
         "ks": args.k,
         "prompt_len": args.prompt_len,

@@ -60,6 +60,7 @@ class BenchConfig:
     device: str = "auto"
     max_in_flight: int | None = None  # None: the largest K (at least 8 for W2-W4)
     quantize: str | None = None  # neuronpy's weight mode, where the engine has one ("int8")
+    chunk_steps: float | None = None  # neuronpy's EngineConfig.chunk_steps (None: its default)
     workloads: tuple[str, ...] = ("W1",)
     ks: tuple[int, ...] = (1, 2, 4, 8, 16)
     prompt_len: int = 128
@@ -143,6 +144,8 @@ def _engine_config(config: BenchConfig, max_in_flight: int, max_queue: int) -> A
         if "quantize" not in names:
             raise ValueError("this neuronpy build has no quantize option")
         options["quantize"] = config.quantize
+    if config.chunk_steps is not None:
+        options["chunk_steps"] = config.chunk_steps
     return EngineConfig(**options)
 
 

@@ -72,6 +72,9 @@ class EngineConfig:
     max_in_flight: int = 8  # rows of the lockstep batch
     max_queue: int = 64  # admitted requests waiting for a row; beyond that, QueueFullError
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    # how much a joiner's prompt chunk may lengthen a decode step, in decode steps: smaller
+    # keeps the decoding rows' inter-token gaps smoother, larger lets prompts join sooner
+    chunk_steps: float = 0.5
     batching: bool = True  # False: one sequence at a time, through the same code
     quantize: str = "none"  # "int8": int8 weights and per-row int8 activations (CPU)
     queue_timeout: float | None = None  # seconds a request may wait for a row; None: no limit
@@ -106,6 +109,9 @@ class EngineConfig:
             or timeout <= 0
         ):
             raise ValueError(f"queue_timeout must be a number > 0 or None, got {timeout!r}")
+        steps = self.chunk_steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, float)) or not steps > 0:
+            raise ValueError(f"chunk_steps must be a number > 0, got {steps!r}")
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(
                 f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}"
@@ -647,15 +653,15 @@ class Engine:
 
     def _chunk_budget(self) -> int:
         """Prompt tokens to prefill between two decode steps: as many as take about
-        CHUNK_STEPS decode steps' time, so a long prompt joining stretches the decoding rows'
-        inter-token gap to about 1 + CHUNK_STEPS steps, not more."""
+        `chunk_steps` decode steps' time, so a long prompt joining stretches the decoding rows'
+        inter-token gap to about 1 + chunk_steps steps, not more."""
         if not self._step_seconds:
             return min(64, self.config.prefill_chunk)
-        budget = self._prefill_cost.tokens_within(CHUNK_STEPS * self._step_seconds)
+        budget = self._prefill_cost.tokens_within(self.config.chunk_steps * self._step_seconds)
         return max(MIN_CHUNK, min(self.config.prefill_chunk, budget))
 
     def _ride_budget(self) -> int:
-        """Prompt tokens a riding chunk may add: about CHUNK_STEPS decode steps' time at what
+        """Prompt tokens a riding chunk may add: about `chunk_steps` decode steps' time at what
         riding chunks have cost per token (no weight reads of their own: more tokens fit than
         in a chunk run on its own)."""
         fit = self._prefill_cost.fit()
@@ -664,7 +670,7 @@ class Engine:
         per_token = max(self._ride_seconds_per_token, fit[1] if fit else 0.0)
         if not per_token or not self._step_seconds:
             return MIN_CHUNK
-        budget = int(CHUNK_STEPS * self._step_seconds / per_token)
+        budget = int(self.config.chunk_steps * self._step_seconds / per_token)
         return max(MIN_CHUNK, min(self.config.prefill_chunk, budget))
 
     async def _prefill(self, slot: Slot, budget: int | None) -> None:
@@ -912,9 +918,7 @@ class Engine:
         return [*self._running, *self._joining, *self._waiting]
 
 
-# A prompt chunk interleaved with decode steps may take this many steps' time (see _chunk_budget)
-CHUNK_STEPS = 1.0
-MIN_CHUNK = 16
+MIN_CHUNK = 16  # the fewest prompt tokens a chunk prefills
 
 
 class PrefillCost:
