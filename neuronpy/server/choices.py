@@ -10,13 +10,12 @@ from typing import Any
 
 import anyio
 from anyio.abc import ObjectReceiveStream
-from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from neuronpy.engine.engine import RequestStream
 from neuronpy.engine.types import GenerationEvent
 from neuronpy.server.protocol import ApiError
-from neuronpy.server.sse import HEADERS, cancel_on_disconnect, sse_event
+from neuronpy.server.sse import cancel_on_disconnect, open_stream, sse_event
 
 Render = Callable[[GenerationEvent], list[dict[str, Any]]]
 Refuse = Callable[[GenerationEvent | None], ApiError | None]
@@ -77,13 +76,8 @@ class ChoicesStreamResponse:
         index, first = await inbox.receive()
         error = self.refuse[index](first)
         try:
-            if error is not None:
-                reply = JSONResponse(error.body(), error.status, headers=error.headers)
-                await reply(scope, receive, send)
+            if not await open_stream(scope, receive, send, error, self.opening):
                 return
-            await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-            for obj in self.opening:
-                await _send(send, sse_event(obj))
             ended = 0
             event = first
             while True:

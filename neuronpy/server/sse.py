@@ -77,13 +77,8 @@ class EventStreamResponse:
                 first = await anext(self.stream, None)
                 error = self.refuse(first)
                 try:
-                    if error is not None:
-                        reply = JSONResponse(error.body(), error.status, headers=error.headers)
-                        await reply(scope, receive, send)
+                    if not await open_stream(scope, receive, send, error, self.opening):
                         return
-                    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-                    for obj in self.opening:
-                        await _send(send, sse_event(obj))
                     if first is not None:
                         for obj in self.render(first):
                             await _send(send, sse_event(obj))
@@ -96,6 +91,30 @@ class EventStreamResponse:
                     return
 
         await cancel_on_disconnect(receive, pump)
+
+
+async def open_stream(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    error: ApiError | None,
+    opening: list[dict[str, Any]],
+) -> bool:
+    """Answers `error` as a plain HTTP error (False), or starts the event stream: the 200, then
+    the opening chunks (True)."""
+    if error is not None:
+        reply = JSONResponse(error.body(), error.status, headers=error.headers)
+        await reply(scope, receive, send)
+        return False
+    await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+    for obj in opening:
+        await send_event(send, obj)
+    return True
+
+
+async def send_event(send: Send, obj: dict[str, Any] | str) -> None:
+    """One `data:` event of an open stream."""
+    await send({"type": "http.response.body", "body": sse_event(obj), "more_body": True})
 
 
 async def _send(send: Send, data: bytes) -> None:
