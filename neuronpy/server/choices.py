@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from neuronpy.engine.engine import RequestStream
 from neuronpy.engine.types import GenerationEvent
 from neuronpy.server.protocol import ApiError
-from neuronpy.server.sse import cancel_on_disconnect, open_stream, sse_event
+from neuronpy.server.sse import cancel_on_disconnect, open_stream, send_event
 
 Render = Callable[[GenerationEvent], list[dict[str, Any]]]
 Refuse = Callable[[GenerationEvent | None], ApiError | None]
@@ -87,15 +87,11 @@ class ChoicesStreamResponse:
                         break
                 else:
                     for obj in self.render[index](event):
-                        await _send(send, sse_event(obj))
+                        await send_event(send, obj)
                 index, event = await inbox.receive()
             for obj in self.closing():
-                await _send(send, sse_event(obj))
-            await _send(send, sse_event("[DONE]"))
+                await send_event(send, obj)
+            await send_event(send, "[DONE]")
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the client went away while we wrote
             return
-
-
-async def _send(send: Send, data: bytes) -> None:
-    await send({"type": "http.response.body", "body": data, "more_body": True})

@@ -81,11 +81,11 @@ class EventStreamResponse:
                         return
                     if first is not None:
                         for obj in self.render(first):
-                            await _send(send, sse_event(obj))
+                            await send_event(send, obj)
                     async for event in self.stream:
                         for obj in self.render(event):
-                            await _send(send, sse_event(obj))
-                    await _send(send, sse_event("[DONE]"))
+                            await send_event(send, obj)
+                    await send_event(send, "[DONE]")
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 except OSError:  # the client went away while we wrote (ASGI spec 2.4)
                     return
@@ -115,7 +115,3 @@ async def open_stream(
 async def send_event(send: Send, obj: dict[str, Any] | str) -> None:
     """One `data:` event of an open stream."""
     await send({"type": "http.response.body", "body": sse_event(obj), "more_body": True})
-
-
-async def _send(send: Send, data: bytes) -> None:
-    await send({"type": "http.response.body", "body": data, "more_body": True})
