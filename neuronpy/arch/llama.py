@@ -194,6 +194,13 @@ class LlamaModel:
         c = self.config
         return q.reshape(b, c.num_kv_heads, c.group_size * t, d)
 
+    def _causal_mask(self, positions: torch.Tensor, columns: int) -> torch.Tensor:
+        """[G * T, columns] bool for queries at absolute `positions` [T] over the first
+        `columns` KV columns: each sees the columns up to its own position, in grouped query
+        order (see _group_queries)."""
+        causal = torch.arange(columns, device=positions.device)[None, :] <= positions[:, None]
+        return causal.repeat(self.config.group_size, 1)
+
     def _ungroup(self, out: torch.Tensor, t: int) -> torch.Tensor:
         """[B, KVH, G * T, D] -> [B, T, H * D]."""
         b = out.shape[0]
@@ -237,9 +244,7 @@ class LlamaModel:
             a, b = start + lo, start + hi  # absolute columns of this chunk
             positions = torch.arange(a, b, device=dev)[None, :]  # [1, T]
             cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, dt)
-            # causal over the columns written so far: query i (absolute a+i) sees columns <= a+i
-            causal = torch.arange(b, device=dev)[None, :] <= positions[0, :, None]  # [T, b]
-            mask = causal.repeat(c.group_size, 1)  # [G * T, b], grouped query order
+            mask = self._causal_mask(positions[0], b)
             x = F.embedding(ids[lo:hi], self.embed)[None]  # [1, T, hidden]
             for lw, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
                 q, k, v = self._qkv(lw, x, cos, sin)
@@ -321,8 +326,7 @@ class LlamaModel:
             chunk_pos = torch.arange(start, total, device=self.device)
             positions.append(chunk_pos)
             ids = torch.cat((ids, torch.tensor(new, dtype=torch.long, device=self.device)))
-            causal = torch.arange(total, device=self.device)[None, :] <= chunk_pos[:, None]
-            chunk_mask = causal.repeat(c.group_size, 1)  # [G * n, total], grouped query order
+            chunk_mask = self._causal_mask(chunk_pos, total)
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, rows[None], self.dtype)
         x = F.embedding(ids, self.embed)[None]  # [1, B + n, hidden]: every token a row
