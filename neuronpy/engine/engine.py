@@ -35,6 +35,7 @@ from neuronpy.errors import (
     InvalidRequestError,
     QueueFullError,
     ShuttingDownError,
+    WorkerError,
 )
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
@@ -224,7 +225,10 @@ class Engine:
         name: str,
         config: EngineConfig | None = None,
         eos_token_ids: Sequence[int] = (),
+        worker: DeviceWorker | None = None,
     ) -> None:
+        """`worker`: the device worker to run jobs on (one driving other processes, for
+        tensor parallelism); by default a DeviceWorker of its own over `model`."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -235,7 +239,7 @@ class Engine:
         # found at start-up, kept apart from the configuration
         batching = self.config.batching and batching_enabled()
         self.max_running = self.config.max_in_flight if batching else 1
-        self._worker = DeviceWorker(model, name, self.config.prefill_chunk)
+        self._worker = worker or DeviceWorker(model, name, self.config.prefill_chunk)
         self._ids = itertools.count()
         self._waiting: deque[Slot] = deque()
         self._running: list[Slot] = []  # row order of the live batch
@@ -340,6 +344,8 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
+        if self._healthy and self._worker.broken is not None:
+            self._fail(WorkerError(self._worker.broken))
         return self._healthy
 
     # ---- public API ---------------------------------------------------------------------------

@@ -73,6 +73,9 @@ async def run_in_own_thread(fn: Callable[[], T], name: str) -> T:
 class DeviceWorker:
     """Runs jobs one at a time on its own thread; tensors never leave it but as CPU logits."""
 
+    # with no job for this many seconds, the loop calls on_idle (None: never)
+    idle_seconds: float | None = None
+
     def __init__(
         self, model: LlamaModel, name: str = "model", prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     ) -> None:
@@ -89,6 +92,8 @@ class DeviceWorker:
             target=self._loop, name=f"neuronpy-worker-{name}", daemon=True
         )
         self._closed = False
+        # why the worker can run no more jobs (a subclass sets it: a lost peer process)
+        self.broken: str | None = None
 
     def start(self) -> DeviceWorker:
         self._thread.start()
@@ -113,7 +118,11 @@ class DeviceWorker:
 
     def _loop(self) -> None:
         while True:
-            job, fut = self._jobs.get()
+            try:
+                job, fut = self._jobs.get(timeout=self.idle_seconds)
+            except queue.Empty:
+                self.on_idle()
+                continue
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -129,6 +138,10 @@ class DeviceWorker:
                 self._cache.clear()
                 self._batch = None
                 return
+
+    def on_idle(self) -> None:
+        """Called on the worker thread after `idle_seconds` without a job (a subclass may
+        check on its peers)."""
 
     def handle(self, job: Job) -> Any:
         """Executes one job on the calling thread (the worker thread, or a test)."""
