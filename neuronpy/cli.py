@@ -84,6 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="let pages from ORIGIN (scheme://host[:port]) call the API from a browser; "
         "repeat it for several (default: CORS off)",
     )
+    serve.add_argument(
+        "--kv-budget",
+        metavar="SIZE",
+        help="KV memory the running requests of a model may hold together, in bytes or as a "
+        "size (512MiB, 2GiB); past it the newest are preempted, kept as snapshots, and resume "
+        "where they stopped (default: no budget)",
+    )
+    serve.add_argument(
+        "--sessions-dir",
+        metavar="DIR",
+        help="enable sessions: requests with a `session` name save their conversation's KV "
+        "to DIR and later ones continue from it, across restarts (default: off)",
+    )
     serve.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
     serve.add_argument("--dtype", choices=DTYPES, help="weights dtype (default auto)")
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps (default auto)")
@@ -105,8 +118,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "drain_timeout": args.drain_timeout,
             "api_key": args.api_key,
             "cors_allow_origins": args.cors_allow_origin,
+            "sessions_dir": args.sessions_dir,
         },
-        "model": {"dtype": args.dtype, "device": args.device, "quantize": args.quantize},
+        "model": {
+            "dtype": args.dtype,
+            "device": args.device,
+            "quantize": args.quantize,
+            "kv_budget": args.kv_budget,
+        },
         "admission": {
             "max_in_flight": args.max_in_flight,
             "max_queue": args.max_queue,
@@ -220,6 +239,7 @@ def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
         prefix_cache_bytes=spec.prefix_cache_bytes,
         max_n=spec.admission.max_n,
         reasoning_parser=spec.reasoning_parser,
+        kv_budget_bytes=int(spec.kv_budget),
     )
     return Engine.from_pretrained(
         weights.hf_model, weights.tokenizer, name=name, config=engine_config

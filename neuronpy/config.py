@@ -78,6 +78,26 @@ def check_cors(origins: object, credentials: object) -> tuple[str, ...]:
     return tuple(origins)
 
 
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(where: str, value: object) -> int:
+    """Bytes from an integer or a size: "512MiB", "2GiB", "1.5GB", "800M" (KiB, MiB, GiB
+    and TiB are powers of 1024; K, M, G and T, with or without B, powers of 1000)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{where} must be a number of bytes or a size like 2GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{where} must be >= 0, got {value}")
+        return value
+    match = SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(f"{where} must be a number of bytes or a size like 2GiB, got {value!r}")
+    unit = (match.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    return int(float(match.group(1)) * base ** "BKMGT".index(unit[0]))
+
+
 def _label(name: object) -> str:
     """How errors name a model."""
     return f"model '{name}'" if name else "[model]"
@@ -95,8 +115,16 @@ class ServerConfig:
     api_key: str | None = field(default=None, repr=False)
     cors_allow_origins: tuple[str, ...] = ()  # empty: CORS off
     cors_allow_credentials: bool = False
+    # where sessions (conversations' KV saved by name) live; None: sessions are off
+    sessions_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.sessions_dir is not None and (
+            not isinstance(self.sessions_dir, str) or not self.sessions_dir
+        ):
+            raise ValueError(
+                f"[server] sessions_dir must be a directory path, got {self.sessions_dir!r}"
+            )
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"[server] host must be a non-empty string, got {self.host!r}")
         _check_int("server", "port", self.port, 0, 65535)
@@ -167,9 +195,13 @@ class ModelSpec:
     # chat replies' thinking blocks go to reasoning_content: "auto" (when the chat template
     # writes <think>), "think", or "none"
     reasoning_parser: str = "auto"
+    # bytes of KV the model's running requests may hold together (a number or a size such as
+    # "2GiB"); past it the newest are preempted and resume later. 0: no budget
+    kv_budget: int | str = 0
 
     def __post_init__(self) -> None:
         where = _label(self.name)
+        object.__setattr__(self, "kv_budget", parse_size(f"{where} kv_budget", self.kv_budget))
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(
                 f"{where} prefix_cache must be true or false, got {self.prefix_cache!r}"

@@ -251,3 +251,27 @@ def test_bad_models_tables(tmp_path: Path, text: str, message: str) -> None:
 def test_cli_reports_duplicate_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--model", "a=x", "--model", "a=y"]) == 2
     assert "model names must be unique; repeated: a" in capsys.readouterr().err
+
+
+def test_kv_budget_takes_bytes_or_sizes_per_model_and_from_the_command_line(
+    tmp_path: Path,
+) -> None:
+    text = TWO.replace('name = "qwen"', 'name = "qwen"\nkv_budget = "512MiB"')
+    llama, qwen = load_config(write(tmp_path, text), environ={}).models
+    assert (llama.kv_budget, qwen.kv_budget) == (0, 512 * 1024**2)
+    for flag, expected in [("2GiB", 2 * 1024**3), ("1.5GB", 1_500_000_000), ("4096", 4096)]:
+        args = build_parser().parse_args(["serve", "--kv-budget", flag])
+        assert config_from_args(args).models[0].kv_budget == expected
+    for bad in ['"lots"', "-1", '"12 parsecs"', "true"]:
+        with pytest.raises(ValueError, match="kv_budget must be"):
+            load_config(write(tmp_path, f"[model]\nkv_budget = {bad}\n"), environ={})
+
+
+def test_sessions_dir_from_the_file_and_the_command_line(tmp_path: Path) -> None:
+    assert load_config(environ={}).server.sessions_dir is None  # off by default
+    config = load_config(write(tmp_path, '[server]\nsessions_dir = "/srv/s"\n'), environ={})
+    assert config.server.sessions_dir == "/srv/s"
+    args = build_parser().parse_args(["serve", "--sessions-dir", "here"])
+    assert config_from_args(args).server.sessions_dir == "here"
+    with pytest.raises(ValueError, match="sessions_dir must be a directory path"):
+        load_config(write(tmp_path, "[server]\nsessions_dir = 3\n"), environ={})

@@ -49,6 +49,7 @@ from neuronpy.worker.jobs import (
     ForwardLogitsBatch,
     ForwardResult,
     Job,
+    OffloadKv,
     Prefill,
     PrefillResult,
     RowSampler,
@@ -82,6 +83,10 @@ class EngineConfig:
     prefix_cache: bool = True  # keep prompts' (and finished requests') KV to reuse as prefixes
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # its budget; 0 turns it off
     max_n: int = DEFAULT_MAX_N  # completions one request may ask for (n)
+    # bytes of KV the running sequences may hold together (0: no limit). A join or a step that
+    # would pass it preempts the newest rows: their snapshots leave the live batch (to CPU
+    # memory from a GPU) and rejoin later exactly where they stopped, before newer requests.
+    kv_budget_bytes: int = 0
     # how chat replies' thinking blocks are split out (the server reads it): "auto" (from the
     # chat template), "none", or a parser of neuronpy.engine.reasoning ("think")
     reasoning_parser: str = "auto"
@@ -97,9 +102,10 @@ class EngineConfig:
             or self.max_queue < 0
         ):
             raise ValueError(f"max_queue must be an integer >= 0, got {self.max_queue!r}")
-        budget = self.prefix_cache_bytes
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {budget!r}")
+        for name in ("prefix_cache_bytes", "kv_budget_bytes"):
+            budget = getattr(self, name)
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {budget!r}")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         timeout = self.queue_timeout
@@ -157,6 +163,11 @@ class EngineStats:
     prefix_cache_reused_tokens: int = 0  # prompt tokens restored rather than prefilled
     prefix_cache_entries: int = 0  # snapshots the cache holds now
     prefix_cache_bytes: int = 0  # what they take
+    preemptions: int = 0  # rows moved out of the live batch to keep within kv_budget_bytes
+    preempted: int = 0  # rows waiting to resume now (counted in `queued`)
+    kv_budget_tokens: int = 0  # tokens of KV the budget holds (0: no budget)
+    kv_tokens: int = 0  # tokens of KV the running rows hold now
+    max_kv_tokens: int = 0  # the most a decode step has held (running rows and joiners)
 
 
 class RequestStream:
@@ -273,6 +284,8 @@ class Engine:
                 "prefix_cache_hits",
                 "prefix_cache_misses",
                 "prefix_cache_reused_tokens",
+                "preemptions",
+                "max_kv_tokens",
             ),
             0,
         )
@@ -290,6 +303,18 @@ class Engine:
         self._riding: Slot | None = None  # a joiner whose next chunk rides the next step
         self._ride_seconds_per_token = 0.0  # what a riding chunk adds to a step, per token
         self._timing = dict.fromkeys(("forward", "prefill", "rebatch", "sampling"), 0.0)
+        c = model.config
+        # K and V, every layer: what one token of a sequence's context takes
+        self.kv_bytes_per_token = (
+            2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+        )
+        self.kv_budget_tokens = self.config.kv_budget_bytes // self.kv_bytes_per_token
+        if self.config.kv_budget_bytes and not self.kv_budget_tokens:
+            raise ValueError(
+                f"kv_budget_bytes {self.config.kv_budget_bytes} holds no token of this model's "
+                f"KV ({self.kv_bytes_per_token} bytes per token)"
+            )
+        self._preempting: list[Slot] = []  # rows to move out of the live batch at this rebatch
 
     @classmethod
     def from_pretrained(
@@ -461,6 +486,10 @@ class Engine:
             alone_steps=dict(self._alone_steps),
             prefix_cache_entries=len(self._prefix) if self._prefix else 0,
             prefix_cache_bytes=self._prefix.bytes if self._prefix else 0,
+            preempted=sum(s.preemptions > 0 for s in self._waiting),
+            kv_budget_tokens=self.kv_budget_tokens,
+            kv_tokens=sum(s.total_tokens for s in self._running if not s.done)
+            + sum(s.prefilled for s in self._joining),
             **self._counts,
         )
 
@@ -516,6 +545,12 @@ class Engine:
                 f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"this model's context of {self.context_len} tokens",
                 "max_tokens",
+            )
+        if self.kv_budget_tokens and len(prompt) + 1 > self.kv_budget_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; model {self.name!r} keeps at most "
+                f"{self.kv_budget_tokens} tokens of KV (kv_budget_bytes)",
+                "prompt",
             )
         biased = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if biased:
@@ -583,8 +618,10 @@ class Engine:
             self._waiting.remove(slot)
             # a copy of an n > 1 request may have ended on its first token (its clone's)
             self._finish(slot, slot.finish_reason or self._abort_reason(slot))
-        for sid in plan.joining:
-            slot = by_id[sid]
+        joining = [by_id[sid] for sid in plan.joining]
+        if self.kv_budget_tokens:
+            joining = self._within_budget(joining)
+        for slot in joining:
             self._waiting.remove(slot)
             slot.status = SlotStatus.PREFILLING
             self._joining.append(slot)
@@ -609,22 +646,29 @@ class Engine:
         joined = [s for s in self._joining if s.prefilled == len(s.prompt_ids)]
         self._joining = [s for s in self._joining if s not in joined]
         joined = [s for s in joined if not self._drop_if_done(s)]
-        survivors = [s for s in self._running if not s.done]
+        preempted, self._preempting = self._preempting, []
         leaving = [s for s in self._running if s.done]
-        if not leaving and not joined:
+        preempted = [s for s in preempted if not s.done]  # those that finished just leave
+        survivors = [s for s in self._running if not s.done and s not in preempted]
+        if not leaving and not joined and not preempted:
             return
         started = time.perf_counter()
         self._counts["rebatches"] += 1
         if self._has_batch:
             kept = self._cacheable(leaving)  # leaving rows whose KV the prefix cache keeps
-            rows = tuple(self._running.index(s) for s in (*survivors, *kept))
+            moving = (*survivors, *preempted)  # rows whose snapshots are kept for them
+            rows = tuple(self._running.index(s) for s in (*moving, *kept))
             ids = tuple(next(self._ids) for _ in rows)
             await self._call(ExtractKvRows(rows, ids))
             self._has_batch = False
-            for slot, sid in zip(survivors, ids[: len(survivors)], strict=True):
+            for slot, sid in zip(moving, ids, strict=False):
                 slot.snapshot_id = sid
+            if preempted:
+                self._worker.submit(OffloadKv(tuple(ids[len(survivors) : len(moving)])))
+                for slot in preempted:
+                    self._requeue(slot)
             if kept:
-                await self._cache_rows(kept, ids[len(survivors) :])
+                await self._cache_rows(kept, ids[len(moving) :])
         for slot in leaving:
             self._finish(slot, slot.finish_reason or self._abort_reason(slot))
         self._running = survivors + joined
@@ -639,6 +683,67 @@ class Engine:
                 slot.snapshot_id = None  # moved into the live batch
         self._timing["rebatch"] += time.perf_counter() - started
 
+    # ---- the KV budget: preemption --------------------------------------------------------------
+
+    @staticmethod
+    def _kv_need(slot: Slot) -> int:
+        """KV columns a row needs through its next step: its tokens so far and one more."""
+        return slot.total_tokens + 1
+
+    def _within_budget(self, candidates: list[Slot]) -> list[Slot]:
+        """Keeps the rows' KV within kv_budget_tokens, oldest request first. While the running
+        rows and joiners outgrow it, the newest of them is preempted (one row always runs).
+        Then `candidates` (waiting, oldest first) join while they fit; one that does not fit
+        preempts newer rows if that makes room, or else waits, and so does everyone behind it.
+        Returns the candidates that join."""
+        budget = self.kv_budget_tokens
+        live = [s for s in (*self._running, *self._joining) if not s.done]
+        need = sum(self._kv_need(s) for s in live)
+        while need > budget and len(live) > 1:
+            victim = max(live, key=lambda s: s.id)
+            live.remove(victim)
+            need -= self._kv_need(victim)
+            self._preempt(victim)
+        admitted = []
+        for slot in candidates:
+            want = self._kv_need(slot)
+            if live and need + want > budget:
+                victims, freed = [], 0
+                for row in sorted((s for s in live if s.id > slot.id), key=lambda s: -s.id):
+                    if need - freed + want <= budget:
+                        break
+                    victims.append(row)
+                    freed += self._kv_need(row)
+                if need - freed + want > budget:
+                    break  # it waits for older rows to finish; so does everyone behind it
+                for row in victims:
+                    live.remove(row)
+                    self._preempt(row)
+                need -= freed
+            admitted.append(slot)
+            live.append(slot)
+            need += want
+        return admitted
+
+    def _preempt(self, slot: Slot) -> None:
+        """Moves a row out of the live batch (at this schedule's rebatch) or a joiner out of
+        its prefill; its snapshot waits, with its tokens and sampler, to resume."""
+        self._counts["preemptions"] += 1
+        slot.preemptions += 1
+        if slot in self._running:
+            self._preempting.append(slot)
+            return
+        self._joining.remove(slot)
+        if slot.snapshot_id is not None:
+            self._worker.submit(OffloadKv((slot.snapshot_id,)))
+        self._requeue(slot)
+
+    def _requeue(self, slot: Slot) -> None:
+        """A preempted slot waits again, in arrival order: before every newer request."""
+        slot.status = SlotStatus.WAITING
+        at = next((i for i, w in enumerate(self._waiting) if w.id > slot.id), len(self._waiting))
+        self._waiting.insert(at, slot)
+
     def _expire_waiting(self) -> None:
         """Requests that waited past queue_timeout for a row end now, never prefilled."""
         timeout = self.config.queue_timeout
@@ -646,8 +751,8 @@ class Engine:
             return
         now = time.monotonic()
         for slot in [s for s in self._waiting if now - s.arrived_at > timeout]:
-            if slot.done:
-                continue  # cancelled: the planner drops it
+            if slot.done or slot.preemptions:
+                continue  # cancelled: the planner drops it; preempted: it has started
             self._waiting.remove(slot)
             self._counts["timed_out"] += 1
             slot.finish_reason = FinishReason.ABORT
@@ -841,6 +946,8 @@ class Engine:
         c["max_batch_size"] = max(c["max_batch_size"], len(rows))
         c["padded_kv_columns"] += self._padding_columns
         c["kv_columns"] += sum(s.total_tokens for s in rows)  # fed tokens, this step's included
+        held = sum(s.total_tokens for s in rows) + sum(s.prefilled for s in self._joining)
+        c["max_kv_tokens"] = max(c["max_kv_tokens"], held)
         assert result.tokens is not None
         for slot, token in zip(rows, result.tokens, strict=True):
             if not slot.done and token is not None:

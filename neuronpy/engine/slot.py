@@ -13,7 +13,8 @@ from neuronpy.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 
 class SlotStatus(enum.IntEnum):
-    """Ordered: a slot only ever moves forward."""
+    """Ordered: a slot only moves forward, but for preemption (RUNNING or PREFILLING back to
+    WAITING, its snapshot kept)."""
 
     WAITING = 0  # admitted, queued behind max_in_flight
     PREFILLING = 1
@@ -54,6 +55,7 @@ class Slot:
     # snapshot into the others
     group: list[Slot] = field(default_factory=list, repr=False)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    preemptions: int = 0  # times it left the live batch to keep within the KV budget
 
     @property
     def done(self) -> bool:

@@ -51,6 +51,13 @@ ENGINE_GAUGES = (
         "KV snapshots the prefix cache holds.",
     ),
     ("prefix_cache_bytes", "neuronpy_prefix_cache_bytes", "Bytes of KV the prefix cache holds."),
+    ("preempted", "neuronpy_requests_preempted", "Preempted requests waiting to resume."),
+    ("kv_tokens", "neuronpy_kv_tokens", "Tokens of KV the running requests hold."),
+    (
+        "kv_budget_tokens",
+        "neuronpy_kv_budget_tokens",
+        "Tokens of KV the running requests may hold (kv_budget_bytes); 0: no budget.",
+    ),
 )
 ENGINE_COUNTERS = (
     ("cancelled", "neuronpy_requests_cancelled", "Requests ended early by their client."),
@@ -88,6 +95,11 @@ ENGINE_COUNTERS = (
         "prefix_cache_reused_tokens",
         "neuronpy_prefix_cache_reused_tokens",
         "Prompt tokens restored from the prefix cache rather than prefilled.",
+    ),
+    (
+        "preemptions",
+        "neuronpy_preemptions",
+        "Rows moved out of the live batch to keep within the KV budget (resumed, not recomputed).",
     ),
 )
 

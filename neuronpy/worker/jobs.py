@@ -130,6 +130,20 @@ class DropCachedKv:
 
 
 @dataclass(frozen=True)
+class OffloadKv:
+    """Stored snapshots (rows extracted from the live batch included) of preempted sequences:
+    given storage of their own, in CPU memory (the model's device is a GPU). Assembling them
+    into a live batch again brings them back."""
+
+    snapshot_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    nbytes: int  # what the snapshots take, now in CPU memory
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """Ask what the worker holds (for metrics and leak checks)."""
 
@@ -157,6 +171,7 @@ Job = (
     | DropKvSnapshot
     | CacheKvSnapshots
     | DropCachedKv
+    | OffloadKv
     | WorkerStats
     | Shutdown
 )

@@ -28,6 +28,8 @@ from neuronpy.worker.jobs import (
     ForwardLogitsBatch,
     ForwardResult,
     Job,
+    OffloadKv,
+    OffloadResult,
     Prefill,
     PrefillResult,
     Shutdown,
@@ -161,6 +163,8 @@ class DeviceWorker:
                 return self._cache_snapshots(job)
             case DropCachedKv():
                 return DropResult(sum(self._cache.pop(i, None) is not None for i in job.cache_ids))
+            case OffloadKv():
+                return self._offload(job)
             case WorkerStats():
                 return WorkerStatsResult(
                     snapshots=len(self._snapshots),
@@ -233,10 +237,26 @@ class DeviceWorker:
             lengths.append(cached.length)
         return CacheResult(tuple(nbytes), tuple(lengths))
 
+    def _offload(self, job: OffloadKv) -> OffloadResult:
+        missing = [i for i in job.snapshot_ids if i not in self._snapshots]
+        if missing:
+            raise WorkerError(f"unknown snapshots {missing}")
+        nbytes = 0
+        for sid in job.snapshot_ids:
+            snapshot = self._snapshot(sid)  # a row of the batch gets storage of its own
+            if snapshot.keys[0].device.type != "cpu":
+                snapshot = self._snapshots[sid] = _moved(snapshot, torch.device("cpu"))
+            nbytes += snapshot.nbytes
+        return OffloadResult(nbytes)
+
     def _assemble(self, job: AssembleKvBatch) -> AssembleResult:
         missing = [i for i in job.snapshot_ids if i not in self._snapshots]
         if missing:
             raise WorkerError(f"unknown snapshots {missing}")
+        for i in job.snapshot_ids:  # preempted sequences offloaded to CPU memory come back
+            source = self._snapshots[i]
+            if isinstance(source, KvSnapshot) and source.keys[0].device != self.model.device:
+                self._snapshots[i] = _moved(source, self.model.device)
         self._batch = assemble_batch([self._snapshots[i] for i in job.snapshot_ids])
         for i in job.snapshot_ids:
             kept = self._snapshots.pop(i)
@@ -293,6 +313,22 @@ def _prefix_of(snapshot: KvSnapshot, length: int) -> KvSnapshot:
         keys=[k[:, :, :length] for k in snapshot.keys],
         values=[v[:, :, :length] for v in snapshot.values],
         token_ids=list(snapshot.token_ids[:length]),
+    )
+
+
+def _moved(snapshot: KvSnapshot, device: torch.device) -> KvSnapshot:
+    """A compact copy of a snapshot on another device (CPU memory: pinned, when a GPU is
+    there, for faster copies back)."""
+    pin = device.type == "cpu" and torch.cuda.is_available()
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        t = t.to(device, memory_format=torch.contiguous_format)
+        return t.pin_memory() if pin else t
+
+    return KvSnapshot(
+        keys=[move(k) for k in snapshot.keys],
+        values=[move(v) for v in snapshot.values],
+        token_ids=list(snapshot.token_ids),
     )
 
 
