@@ -200,6 +200,7 @@ def serve(config: Config) -> int:
         api_key=config.server.api_key,
         cors_allow_origins=config.server.cors_allow_origins,
         cors_allow_credentials=config.server.cors_allow_credentials,
+        sessions_dir=config.server.sessions_dir,
     )
     if config.server.api_key:
         log.info("an API key is required on every route but /health")

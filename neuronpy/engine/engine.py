@@ -27,6 +27,7 @@ from neuronpy.engine.prefix_cache import PrefixIndex
 from neuronpy.engine.reasoning import REASONING_PARSERS
 from neuronpy.engine.router import route
 from neuronpy.engine.sampling import Sampler, sample_rows
+from neuronpy.engine.sessions import SessionRequest, model_fingerprint, session_metadata
 from neuronpy.engine.slot import Finish, RouterMessage, Slot, SlotStatus
 from neuronpy.engine.types import Completion, FinishReason, GenerationEvent, SamplingParams
 from neuronpy.envflags import env_flag
@@ -49,10 +50,14 @@ from neuronpy.worker.jobs import (
     ForwardLogitsBatch,
     ForwardResult,
     Job,
+    LoadKvSnapshot,
+    LoadResult,
     OffloadKv,
     Prefill,
     PrefillResult,
     RowSampler,
+    SaveKvSnapshot,
+    SaveResult,
     WorkerStats,
     WorkerStatsResult,
 )
@@ -168,6 +173,8 @@ class EngineStats:
     kv_budget_tokens: int = 0  # tokens of KV the budget holds (0: no budget)
     kv_tokens: int = 0  # tokens of KV the running rows hold now
     max_kv_tokens: int = 0  # the most a decode step has held (running rows and joiners)
+    sessions_saved: int = 0  # conversations written to session files
+    sessions_restored: int = 0  # prompts that continued from a session file
 
 
 class RequestStream:
@@ -237,9 +244,12 @@ class Engine:
         config: EngineConfig | None = None,
         eos_token_ids: Sequence[int] = (),
         worker: DeviceWorker | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         """`worker`: the device worker to run jobs on (one driving other processes, for
-        tensor parallelism); by default a DeviceWorker of its own over `model`."""
+        tensor parallelism); by default a DeviceWorker of its own over `model`. `fingerprint`:
+        what identifies the weights in saved sessions (from_pretrained hashes the
+        checkpoint's; by default a hash of the embeddings and norms)."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -286,6 +296,8 @@ class Engine:
                 "prefix_cache_reused_tokens",
                 "preemptions",
                 "max_kv_tokens",
+                "sessions_saved",
+                "sessions_restored",
             ),
             0,
         )
@@ -315,6 +327,11 @@ class Engine:
                 f"KV ({self.kv_bytes_per_token} bytes per token)"
             )
         self._preempting: list[Slot] = []  # rows to move out of the live batch at this rebatch
+        self._saving: set[Slot] = set()  # ended, their session file being written
+        norms = {f"{i}.{n}": getattr(lw, n) for i, lw in enumerate(model.layers) for n in NORMS}
+        self.fingerprint = fingerprint or model_fingerprint(
+            {"embed": model.embed, "norm": model.norm, **norms}, extra=(self.config.quantize,)
+        )
 
     @classmethod
     def from_pretrained(
@@ -345,6 +362,7 @@ class Engine:
             name=name,
             config=config,
             eos_token_ids=sorted(eos),
+            fingerprint=model_fingerprint(hf_model.state_dict(), extra=(config.quantize,)),
         )
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -383,17 +401,30 @@ class Engine:
         return self.submit_many(prompt_ids, params, 1)[0]
 
     def submit_many(
-        self, prompt_ids: Sequence[int], params: SamplingParams, n: int
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        n: int,
+        session: SessionRequest | None = None,
     ) -> list[RequestStream]:
         """Admits `n` completions of one prompt (OpenAI's `n`), or raises before anything is
         allocated; each copy counts as one request against max_in_flight and max_queue. The
         prompt is prefilled once and its snapshot cloned into each copy. Copy i samples with
-        its own sampler, seeded `seed + i` when `params.seed` is set."""
+        its own sampler, seeded `seed + i` when `params.seed` is set.
+
+        `session`: continue from that session's saved KV (as much of it as starts the prompt)
+        and, when the request ends on its own, save its KV there (see engine/sessions.py)."""
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_n:
             raise InvalidRequestError(
                 f"'n' must be an integer from 1 to {self.config.max_n}, got {n!r}", "n"
             )
         prompt = self._validate(prompt_ids, params)
+        if session is not None and n != 1:
+            raise InvalidRequestError("a request with a 'session' returns one choice (n = 1)", "n")
+        if session is not None and not self._worker.supports_sessions:
+            raise InvalidRequestError(
+                f"model {self.name!r} cannot save or restore sessions (tensor parallel)", "session"
+            )
         if not self._healthy:
             raise EngineUnhealthyError(self._failure or f"model {self.name!r} is not ready")
         if self._refusal is not None:
@@ -412,13 +443,18 @@ class Engine:
             copy = params
             if index and params.seed is not None:
                 copy = dataclasses.replace(params, seed=params.seed + index)
-            streams.append(self._admit(prompt, copy, index, group))
+            streams.append(self._admit(prompt, copy, index, group, session))
         self._idle = anyio.Event()
         self._wake.set()
         return streams
 
     def _admit(
-        self, prompt: tuple[int, ...], params: SamplingParams, index: int, group: list[Slot]
+        self,
+        prompt: tuple[int, ...],
+        params: SamplingParams,
+        index: int,
+        group: list[Slot],
+        session: SessionRequest | None = None,
     ) -> RequestStream:
         """One admitted copy: its slot (queued), its router task and its event stream."""
         to_router, inbox = anyio.create_memory_object_stream[RouterMessage](math.inf)
@@ -432,6 +468,7 @@ class Engine:
             stop_ids=self._stop_ids(params),
             index=index,
             group=group,
+            session=session,
         )
         group.append(slot)
         assert self._tg is not None
@@ -500,7 +537,7 @@ class Engine:
     async def drain(self, timeout: float) -> int:
         """Waits up to `timeout` seconds for every admitted request to end, then aborts the rest
         (finish reason abort). Returns how many were aborted. Call stop_admitting first."""
-        if self._active():
+        if self._active() or self._saving:
             with anyio.move_on_after(timeout):
                 await self._idle.wait()
         aborted = [s for s in self._active() if s.status is not SlotStatus.FINISHED]
@@ -590,7 +627,8 @@ class Engine:
         try:
             while True:
                 if not self._active():
-                    self._idle.set()
+                    if not self._saving:  # (a session's write wakes the loop when done)
+                        self._idle.set()
                     self._wake = anyio.Event()
                     await self._wake.wait()
                 await self._schedule()
@@ -654,23 +692,30 @@ class Engine:
             return
         started = time.perf_counter()
         self._counts["rebatches"] += 1
+        saved: list[Slot] = []
         if self._has_batch:
             kept = self._cacheable(leaving)  # leaving rows whose KV the prefix cache keeps
+            saved = [s for s in leaving if self._saves_session(s)]
             moving = (*survivors, *preempted)  # rows whose snapshots are kept for them
-            rows = tuple(self._running.index(s) for s in (*moving, *kept))
+            extracted = (*moving, *kept, *(s for s in saved if s not in kept))
+            rows = tuple(self._running.index(s) for s in extracted)
             ids = tuple(next(self._ids) for _ in rows)
             await self._call(ExtractKvRows(rows, ids))
             self._has_batch = False
-            for slot, sid in zip(moving, ids, strict=False):
+            for slot, sid in zip(extracted, ids, strict=True):
                 slot.snapshot_id = sid
             if preempted:
-                self._worker.submit(OffloadKv(tuple(ids[len(survivors) : len(moving)])))
+                self._worker.submit(OffloadKv(tuple(s.snapshot_id for s in preempted)))
                 for slot in preempted:
                     self._requeue(slot)
+            kept_ids = [s.snapshot_id for s in kept]
+            for slot in saved:  # (the worker copies them before the prefix cache takes them)
+                self._save_session(slot, drop=slot not in kept)
             if kept:
-                await self._cache_rows(kept, ids[len(moving) :])
+                await self._cache_rows(kept, kept_ids)
         for slot in leaving:
-            self._finish(slot, slot.finish_reason or self._abort_reason(slot))
+            if slot not in saved:
+                self._finish(slot, slot.finish_reason or self._abort_reason(slot))
         self._running = survivors + joined
         if self._running:
             assembled: AssembleResult = await self._call(
@@ -790,9 +835,21 @@ class Engine:
         start = slot.prefilled
         parent = slot.snapshot_id
         parent_length = None
+        loaded = None  # a session's snapshot, read for this prefill only
         if parent is None:
+            limit = len(slot.prompt_ids) - 1  # one token is left to prefill: it samples
+            hit = self._prefix.lookup(slot.prompt_ids, limit) if self._prefix is not None else None
+            if slot.session is not None and slot.session.token_ids:
+                loaded = await self._load_session(slot, hit[1] if hit else 0)
+                if slot.done:  # it could not be read: the request has failed
+                    return
+            if loaded is not None:
+                hit = loaded
+            else:
+                self._count_prefix_hit(hit)
+            if hit is not None:
+                slot.cached_tokens = hit[1]
             slot.snapshot_id = next(self._ids)
-            hit = self._restore(slot)
             if hit is not None:  # prefill after a cached prefix (a copy of it)
                 parent, parent_length = hit
                 start = slot.prefilled = parent_length
@@ -821,6 +878,8 @@ class Engine:
             )
         )
         self._counts["prefill_tokens"] += end - start
+        if loaded is not None:
+            self._worker.submit(DropCachedKv((loaded[0],)))
         if cache_id is not None:
             self._remember(cache_id, slot.prompt_ids, result.cached_bytes)
         elapsed = time.perf_counter() - began - self._sampled_seconds
@@ -841,20 +900,81 @@ class Engine:
 
     # ---- the prefix cache ---------------------------------------------------------------------
 
-    def _restore(self, slot: Slot) -> tuple[int, int] | None:
-        """The cached snapshot holding the longest prefix of the slot's prompt and that
-        prefix's length (one prompt token, at least, is left to prefill: its logits give the
-        first token), or None; counts the hit or miss."""
+    def _count_prefix_hit(self, hit: tuple[int, int] | None) -> None:
+        """Counts a prompt's prefix-cache lookup (the cached snapshot and the prefix length it
+        gives: one prompt token, at least, is left to prefill, as its logits give the first
+        token), when the cache is on."""
         if self._prefix is None:
-            return None
-        hit = self._prefix.lookup(slot.prompt_ids, len(slot.prompt_ids) - 1)
+            return
         if hit is None:
             self._counts["prefix_cache_misses"] += 1
+        else:
+            self._counts["prefix_cache_hits"] += 1
+            self._counts["prefix_cache_reused_tokens"] += hit[1]
+
+    async def _load_session(self, slot: Slot, cached: int) -> tuple[int, int] | None:
+        """Reads the slot's session into the worker when it holds more of the prompt than the
+        `cached` tokens the prefix cache does: (its snapshot id, the prefix length it gives),
+        or None. A session that cannot be read fails this request alone."""
+        session = slot.session
+        assert session is not None and session.token_ids is not None
+        limit = len(slot.prompt_ids) - 1  # one token is left to prefill: it samples
+        if common_prefix(session.token_ids[:limit], slot.prompt_ids) <= cached:
             return None
-        self._counts["prefix_cache_hits"] += 1
-        self._counts["prefix_cache_reused_tokens"] += hit[1]
-        slot.cached_tokens = hit[1]
-        return hit
+        sid = next(self._ids)
+        try:
+            result: LoadResult = await self._call(
+                LoadKvSnapshot(sid, session.path, self.fingerprint)
+            )
+        except WorkerError as exc:
+            slot.finish_reason = FinishReason.ERROR
+            self._finish(slot, FinishReason.ERROR, f"session {session.name!r}: {exc}")
+            return None
+        # the file may have changed since the request read its header
+        common = common_prefix(result.token_ids[:limit], slot.prompt_ids)
+        if common <= cached:
+            self._worker.submit(DropCachedKv((sid,)))
+            return None
+        self._counts["sessions_restored"] += 1
+        return sid, common
+
+    def _saves_session(self, slot: Slot) -> bool:
+        """Whether a leaving slot's KV goes to its session: it ended on its own (not cancelled,
+        not aborted, not failed) and asked to save."""
+        if slot.session is None or not slot.session.save or slot.cancelled:
+            return False
+        ended = slot.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        return ended or slot.leave_requested
+
+    def _save_session(self, slot: Slot, *, drop: bool) -> None:
+        """Writes the slot's snapshot to its session file; the request ends once the file is on
+        disk (or with an error if it could not be written). `drop`: the worker then drops the
+        snapshot (else a job that follows takes it)."""
+        assert slot.session is not None and slot.snapshot_id is not None and self._tg is not None
+        reason = slot.finish_reason or self._abort_reason(slot)
+        metadata = session_metadata(self.name, self.fingerprint, self.model.dtype)
+        job = SaveKvSnapshot(slot.snapshot_id, slot.session.path, metadata, drop=drop)
+        # submitted now: it runs before any job that takes or drops the snapshot
+        saving = self._worker.submit(job)
+        slot.snapshot_id = None
+        self._saving.add(slot)
+
+        async def wait() -> None:
+            try:
+                result: SaveResult = await anyio.to_thread.run_sync(saving.result)
+                await anyio.to_thread.run_sync(result.written.result)
+            except Exception as exc:
+                log.warning("session %r of %s not saved: %s", slot.session, self.name, exc)
+                message = f"the session could not be saved ({type(exc).__name__}: {exc})"
+                self._finish(slot, FinishReason.ERROR, message)
+            else:
+                self._counts["sessions_saved"] += 1
+                self._finish(slot, reason)
+            finally:
+                self._saving.discard(slot)
+                self._wake.set()
+
+        self._tg.start_soon(wait, name=f"neuronpy-session-{slot.id}")
 
     def _cache_id(self, tokens: Sequence[int]) -> int | None:
         """A new id for the prefix cache to keep these tokens' snapshot under, or None when
@@ -893,10 +1013,13 @@ class Engine:
             self._remember(sid, (*slot.prompt_ids, *slot.output_ids)[:length], nbytes)
 
     def _drop_if_done(self, slot: Slot) -> bool:
-        """A joiner that finished before joining (first token EOS, cancelled) drops its snapshot."""
+        """A joiner that finished before joining (first token EOS, cancelled) drops its snapshot
+        (or saves it to its session)."""
         if not slot.done:
             return False
-        if slot.snapshot_id is not None:
+        if slot.snapshot_id is not None and self._saves_session(slot):
+            self._save_session(slot, drop=True)
+        elif slot.snapshot_id is not None:
             self._worker.submit(DropKvSnapshot((slot.snapshot_id,)))
             slot.snapshot_id = None
         self._finish(slot, slot.finish_reason or self._abort_reason(slot))
@@ -1032,6 +1155,7 @@ class Engine:
 
 
 MIN_CHUNK = 16  # the fewest prompt tokens a chunk prefills
+NORMS = ("input_norm", "post_norm")  # per-layer weights a fingerprint of a bare model hashes
 
 
 class PrefillCost:
@@ -1067,6 +1191,16 @@ class PrefillCost:
             return 64
         fixed, per_token = fit
         return int(max(0.0, seconds - fixed) / per_token)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens two sequences share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _ema(average: float, sample: float, weight: float = 0.2) -> float:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from anyio.abc import ObjectSendStream
 
 from neuronpy.engine.sampling import Sampler
+from neuronpy.engine.sessions import SessionRequest
 from neuronpy.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 
@@ -56,6 +57,7 @@ class Slot:
     group: list[Slot] = field(default_factory=list, repr=False)
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     preemptions: int = 0  # times it left the live batch to keep within the KV budget
+    session: SessionRequest | None = None  # continues from / saves into a session file
 
     @property
     def done(self) -> bool:

@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,8 +20,15 @@ from starlette.routing import Route
 
 from neuronpy.engine.engine import Engine, RequestStream
 from neuronpy.engine.reasoning import resolve_reasoning_parser
+from neuronpy.engine.sessions import (
+    SessionInfo,
+    SessionRequest,
+    SessionStore,
+    check_compatible,
+    dtype_name,
+)
 from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams
-from neuronpy.errors import NeuronError
+from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.auth import security_middleware
 from neuronpy.server.choices import ChoicesStreamResponse
 from neuronpy.server.logprobs import token_texts
@@ -62,6 +70,7 @@ def create_app(
     api_key: str | None = None,
     cors_allow_origins: Sequence[str] = (),
     cors_allow_credentials: bool = False,
+    sessions_dir: str | Path | None = None,
 ) -> Starlette:
     """The HTTP app serving `models`: {name: a blocking function that loads the model and builds
     its engine}. Once the server is up, each model loads in a thread of its own and serves as
@@ -69,10 +78,13 @@ def create_app(
     `on_fatal` is called with the error when no model could be started (the CLI stops).
     `app.state.neuron.request_shutdown()` (the CLI calls it on SIGTERM) stops admitting, gives
     in-flight requests `drain_timeout` seconds, aborts the rest, then calls `on_drained`.
-    With `api_key`, every route but /health needs it; `cors_allow_origins` turns CORS on."""
+    With `api_key`, every route but /health needs it; `cors_allow_origins` turns CORS on.
+    `sessions_dir` turns sessions on: conversations' KV saved there by name (see
+    engine/sessions.py), listed and deleted under /v1/sessions."""
     if not models:
         raise ValueError("create_app needs at least one model")
     state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
+    store = SessionStore(sessions_dir) if sessions_dir is not None else None
     metrics = ServerMetrics(state)
     middleware = security_middleware(api_key, cors_allow_origins, cors_allow_credentials)
 
@@ -146,10 +158,28 @@ def create_app(
         return Response(content, headers={"Content-Type": content_type})
 
     async def chat_completions(request: Request) -> Response | EventStreamResponse:
-        return await _generate(request, state, "chat", max_body_bytes, metrics)
+        return await _generate(request, state, "chat", max_body_bytes, metrics, store)
 
     async def completions(request: Request) -> Response | EventStreamResponse:
-        return await _generate(request, state, "text", max_body_bytes, metrics)
+        return await _generate(request, state, "text", max_body_bytes, metrics, store)
+
+    async def sessions_route(request: Request) -> Response:
+        if store is None:
+            raise ApiError(404, SESSIONS_OFF, param="session")
+        name = request.path_params.get("name")
+        if name is None:
+            names = await anyio.to_thread.run_sync(store.names)
+            infos = [await anyio.to_thread.run_sync(_session_info, store, n) for n in names]
+            data = [info.public() for info in infos if info is not None]
+            return JSONResponse({"object": "list", "data": data})
+        if request.method == "DELETE":
+            if not await anyio.to_thread.run_sync(_delete_session, store, name):
+                raise ApiError(404, f"no session {name!r}", param="session")
+            return JSONResponse({"id": name, "object": "session.deleted", "deleted": True})
+        info = await anyio.to_thread.run_sync(_session_info, store, name)
+        if info is None:
+            raise ApiError(404, f"no session {name!r}", param="session")
+        return JSONResponse(info.public())
 
     routes = [
         Route("/health", health, methods=["GET"]),
@@ -157,6 +187,8 @@ def create_app(
         Route("/v1/models/{model:path}", models_route, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/sessions", sessions_route, methods=["GET"]),
+        Route("/v1/sessions/{name}", sessions_route, methods=["GET", "DELETE"]),
         Route("/stats", stats, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
     ]
@@ -186,7 +218,12 @@ def _stats(model: ServedModel) -> dict[str, Any]:
 
 
 async def _generate(
-    request: Request, state: ServerState, kind: Kind, limit: int, metrics: ServerMetrics
+    request: Request,
+    state: ServerState,
+    kind: Kind,
+    limit: int,
+    metrics: ServerMetrics,
+    store: SessionStore | None = None,
 ) -> Response | EventStreamResponse:
     """Validate, tokenize and admit (any failure is an error response and admits nothing), then
     stream or gather the result; a client that disconnects cancels its request."""
@@ -200,7 +237,8 @@ async def _generate(
         prompt_ids = await anyio.to_thread.run_sync(_tokenize, engine, req)
         reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
         params = req.sampling_params(len(prompt_ids), engine.context_len, reasoning)
-        streams = _submit(engine, prompt_ids, params, req)
+        session = await _session_request(store, engine, req)
+        streams = _submit(engine, prompt_ids, params, req, session)
     except ApiError as exc:
         metrics.reject(model, exc)
         raise
@@ -227,15 +265,59 @@ def _tokenize(engine: Engine, req: ParsedRequest) -> list[int]:
 
 
 def _submit(
-    engine: Engine, prompt_ids: list[int], params: SamplingParams, req: ParsedRequest
+    engine: Engine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    req: ParsedRequest,
+    session: SessionRequest | None = None,
 ) -> list[RequestStream]:
     try:
-        return engine.submit_many(prompt_ids, params, req.n)
+        return engine.submit_many(prompt_ids, params, req.n, session)
     except NeuronError as exc:
         error = api_error(exc, req.kind)
         if error.param == "max_tokens":
             error.param = req.max_tokens_param
         raise error from None
+
+
+SESSIONS_OFF = (
+    "sessions are off on this server; start it with --sessions-dir DIR ([server] sessions_dir)"
+)
+
+
+async def _session_request(
+    store: SessionStore | None, engine: Engine, req: ParsedRequest
+) -> SessionRequest | None:
+    """What the request asks of its session, its file's header checked against the model:
+    400 when sessions are off, for a bad name, and for a session of another model or dtype."""
+    if req.session is None:
+        return None
+    if store is None:
+        raise ApiError(400, SESSIONS_OFF, param="session")
+    info = await anyio.to_thread.run_sync(_session_info, store, req.session)
+    if info is not None:
+        try:
+            dtype = dtype_name(engine.model.dtype)
+            check_compatible(info, engine.name, engine.fingerprint, dtype)
+        except InvalidRequestError as exc:
+            raise ApiError(400, exc.message, param="session") from None
+    path = store.path(req.session)
+    tokens = info.token_ids if info is not None else None
+    return SessionRequest(req.session, path, req.session_save, tokens)
+
+
+def _session_info(store: SessionStore, name: str) -> SessionInfo | None:
+    try:
+        return store.info(name)
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param="session") from None
+
+
+def _delete_session(store: SessionStore, name: str) -> bool:
+    try:
+        return store.delete(name)
+    except InvalidRequestError as exc:
+        raise ApiError(400, exc.message, param="session") from None
 
 
 def _renderer(

@@ -101,6 +101,12 @@ ENGINE_COUNTERS = (
         "neuronpy_preemptions",
         "Rows moved out of the live batch to keep within the KV budget (resumed, not recomputed).",
     ),
+    ("sessions_saved", "neuronpy_sessions_saved", "Conversations saved to session files."),
+    (
+        "sessions_restored",
+        "neuronpy_sessions_restored",
+        "Prompts that continued from a session file.",
+    ),
 )
 
 

@@ -115,6 +115,8 @@ class ParsedRequest:
     tools: ChatTools = field(default_factory=ChatTools)
     prompt: str | list[int] = ""  # completions
     n: int = 1  # completions of the prompt to return (choices)
+    session: str | None = None  # continue from this session, if saved (neuronpy's extension)
+    session_save: bool = True  # and save the conversation into it at the end
 
     def sampling_params(
         self, prompt_len: int, context_len: int, reasoning: str | None = None
@@ -190,8 +192,11 @@ def parse_request(kind: Kind, body: object) -> ParsedRequest:
             raise InvalidRequestError("'tools' needs /v1/chat/completions", "tools")
     except InvalidRequestError as exc:
         raise ApiError(400, exc.message, param=exc.param) from None
+    session, session_save = _session(body.get("session"))
     common = dict(
         kind=kind,
+        session=session,
+        session_save=session_save,
         params=params,
         max_tokens=max_tokens,
         max_tokens_param=max_param,
@@ -479,6 +484,26 @@ def _int_tuple(body: dict[str, Any], name: str) -> tuple[int, ...]:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _session(value: object) -> tuple[str | None, bool]:
+    """`"session": "NAME"` (continue from it and save into it) or `{"name": "NAME", "save":
+    false}` (continue from it, leave it as it is); the name is checked against the store."""
+    if value is None:
+        return None, True
+    if isinstance(value, str):
+        return value, True
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        unknown = sorted(set(value) - {"name", "save"})
+        save = value.get("save", True)
+        if not unknown and isinstance(save, bool):
+            return value["name"], save
+    raise ApiError(
+        400,
+        '\'session\' must be a session name or {"name": NAME, "save": true|false}, got '
+        f"{_json_type(value)}",
+        param="session",
+    )
 
 
 def _response_format(value: object) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -144,6 +146,41 @@ class OffloadResult:
 
 
 @dataclass(frozen=True)
+class SaveKvSnapshot:
+    """Write stored snapshot `snapshot_id` to the session file `path`, with `metadata` (see
+    engine/sessions.py). The worker takes a CPU copy; the file is written on a thread of its own
+    and the result's `written` resolves once it is on disk. `drop`: the snapshot then leaves the
+    store (else it stays, for a job that follows to take)."""
+
+    snapshot_id: int
+    path: Path
+    metadata: Mapping[str, str]
+    drop: bool = True
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    tokens: int
+    written: Future[None]
+
+
+@dataclass(frozen=True)
+class LoadKvSnapshot:
+    """Read the session file `path` (saved from the model of `fingerprint`) into the prefix
+    cache's store under `cache_id`: read-only, a prefill copies what it uses of it."""
+
+    cache_id: int
+    path: Path
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    token_ids: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """Ask what the worker holds (for metrics and leak checks)."""
 
@@ -172,6 +209,8 @@ Job = (
     | CacheKvSnapshots
     | DropCachedKv
     | OffloadKv
+    | SaveKvSnapshot
+    | LoadKvSnapshot
     | WorkerStats
     | Shutdown
 )

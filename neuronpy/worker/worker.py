@@ -14,6 +14,7 @@ import torch
 
 from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, assemble_batch
 from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel, PrefillChunk
+from neuronpy.engine.sessions import SESSION_ERRORS, read_session, write_session
 from neuronpy.errors import WorkerError
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
@@ -28,10 +29,14 @@ from neuronpy.worker.jobs import (
     ForwardLogitsBatch,
     ForwardResult,
     Job,
+    LoadKvSnapshot,
+    LoadResult,
     OffloadKv,
     OffloadResult,
     Prefill,
     PrefillResult,
+    SaveKvSnapshot,
+    SaveResult,
     Shutdown,
     WorkerStats,
     WorkerStatsResult,
@@ -77,6 +82,8 @@ class DeviceWorker:
 
     # with no job for this many seconds, the loop calls on_idle (None: never)
     idle_seconds: float | None = None
+    # whether snapshots can be saved to and read from session files (each holds every KV head)
+    supports_sessions = True
 
     def __init__(
         self, model: LlamaModel, name: str = "model", prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -165,6 +172,10 @@ class DeviceWorker:
                 return DropResult(sum(self._cache.pop(i, None) is not None for i in job.cache_ids))
             case OffloadKv():
                 return self._offload(job)
+            case SaveKvSnapshot():
+                return self._save(job)
+            case LoadKvSnapshot():
+                return self._load(job)
             case WorkerStats():
                 return WorkerStatsResult(
                     snapshots=len(self._snapshots),
@@ -248,6 +259,43 @@ class DeviceWorker:
                 snapshot = self._snapshots[sid] = _moved(snapshot, torch.device("cpu"))
             nbytes += snapshot.nbytes
         return OffloadResult(nbytes)
+
+    def _save(self, job: SaveKvSnapshot) -> SaveResult:
+        if job.snapshot_id not in self._snapshots:
+            raise WorkerError(f"unknown snapshot {job.snapshot_id}")
+        snapshot = self._snapshot(job.snapshot_id)
+        if job.drop:
+            del self._snapshots[job.snapshot_id]
+        cpu = torch.device("cpu")
+        # copied here (the writer thread runs no tensor operation); a snapshot on the CPU is
+        # never written again once it has left the batch, so its own storage is kept as it is
+        keys = [k.to(cpu).contiguous() for k in snapshot.keys]
+        values = [v.to(cpu).contiguous() for v in snapshot.values]
+        tokens = list(snapshot.token_ids)
+        written, _ = start_in_own_thread(
+            lambda: write_session(job.path, keys, values, tokens, job.metadata),
+            "neuronpy-session-write",
+        )
+        return SaveResult(len(tokens), written)
+
+    def _load(self, job: LoadKvSnapshot) -> LoadResult:
+        if job.cache_id in self._cache or job.cache_id in self._snapshots:
+            raise WorkerError(f"snapshot {job.cache_id} already exists")
+        c = self.model.config
+        try:
+            keys, values, tokens = read_session(
+                job.path,
+                self.model.device,
+                fingerprint=job.fingerprint,
+                dtype=self.model.dtype,
+                layers=c.num_layers,
+                kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+            )
+        except SESSION_ERRORS as exc:
+            raise WorkerError(f"{job.path.name} cannot be restored: {exc}") from exc
+        snapshot = self._cache[job.cache_id] = KvSnapshot(keys, values, tokens)
+        return LoadResult(tuple(tokens), snapshot.nbytes)
 
     def _assemble(self, job: AssembleKvBatch) -> AssembleResult:
         missing = [i for i in job.snapshot_ids if i not in self._snapshots]
