@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -97,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="enable sessions: requests with a `session` name save their conversation's KV "
         "to DIR and later ones continue from it, across restarts (default: off)",
     )
+    serve.add_argument(
+        "--tensor-parallel",
+        type=int,
+        metavar="N",
+        help="split each model over N ranks (torch.distributed: gloo on CPU, NCCL on CUDA): "
+        "N-1 follower processes are started here, unless WORLD_SIZE is set in the environment, "
+        "where they run `neuronpy tp-follower` on other machines (default 1)",
+    )
     serve.add_argument("--config", type=Path, metavar="FILE", help="a TOML config file")
     serve.add_argument("--dtype", choices=DTYPES, help="weights dtype (default auto)")
     serve.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps (default auto)")
@@ -104,6 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize",
         choices=QUANTIZE_MODES,
         help="int8: int8 weights and per-row int8 activations, faster on CPU (default none)",
+    )
+    follower = commands.add_parser(
+        "tp-follower",
+        help="run one rank (> 0) of a tensor-parallel model served from another machine",
+        description="Run one follower rank of `neuronpy serve --tensor-parallel N` on another "
+        "machine, from the environment: RANK (1..N-1), WORLD_SIZE (N), MASTER_ADDR and "
+        "MASTER_PORT (rank 0's rendezvous), LOCAL_RANK (this machine's GPU; default 0). What to "
+        "load comes from rank 0.",
+    )
+    follower.add_argument(
+        "--model",
+        metavar="PATH_OR_ID",
+        help="where this machine keeps the same weights, when not at rank 0's path",
     )
     bench_cli.add_parser(commands)
     return parser
@@ -125,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "device": args.device,
             "quantize": args.quantize,
             "kv_budget": args.kv_budget,
+            "tensor_parallel": args.tensor_parallel,
         },
         "admission": {
             "max_in_flight": args.max_in_flight,
@@ -152,6 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "bench":
         return bench_cli.run(args)
+    if args.command == "tp-follower":
+        from neuronpy.worker.tp import RankLostError, run_follower
+
+        try:
+            run_follower(model=args.model)
+        except (ValueError, RankLostError) as exc:
+            print(f"neuronpy: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     try:
         config = config_from_args(args)
     except ValueError as exc:
@@ -227,7 +259,6 @@ def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
     def progress(message: str) -> None:
         log.info("%s: %s", name, message)
 
-    weights = load_pretrained(spec.path, dtype=spec.dtype, device=spec.device, log=progress)
     engine_config = EngineConfig(
         max_in_flight=spec.admission.max_in_flight,
         max_queue=spec.admission.max_queue,
@@ -242,6 +273,28 @@ def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
         reasoning_parser=spec.reasoning_parser,
         kv_budget_bytes=int(spec.kv_budget),
     )
+    if spec.tensor_parallel > 1:
+        from neuronpy.worker.tp import start_tensor_parallel
+
+        world = os.environ.get("WORLD_SIZE")
+        if world is not None and world != str(spec.tensor_parallel):
+            raise ValueError(
+                f"WORLD_SIZE={world} in the environment, but --tensor-parallel is "
+                f"{spec.tensor_parallel}: they must agree"
+            )
+
+        return start_tensor_parallel(
+            spec.path,
+            spec.tensor_parallel,
+            name=name,
+            config=engine_config,
+            dtype=spec.dtype,
+            device=spec.device,
+            # followers on other machines when the environment describes the group
+            spawn="WORLD_SIZE" not in os.environ,
+            log_fn=progress,
+        )
+    weights = load_pretrained(spec.path, dtype=spec.dtype, device=spec.device, log=progress)
     return Engine.from_pretrained(
         weights.hf_model, weights.tokenizer, name=name, config=engine_config
     )

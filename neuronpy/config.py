@@ -198,9 +198,12 @@ class ModelSpec:
     # bytes of KV the model's running requests may hold together (a number or a size such as
     # "2GiB"); past it the newest are preempted and resume later. 0: no budget
     kv_budget: int | str = 0
+    # ranks the model is split over (tensor parallelism; see worker/tp.py); 1: not split
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         where = _label(self.name)
+        _check_int("model", "tensor_parallel", self.tensor_parallel, 1, 64)
         object.__setattr__(self, "kv_budget", parse_size(f"{where} kv_budget", self.kv_budget))
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(

@@ -275,3 +275,24 @@ def test_sessions_dir_from_the_file_and_the_command_line(tmp_path: Path) -> None
     assert config_from_args(args).server.sessions_dir == "here"
     with pytest.raises(ValueError, match="sessions_dir must be a directory path"):
         load_config(write(tmp_path, "[server]\nsessions_dir = 3\n"), environ={})
+
+
+def test_tensor_parallel_from_the_file_and_the_command_line(tmp_path: Path) -> None:
+    assert load_config(environ={}).models[0].tensor_parallel == 1
+    config = load_config(write(tmp_path, "[model]\ntensor_parallel = 2\n"), environ={})
+    assert config.models[0].tensor_parallel == 2
+    args = build_parser().parse_args(["serve", "--tensor-parallel", "3"])
+    assert config_from_args(args).models[0].tensor_parallel == 3
+    with pytest.raises(ValueError, match="tensor_parallel must be between 1 and 64"):
+        load_config(write(tmp_path, "[model]\ntensor_parallel = 0\n"), environ={})
+    follower = build_parser().parse_args(["tp-follower", "--model", "/m"])
+    assert follower.command == "tp-follower" and follower.model == "/m"
+
+
+def test_tp_follower_without_its_environment_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["tp-follower"]) == 1
+    assert "RANK is not set" in capsys.readouterr().err

@@ -3,7 +3,7 @@ snapshot, and the lockstep (B, 1) decode step over a live batch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,9 @@ class LlamaModel:
         self.lm_head = lm_head  # hidden -> vocab
         self.inv_freq = inv_freq.to(embed.device)  # [D/2] float32
         self.rope_scale = rope_scale
+        # Tensor parallelism (arch/tp.py): o_proj and down hold a slice of their inputs, so each
+        # rank's output is a partial sum that this all-reduce completes before the residual.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -183,9 +186,15 @@ class LlamaModel:
     def _finish_layer(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, MLP, residual. x: [B, T, hidden]; attn: [B, T, H * D]."""
         c = self.config
-        x = x + lw.o_proj(attn)
+        out = lw.o_proj(attn)
+        if self.reduce is not None:
+            out = self.reduce(out)
+        x = x + out
         gate, up = lw.gate_up(rms_norm(x, lw.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
-        return x + lw.down(F.silu(gate) * up)
+        out = lw.down(F.silu(gate) * up)
+        if self.reduce is not None:
+            out = self.reduce(out)
+        return x + out
 
     def _group_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q: [B, H, T, D] -> [B, KVH, G * T, D]: each KV head's query heads side by side, so

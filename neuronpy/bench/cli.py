@@ -119,6 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="neuronpy's [engine] chunk_steps: decode steps' time a joining prompt's chunk "
         "may add to a step (default 0.5)",
     )
+    model.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split neuronpy's model over N ranks (processes on this machine); the run adds "
+        "neuronpy-1-device, the same engine on one device, beside it",
+    )
     what = parser.add_argument_group("what to run")
     what.add_argument(
         "--workloads",
@@ -240,6 +248,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "device": args.device,
         "quantize": args.quantize,
         "chunk_steps": args.chunk_steps,
+        "tensor_parallel": args.tensor_parallel,
         "workloads": args.workloads,
         "ks": args.k,
         "prompt_len": args.prompt_len,

@@ -42,6 +42,8 @@ T = TypeVar("T")
 # peer names, in the order the table shows them
 NEURONPY = "neuronpy"
 NEURONPY_SERIAL = "neuronpy-serial"
+# with --tensor-parallel N: the same engine on one device, beside the split one
+NEURONPY_ONE_DEVICE = "neuronpy-1-device"
 HF_SERIAL = "hf-generate"
 HF_STATIC = "hf-static"
 HF_CB = "hf-generate-batch"
@@ -213,11 +215,21 @@ def engine_send(engine: Any) -> Send:
 class NeuronpyEngine(System):
     """neuronpy's Engine in this process, driven through its Python API."""
 
-    def __init__(self, name: str, hf_model: Any, tokenizer: Any, model_name: str, config: Any):
+    def __init__(
+        self,
+        name: str,
+        hf_model: Any,
+        tokenizer: Any,
+        model_name: str,
+        config: Any,
+        build: Callable[[], Any] | None = None,
+    ):
+        """`build`: makes the engine (a tensor-parallel one); by default from_pretrained."""
         self.name = name
         self.config = config
         self.description = f"neuronpy engine in-process ({engine_label(config)})"
         self._hf_model, self._tokenizer, self._model_name = hf_model, tokenizer, model_name
+        self._build = build
         self._portal: _Portal | None = None
         self._engine_cm: Any = None
         self.engine: Any = None
@@ -226,8 +238,11 @@ class NeuronpyEngine(System):
         from neuronpy.engine.engine import Engine
 
         self.engine = in_fresh_thread(
-            lambda: Engine.from_pretrained(
-                self._hf_model, self._tokenizer, name=self._model_name, config=self.config
+            self._build
+            or (
+                lambda: Engine.from_pretrained(
+                    self._hf_model, self._tokenizer, name=self._model_name, config=self.config
+                )
             )
         )
         self._portal = _Portal()

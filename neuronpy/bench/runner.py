@@ -22,6 +22,7 @@ from neuronpy.bench.peers import (
     HF_SERIAL,
     HF_STATIC,
     NEURONPY,
+    NEURONPY_ONE_DEVICE,
     NEURONPY_SERIAL,
     PEERS,
     WARMUP_TOKENS,
@@ -61,6 +62,7 @@ class BenchConfig:
     max_in_flight: int | None = None  # None: the largest K (at least 8 for W2-W4)
     quantize: str | None = None  # neuronpy's weight mode, where the engine has one ("int8")
     chunk_steps: float | None = None  # neuronpy's EngineConfig.chunk_steps (None: its default)
+    tensor_parallel: int = 1  # ranks neuronpy's model is split over (> 1 adds a 1-device peer)
     workloads: tuple[str, ...] = ("W1",)
     ks: tuple[int, ...] = (1, 2, 4, 8, 16)
     prompt_len: int = 128
@@ -156,7 +158,18 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
     width = config.resolved_max_in_flight()
     queue = max(4096, config.requests, max(config.ks))
 
-    def loader(engine_config: Any) -> Callable[[], Any]:
+    def loader(engine_config: Any, split: bool = True) -> Callable[[], Any]:
+        if split and config.tensor_parallel > 1:
+            from neuronpy.worker.tp import start_tensor_parallel
+
+            return lambda: start_tensor_parallel(
+                config.model,
+                config.tensor_parallel,
+                name=weights.name,
+                config=engine_config,
+                dtype=config.dtype,
+                device=config.device,
+            )
         return lambda: Engine.from_pretrained(
             weights.hf_model, weights.tokenizer, name=weights.name, config=engine_config
         )
@@ -170,10 +183,23 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
             system.description += f" ({engine_label(engine_config)})"
             return system
         return NeuronpyEngine(
-            name, weights.hf_model, weights.tokenizer, weights.name, engine_config
+            name,
+            weights.hf_model,
+            weights.tokenizer,
+            weights.name,
+            engine_config,
+            build=loader(engine_config) if config.tensor_parallel > 1 else None,
         )
 
     systems = [neuronpy(NEURONPY, width, config.url)]
+    if config.tensor_parallel > 1 and config.drive == "engine":
+        one = _engine_config(config, width, queue)
+        systems.append(
+            NeuronpyEngine(
+                NEURONPY_ONE_DEVICE, weights.hf_model, weights.tokenizer, weights.name, one
+            )
+        )
+        systems[0].description += f" (tensor parallel over {config.tensor_parallel} ranks)"
     for peer in config.peers:
         if peer == NEURONPY_SERIAL:
             # over HTTP it gets a loopback server of its own, even when neuronpy is at --url

@@ -343,13 +343,6 @@ class Engine:
         config: EngineConfig | None = None,
     ) -> Engine:
         """Builds the native model from a loaded transformers model; EOS ids from both sources."""
-        eos: set[int] = set()
-        for source in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
-            value = getattr(source, "eos_token_id", None)
-            if isinstance(value, int):
-                eos.add(value)
-            elif isinstance(value, (list, tuple)):
-                eos.update(v for v in value if isinstance(v, int))
         config = config or EngineConfig()
         calibration: list[int] = []
         if config.quantize != "none":
@@ -361,7 +354,7 @@ class Engine:
             tokenizer,
             name=name,
             config=config,
-            eos_token_ids=sorted(eos),
+            eos_token_ids=eos_token_ids(hf_model, tokenizer),
             fingerprint=model_fingerprint(hf_model.state_dict(), extra=(config.quantize,)),
         )
 
@@ -1142,7 +1135,9 @@ class Engine:
     def _fail(self, exc: BaseException) -> None:
         """A worker fault: every active request fails, and later ones fail fast."""
         self._healthy = False
-        self._failure = f"model {self.name!r} failed and is unavailable ({type(exc).__name__})"
+        # a worker's own errors say what broke (a lost tensor-parallel rank); others, their type
+        why = str(exc) if isinstance(exc, WorkerError) else type(exc).__name__
+        self._failure = f"model {self.name!r} failed and is unavailable ({why})"
         for slot in self._active():
             self._finish(slot, FinishReason.ERROR, self._failure)
         self._running.clear()
@@ -1191,6 +1186,19 @@ class PrefillCost:
             return 64
         fixed, per_token = fit
         return int(max(0.0, seconds - fixed) / per_token)
+
+
+def eos_token_ids(hf_model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The end-of-sequence ids of a transformers model: its generation config's, its config's
+    and its tokenizer's."""
+    eos: set[int] = set()
+    for source in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, (list, tuple)):
+            eos.update(v for v in value if isinstance(v, int))
+    return sorted(eos)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
