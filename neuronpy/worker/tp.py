@@ -178,6 +178,8 @@ class Collectives:
 def _first_line(exc: BaseException) -> str:
     # gloo opens its messages with its source location: "[.../pair.cc:537] Read error ..."
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())
+    # ... and some close with advice meant for someone else's logs
+    text = text.split(". This is typically caused")[0]
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
