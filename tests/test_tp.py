@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import httpx
+import openai
 import pytest
 import torch
 
@@ -310,10 +311,10 @@ async def test_killing_a_rank_mid_batch_fails_requests_and_marks_unhealthy() -> 
         assert max(tokens) < 400
 
 
-def test_a_lost_rank_turns_health_503_over_http(tmp_path: Path) -> None:
+def test_a_rank_killed_mid_stream_fails_it_and_turns_health_503_over_http(tmp_path: Path) -> None:
     """A TP-2 model behind the real server: it serves; a session is refused (each rank holds
-    its own heads); a follower killed while the server idles is seen by the heartbeat, and
-    /health and the model's requests answer 503."""
+    its own heads); a follower killed while a stream runs ends that stream with an error
+    naming the lost rank, and /health and the model's later requests answer 503."""
 
     def load() -> Engine:
         return start_tensor_parallel(
@@ -325,16 +326,25 @@ def test_a_lost_rank_turns_health_503_over_http(tmp_path: Path) -> None:
         body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         ok = httpx.post(f"{server.v1}/completions", json=body, timeout=30)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
-        refused = httpx.post(
-            f"{server.v1}/completions", json={**body, "session": "s"}, timeout=30
-        )
+        refused = httpx.post(f"{server.v1}/completions", json={**body, "session": "s"}, timeout=30)
         assert refused.status_code == 400 and "tensor parallel" in refused.text
-        (rank1,) = followers()
-        rank1.kill()
-        deadline = time.monotonic() + TIMEOUT + 10  # the heartbeat notices within seconds
-        while server.health().status_code == 200:
-            assert time.monotonic() < deadline, "the lost rank was never noticed"
-            time.sleep(0.1)
+        api = openai.OpenAI(base_url=server.v1, api_key="none", max_retries=0, timeout=60)
+        stream = api.completions.create(
+            model="tiny-llama",
+            prompt="Once upon a time",
+            max_tokens=400,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        received = 0
+        with pytest.raises(openai.APIError, match="tensor-parallel rank 1 is lost"):
+            for _chunk in stream:
+                received += 1
+                if received == 5:
+                    (rank1,) = followers()
+                    rank1.kill()
+        assert 5 <= received < 400
         health = server.health()
         assert health.status_code == 503
         assert health.json()["models"]["tiny-llama"] == "unhealthy"
