@@ -10,9 +10,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from neuronpy.arch.config import ArchConfig, rope_inv_freq
+from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvSnapshot, LiveBatch
-from neuronpy.arch.linear import Int8Linear, Linear, make_linear
+from neuronpy.arch.linear import Int8Linear, Linear
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -36,24 +36,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def _cat_bias(*linears: Any) -> torch.Tensor | None:
-    biases = [lin.bias for lin in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat(
-        [
-            b.detach() if b is not None else lin.weight.new_zeros(lin.weight.shape[0])
-            for b, lin in zip(biases, linears, strict=True)
-        ]
-    )
-
-
-def _fused(*linears: Any, quantize: str, stats: dict[Any, torch.Tensor]) -> AnyLinear:
-    """One linear layer over several transformers nn.Linear layers with the same input."""
-    weight = torch.cat([lin.weight for lin in linears]).detach()
-    return make_linear(weight, _cat_bias(*linears), quantize, stats.get(linears[0]))
 
 
 def input_absmax(hf_model: Any, token_ids: Sequence[int]) -> dict[Any, torch.Tensor]:
@@ -121,46 +103,10 @@ class LlamaModel:
         """Takes the weights of a loaded transformers `*ForCausalLM`. `quantize="int8"` turns
         every projection (the vocabulary one included) into an int8 one (see Int8Linear),
         smoothed with activation ranges measured on `calibration_ids` when given."""
-        config = ArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
-        stats = (
-            input_absmax(hf_model, calibration_ids)
-            if quantize != "none" and calibration_ids
-            else {}
-        )
+        from neuronpy.arch.tp import shard_from_hf  # (tp builds on this module)
 
-        def one(linear: Any) -> AnyLinear:
-            bias = None if linear.bias is None else linear.bias.detach()
-            return make_linear(linear.weight.detach(), bias, quantize, stats.get(linear))
-
-        def fused(*linears: Any) -> AnyLinear:
-            return _fused(*linears, quantize=quantize, stats=stats)
-
-        inner = hf_model.model
-        layers = []
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            layers.append(
-                LayerWeights(
-                    input_norm=layer.input_layernorm.weight.detach(),
-                    qkv=fused(attn.q_proj, attn.k_proj, attn.v_proj),
-                    q_norm=attn.q_norm.weight.detach() if config.qk_norm else None,
-                    k_norm=attn.k_norm.weight.detach() if config.qk_norm else None,
-                    o_proj=one(attn.o_proj),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
-                    gate_up=fused(mlp.gate_proj, mlp.up_proj),
-                    down=one(mlp.down_proj),
-                )
-            )
-        inv_freq, scale = rope_inv_freq(hf_model.config)
-        return cls(
-            config=config,
-            embed=inner.embed_tokens.weight.detach(),
-            layers=layers,
-            norm=inner.norm.weight.detach(),
-            lm_head=one(hf_model.lm_head),
-            inv_freq=inv_freq,
-            rope_scale=scale,
-        )
+        # the whole model is the one shard of a split over one rank
+        return shard_from_hf(hf_model, 0, 1, quantize=quantize, calibration_ids=calibration_ids)
 
     # ---- shared per-layer pieces -------------------------------------------------------------
 

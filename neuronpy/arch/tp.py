@@ -6,7 +6,8 @@ Megatron-style split, two all-reduces per layer:
 - row-parallel (columns of the weight): o_proj and down read only that rank's heads / slice
   and produce a partial sum of the full output; `LlamaModel.reduce` (an all-reduce) completes
   it before the residual add, so every rank holds the full hidden state again.
-Embeddings and norms are replicated. The LM head is kept whole where logits are wanted (rank 0)
+Embeddings and norms are replicated. One device is the split over one rank: LlamaModel.from_hf
+builds its model here too, so both paths take the weights the same way. The LM head is kept whole where logits are wanted (rank 0)
 and dropped elsewhere: only rank 0 answers jobs, so a follower's logits would go unread.
 """
 
@@ -68,8 +69,11 @@ class _NoLogits:
 
 
 def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    # a copy, not a view: the full weight it came from can then be freed
-    return None if t is None else t.detach()[lo:hi].clone()
+    if t is None:
+        return None
+    t = t.detach()
+    # a slice is a copy, not a view, so that the full weight it came from can be freed
+    return t if (lo, hi) == (0, t.shape[0]) else t[lo:hi].clone()
 
 
 def shard_from_hf(
@@ -122,7 +126,9 @@ def shard_from_hf(
 
     def row(lin: Any, lo: int, hi: int) -> AnyLinear:
         """Input columns [lo, hi): a partial sum. The bias is added once, by rank 0."""
-        weight = lin.weight.detach()[:, lo:hi].clone()
+        weight = lin.weight.detach()
+        if (lo, hi) != (0, weight.shape[1]):
+            weight = weight[:, lo:hi].clone()
         bias = lin.bias.detach().clone() if lin.bias is not None and rank == 0 else None
         absmax = stats.get(lin)
         return make_linear(weight, bias, quantize, None if absmax is None else absmax[lo:hi])
