@@ -149,7 +149,9 @@ async def test_parity_long_prompt_joins_in_chunks_between_decode_steps() -> None
     assert [summary(c) for c in got] == [summary(c) for c in expected]
     assert stats.prefills == 3
     assert stats.prefill_chunks >= 3 + len(long_prompt) // 32 - 1, stats
-    assert stats.riding_chunks >= len(long_prompt) // 32 - 2, stats
+    # every chunk of the long prompt rode a decode step, its first (which reserves the whole
+    # prompt) and its last (which sampled the first token) included
+    assert stats.riding_chunks >= -(-len(long_prompt) // 32), stats
 
 
 async def test_parity_int8_concurrent_equals_sequential() -> None:

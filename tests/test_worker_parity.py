@@ -133,3 +133,40 @@ def test_chunked_prefill_with_reserve_extends_in_place(worker: DeviceWorker) -> 
     assert res.length == len(whole)
     torch.testing.assert_close(res.logits, reference(worker, whole), atol=1e-4, rtol=1e-4)
     assert run(worker, WorkerStats()).snapshots == 1
+
+
+def test_parity_a_prompt_prefilled_riding_decode_steps(worker: DeviceWorker) -> None:
+    """A joiner's whole prompt rides ForwardLogitsBatch jobs chunk by chunk: its first chunk
+    after a prefix of another snapshot (copied), its middle ones growing it in place without
+    logits, its last answering its logits; the rows' logits are those of plain decode steps."""
+    for sid, p in enumerate(PROMPTS[:2]):
+        run(worker, Prefill(sid, tuple(p)))
+    run(worker, AssembleKvBatch((0, 1), keep_snapshots=True))  # 0 stays, as a parent
+    seqs = [list(p) for p in PROMPTS[:2]]
+    joiner = [*PROMPTS[0][:4], *PROMPTS[2]]  # starts like row 0's prompt
+    reserve = len(joiner) + 4
+    chunks = [
+        Prefill(9, tuple(joiner[4:8]), parent_id=0, parent_length=4, reserve=reserve, logits=False),
+        Prefill(9, tuple(joiner[8:12]), parent_id=9, logits=False),
+        Prefill(9, tuple(joiner[12:]), parent_id=9),
+    ]
+    for chunk in chunks:
+        tokens = (3, 4)
+        out = run(worker, ForwardLogitsBatch(tokens, prefill=chunk))
+        for row, seq in enumerate(seqs):
+            seq.append(tokens[row])
+            torch.testing.assert_close(
+                out.logits[row], reference(worker, seq), atol=1e-4, rtol=1e-4
+            )
+        if chunk.logits:
+            assert out.prefill.length == len(joiner)
+            torch.testing.assert_close(
+                out.prefill.logits, reference(worker, joiner), atol=1e-4, rtol=1e-4
+            )
+        else:
+            assert out.prefill.logits is None and out.prefill.token is None
+    # it joins the batch as any prefilled snapshot does
+    run(worker, ExtractKvRows((0, 1), (10, 11)))
+    run(worker, AssembleKvBatch((10, 11, 9)))
+    out = run(worker, ForwardLogitsBatch((5, 6, 7)))
+    torch.testing.assert_close(out.logits[2], reference(worker, [*joiner, 7]), atol=1e-4, rtol=1e-4)

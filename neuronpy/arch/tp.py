@@ -6,9 +6,10 @@ Megatron-style split, two all-reduces per layer:
 - row-parallel (columns of the weight): o_proj and down read only that rank's heads / slice
   and produce a partial sum of the full output; `LlamaModel.reduce` (an all-reduce) completes
   it before the residual add, so every rank holds the full hidden state again.
-Embeddings and norms are replicated. One device is the split over one rank: LlamaModel.from_hf
-builds its model here too, so both paths take the weights the same way. The LM head is kept whole where logits are wanted (rank 0)
-and dropped elsewhere: only rank 0 answers jobs, so a follower's logits would go unread.
+Embeddings and norms are replicated. The LM head is kept whole where logits are wanted (rank 0)
+and dropped elsewhere: only rank 0 answers jobs, so a follower's logits would go unread. One
+device is the split over one rank: LlamaModel.from_hf builds its model here too, so both paths
+take the weights the same way.
 """
 
 from __future__ import annotations

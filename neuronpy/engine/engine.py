@@ -45,7 +45,6 @@ from neuronpy.worker.jobs import (
     CacheResult,
     DropCachedKv,
     DropKvSnapshot,
-    ExtendKv,
     ExtractKvRows,
     ForwardLogitsBatch,
     ForwardResult,
@@ -660,15 +659,11 @@ class Engine:
         # (a copy of an n > 1 request is filled by its first copy's prefill: it has nothing left)
         todo = [s for s in self._joining if s.prefilled < len(s.prompt_ids)]
         if self._running:
-            # rows are decoding: one chunk, sized to cost about one decode step, rides the next
-            # step (sharing its weight reads); a prompt's first chunk (which may restore a
-            # cached prefix) and its last (which samples) run on their own
+            # rows are decoding: one chunk, sized to cost about chunk_steps decode steps, rides
+            # the next step (sharing its weight reads); the chunk that ends the prompt samples
+            # its first token in the same step
             if todo:
-                slot = todo[0]
-                if 0 < slot.prefilled < len(slot.prompt_ids) - 1:
-                    self._riding = slot
-                else:
-                    await self._prefill(slot, self._chunk_budget())
+                self._riding = todo[0]
         else:
             for slot in todo:  # nobody waits on a decode step: prefill whole prompts
                 if slot.prefilled < len(slot.prompt_ids):
@@ -800,15 +795,6 @@ class Engine:
             )
             self._finish(slot, FinishReason.ABORT, message, counted=True)
 
-    def _chunk_budget(self) -> int:
-        """Prompt tokens to prefill between two decode steps: as many as take about
-        `chunk_steps` decode steps' time, so a long prompt joining stretches the decoding rows'
-        inter-token gap to about 1 + chunk_steps steps, not more."""
-        if not self._step_seconds:
-            return min(64, self.config.prefill_chunk)
-        budget = self._prefill_cost.tokens_within(self.config.chunk_steps * self._step_seconds)
-        return max(MIN_CHUNK, min(self.config.prefill_chunk, budget))
-
     def _ride_budget(self) -> int:
         """Prompt tokens a riding chunk may add: about `chunk_steps` decode steps' time at what
         riding chunks have cost per token (no weight reads of their own: more tokens fit than
@@ -823,8 +809,24 @@ class Engine:
         return max(MIN_CHUNK, min(self.config.prefill_chunk, budget))
 
     async def _prefill(self, slot: Slot, budget: int | None) -> None:
-        """Prefills the next `budget` prompt tokens (all, if None) into the slot's snapshot;
-        after the last chunk, samples the first token."""
+        """Prefills the next `budget` prompt tokens (all, if None) into the slot's snapshot, in
+        a forward of its own; after the last chunk, samples the first token."""
+        plan = await self._plan_prefill(slot, budget)
+        if plan is None:
+            return
+        self._sampled_seconds = 0.0
+        began = time.perf_counter()
+        result: PrefillResult = await self._call(plan.job)
+        elapsed = time.perf_counter() - began - self._sampled_seconds
+        self._prefill_cost.observe(len(plan.job.token_ids), elapsed)
+        self._timing["prefill"] += elapsed
+        self._prefilled(slot, plan, result)
+
+    async def _plan_prefill(self, slot: Slot, budget: int | None) -> PrefillPlan | None:
+        """The Prefill job of the slot's next `budget` prompt tokens (all, if None): its first
+        chunk restores the longest cached prefix (the prefix cache's, or its session's); its
+        last samples the first token and fills the request's other copies (n > 1). None when
+        the slot failed (its session could not be read)."""
         start = slot.prefilled
         parent = slot.snapshot_id
         parent_length = None
@@ -835,7 +837,7 @@ class Engine:
             if slot.session is not None and slot.session.token_ids:
                 loaded = await self._load_session(slot, hit[1] if hit else 0)
                 if slot.done:  # it could not be read: the request has failed
-                    return
+                    return None
             if loaded is not None:
                 hit = loaded
             else:
@@ -848,48 +850,48 @@ class Engine:
                 start = slot.prefilled = parent_length
         end = len(slot.prompt_ids) if budget is None else min(len(slot.prompt_ids), start + budget)
         last = end == len(slot.prompt_ids)
-        cache_id = clones = None
+        cache_id = None
+        clones: list[Slot] = []
         if last:
             cache_id = self._cache_id(slot.prompt_ids)
             clones = [s for s in slot.group if s.prefilled == 0 and s.snapshot_id is None]
             clones = [s for s in clones if not s.done]
-        self._sampled_seconds = 0.0
-        began = time.perf_counter()
-        sample = self._sampling([slot, *clones]) if clones is not None else None
-        clone_ids = tuple(next(self._ids) for _ in clones or ())
-        result: PrefillResult = await self._call(
-            Prefill(
-                slot.snapshot_id,
-                slot.prompt_ids[start:end],
-                parent_id=parent,
-                sample=sample,
-                # later chunks grow it in place; the headroom lets it join without a copy
-                reserve=len(slot.prompt_ids) + DEFAULT_HEADROOM,
-                parent_length=parent_length,
-                cache_id=cache_id,
-                clone_ids=clone_ids,
-            )
+        job = Prefill(
+            slot.snapshot_id,
+            slot.prompt_ids[start:end],
+            parent_id=parent,
+            sample=self._sampling([slot, *clones]) if last else None,
+            # later chunks grow it in place; the headroom lets it join without a copy
+            reserve=len(slot.prompt_ids) + DEFAULT_HEADROOM,
+            parent_length=parent_length,
+            cache_id=cache_id,
+            clone_ids=tuple(next(self._ids) for _ in clones),
+            logits=last,
         )
-        self._counts["prefill_tokens"] += end - start
-        if loaded is not None:
-            self._worker.submit(DropCachedKv((loaded[0],)))
-        if cache_id is not None:
-            self._remember(cache_id, slot.prompt_ids, result.cached_bytes)
-        elapsed = time.perf_counter() - began - self._sampled_seconds
-        self._prefill_cost.observe(end - start, elapsed)
-        self._timing["prefill"] += elapsed
-        slot.prefilled = end
+        return PrefillPlan(job, last, clones, loaded[0] if loaded else None)
+
+    def _prefilled(self, slot: Slot, plan: PrefillPlan, result: PrefillResult) -> None:
+        """Books a prefill chunk's result: the cache entry, the counters, and after the last
+        chunk the first tokens of the slot and its copies."""
+        job = plan.job
+        self._counts["prefill_tokens"] += len(job.token_ids)
+        if plan.session_id is not None:
+            self._worker.submit(DropCachedKv((plan.session_id,)))
+        if job.cache_id is not None:
+            self._remember(job.cache_id, slot.prompt_ids, result.cached_bytes)
+        slot.prefilled += len(job.token_ids)
         self._counts["prefill_chunks"] += 1
-        if last:
-            self._counts["prefills"] += 1
-            if not slot.done and result.token is not None:
-                self._accept(slot, result.token)
-            for clone, sid, token in zip(clones or (), clone_ids, result.clone_tokens, strict=True):
-                clone.snapshot_id = sid
-                clone.prefilled = len(clone.prompt_ids)
-                clone.cached_tokens = slot.cached_tokens
-                if not clone.done and token is not None:
-                    self._accept(clone, token)
+        if not plan.last:
+            return
+        self._counts["prefills"] += 1
+        if not slot.done and result.token is not None:
+            self._accept(slot, result.token)
+        for clone, sid, token in zip(plan.clones, job.clone_ids, result.clone_tokens, strict=True):
+            clone.snapshot_id = sid
+            clone.prefilled = len(clone.prompt_ids)
+            clone.cached_tokens = slot.cached_tokens
+            if not clone.done and token is not None:
+                self._accept(clone, token)
 
     # ---- the prefix cache ---------------------------------------------------------------------
 
@@ -1023,32 +1025,30 @@ class Engine:
         rows = self._running
         tokens = tuple(s.next_token for s in rows)
         ride, self._riding = self._riding, None
-        extend = None
-        left = len(ride.prompt_ids) - 1 - ride.prefilled if ride is not None else 0
-        if ride is not None and left > 0 and not ride.done and ride.snapshot_id is not None:
-            # the prompt's last token is prefilled on its own: it samples the first token
-            n = min(left, self._ride_budget())
-            chunk = ride.prompt_ids[ride.prefilled : ride.prefilled + n]
-            extend = ExtendKv(ride.snapshot_id, chunk)
+        plan = None
+        if ride is not None and not ride.done and ride.prefilled < len(ride.prompt_ids):
+            plan = await self._plan_prefill(ride, self._ride_budget())
         self._sampled_seconds = 0.0
         began = time.perf_counter()
-        job = ForwardLogitsBatch(tokens, sample=self._sampling(rows), extend=extend)  # type: ignore[arg-type]
+        job = ForwardLogitsBatch(
+            tokens,  # type: ignore[arg-type]
+            sample=self._sampling(rows),
+            prefill=plan.job if plan is not None else None,
+        )
         result: ForwardResult = await self._call(job)
         elapsed = time.perf_counter() - began - self._sampled_seconds
-        if extend is None:
+        if plan is None:
             self._step_seconds = _ema(self._step_seconds, elapsed)
             self._timing["forward"] += elapsed
         else:
-            assert ride is not None
-            n = len(extend.token_ids)
+            assert ride is not None and result.prefill is not None
+            n = len(plan.job.token_ids)
             extra = max(0.0, elapsed - self._step_seconds)
             self._ride_seconds_per_token = _ema(self._ride_seconds_per_token, extra / n)
             self._timing["forward"] += elapsed - extra
             self._timing["prefill"] += extra
-            ride.prefilled += n
-            self._counts["prefill_chunks"] += 1
             self._counts["riding_chunks"] += 1
-            self._counts["prefill_tokens"] += n
+            self._prefilled(ride, plan, result.prefill)
         c = self._counts
         c["decode_steps"] += 1
         c["decoded_rows"] += len(rows)
@@ -1080,7 +1080,7 @@ class Engine:
             try:
                 return sample_rows(samplers, logits)
             finally:
-                self._sampled_seconds = time.perf_counter() - began
+                self._sampled_seconds += time.perf_counter() - began
                 self._timing["sampling"] += self._sampled_seconds
 
         return sample
@@ -1150,6 +1150,18 @@ class Engine:
 
 
 MIN_CHUNK = 16  # the fewest prompt tokens a chunk prefills
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A prompt chunk's Prefill job, and what booking its result needs."""
+
+    job: Prefill
+    last: bool  # it ends the prompt: it samples the first token
+    clones: list[Slot]  # the request's other copies (n > 1), filled by the last chunk
+    session_id: int | None  # a session's snapshot read for this chunk only: dropped after
+
+
 NORMS = ("input_norm", "post_norm")  # per-layer weights a fingerprint of a bare model hashes
 
 
@@ -1179,13 +1191,6 @@ class PrefillCost:
                 return fixed, slope
         # one chunk size only, or a fit that makes no sense: all of it per token
         return 0.0, mean_y / max(mean_x, 1e-9)
-
-    def tokens_within(self, seconds: float) -> int:
-        fit = self.fit()
-        if fit is None:
-            return 64
-        fixed, per_token = fit
-        return int(max(0.0, seconds - fixed) / per_token)
 
 
 def eos_token_ids(hf_model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -33,13 +33,16 @@ class Prefill:
     # Copies of the finished snapshot, stored under these ids (n > 1 completions of one
     # prompt). With `sample`, the sampler gets one logits row per snapshot, the original first.
     clone_ids: tuple[int, ...] = ()
+    # False: answer neither logits nor a token (a chunk before the prompt's last: the
+    # vocabulary projection is not computed)
+    logits: bool = True
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     snapshot_id: int
     length: int
-    logits: torch.Tensor | None  # [vocab] float32, CPU; None when the job sampled
+    logits: torch.Tensor | None  # [vocab] float32, CPU; None when the job sampled (or said no)
     token: int | None = None  # the sampled token, when the job had `sample`
     clone_tokens: tuple[int | None, ...] = ()  # the clones' sampled tokens, in clone_ids order
     cached_bytes: int = 0  # what the prefix-cache copy (cache_id) takes
@@ -62,28 +65,22 @@ class AssembleResult:
 
 
 @dataclass(frozen=True)
-class ExtendKv:
-    """Prompt tokens to append to stored snapshot `snapshot_id` (grown in place) within a
-    decode step: the chunk shares the step's weight reads (LlamaModel.forward_step)."""
-
-    snapshot_id: int
-    token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class ForwardLogitsBatch:
     """One lockstep decode step: row b consumes token_ids[b]. Positions and the padding mask come
     from the live batch the worker holds."""
 
     token_ids: tuple[int, ...]
     sample: RowSampler | None = None  # given: answer sampled tokens rather than the logits
-    extend: ExtendKv | None = None  # a joiner's prompt chunk riding along
+    # a joiner's prompt chunk riding along: it shares the step's weight reads
+    # (LlamaModel.forward_step); a chunk that ends the prompt samples with its own `sample`
+    prefill: Prefill | None = None
 
 
 @dataclass(frozen=True)
 class ForwardResult:
     logits: torch.Tensor | None  # [B, vocab] float32, CPU; None when the job sampled
     tokens: tuple[int | None, ...] | None = None  # when the job had `sample`
+    prefill: PrefillResult | None = None  # the riding chunk's, when the job had one
 
 
 @dataclass(frozen=True)

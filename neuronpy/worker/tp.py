@@ -183,11 +183,15 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def _without_sampler(job: Job | Heartbeat) -> Job | Heartbeat:
-    """The job as followers get it: samplers (closures over the engine) only run on rank 0."""
-    if any(f.name == "sample" for f in dataclasses.fields(job)) and job.sample is not None:  # type: ignore[union-attr]
-        return dataclasses.replace(job, sample=None)  # type: ignore[call-arg]
-    return job
+def _without_sampler(job: Any) -> Any:
+    """The job as followers get it: samplers (closures over the engine) only run on rank 0,
+    a riding prefill chunk's included."""
+    changes = {}
+    if getattr(job, "sample", None) is not None:
+        changes["sample"] = None
+    if getattr(job, "prefill", None) is not None:
+        changes["prefill"] = _without_sampler(job.prefill)
+    return dataclasses.replace(job, **changes) if changes else job
 
 
 class TensorParallelWorker(DeviceWorker):

@@ -203,6 +203,15 @@ class DeviceWorker:
                 self._snapshots[sid] = source.materialize()
 
     def _prefill(self, job: Prefill) -> PrefillResult:
+        parent, extend = self._prefill_parent(job)
+        snapshot, hidden = self.model.prefill(
+            job.token_ids, parent, self.prefill_chunk, reserve=job.reserve, extend=extend
+        )
+        return self._prefilled(job, snapshot, hidden[-1])
+
+    def _prefill_parent(self, job: Prefill) -> tuple[KvSnapshot | None, bool]:
+        """The snapshot a prefill continues (None: from the start), and whether it may be grown
+        in place; refuses ids that are taken."""
         extend = job.parent_id == job.snapshot_id
         if job.snapshot_id in self._snapshots and not extend:
             raise WorkerError(f"snapshot {job.snapshot_id} already exists")
@@ -218,9 +227,11 @@ class DeviceWorker:
             if job.parent_length is not None and job.parent_length != parent.length:
                 parent = _prefix_of(parent, job.parent_length)
                 extend = False
-        snapshot, hidden = self.model.prefill(
-            job.token_ids, parent, self.prefill_chunk, reserve=job.reserve, extend=extend
-        )
+        return parent, extend
+
+    def _prefilled(self, job: Prefill, snapshot: KvSnapshot, last: torch.Tensor) -> PrefillResult:
+        """Stores a prefill's snapshot (and its prefix-cache copy and clones); answers the
+        logits of its last token `last` ([hidden], final-normed), or the sampled tokens."""
         self._snapshots[job.snapshot_id] = snapshot
         cached_bytes = 0
         if job.cache_id is not None:
@@ -228,7 +239,9 @@ class DeviceWorker:
             cached_bytes = cached.nbytes
         for sid in job.clone_ids:
             self._snapshots[sid] = _compact(snapshot)
-        logits = self.model.logits(hidden[-1]).to("cpu")
+        if job.sample is None and not job.logits:
+            return PrefillResult(job.snapshot_id, snapshot.length, None, cached_bytes=cached_bytes)
+        logits = self.model.logits(last).to("cpu")
         if job.sample is not None:
             token, *clone_tokens = job.sample(logits[None].expand(1 + len(job.clone_ids), -1))
             return PrefillResult(
@@ -320,18 +333,21 @@ class DeviceWorker:
         if self._batch is None:
             raise WorkerError("no live batch to step")
         tokens = torch.tensor(job.token_ids, dtype=torch.long, device=self.model.device)
-        if job.extend is None:
+        prefilled = None
+        if job.prefill is None:
             hidden = self.model.forward_batch_decode(self._batch, tokens[:, None])
         else:
-            sid = job.extend.snapshot_id
-            chunk = PrefillChunk(job.extend.token_ids, self._snapshot(sid), extend=True)
+            p = job.prefill
+            parent, extend = self._prefill_parent(p)
+            chunk = PrefillChunk(p.token_ids, parent, reserve=p.reserve, extend=extend)
             out = self.model.forward_step(self._batch, tokens[:, None], chunk)
-            assert out.snapshot is not None
-            self._snapshots[sid], hidden = out.snapshot, out.hidden
+            assert out.snapshot is not None and out.chunk_hidden is not None
+            hidden = out.hidden
+            prefilled = self._prefilled(p, out.snapshot, out.chunk_hidden)
         logits = self.model.logits(hidden).to("cpu")
         if job.sample is not None:
-            return ForwardResult(None, tuple(job.sample(logits)))
-        return ForwardResult(logits)
+            return ForwardResult(None, tuple(job.sample(logits)), prefilled)
+        return ForwardResult(logits, prefill=prefilled)
 
     def _extract(self, job: ExtractKvRows) -> ExtractResult:
         if len(job.rows) != len(job.snapshot_ids):
