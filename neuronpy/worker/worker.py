@@ -235,7 +235,12 @@ class DeviceWorker:
         self._snapshots[job.snapshot_id] = snapshot
         cached_bytes = 0
         if job.cache_id is not None:
-            cached = self._cache[job.cache_id] = _compact(snapshot)
+            # the same columns, not a copy: a sequence's KV columns are written once, and its
+            # decode steps write past them (in place, when it joins without a copy); the entry
+            # pins the buffers, and counts them (KvSnapshot.nbytes)
+            cached = self._cache[job.cache_id] = KvSnapshot(
+                snapshot.keys, snapshot.values, list(snapshot.token_ids), snapshot.buffers
+            )
             cached_bytes = cached.nbytes
         for sid in job.clone_ids:
             self._snapshots[sid] = _compact(snapshot)
@@ -255,8 +260,10 @@ class DeviceWorker:
             raise WorkerError(f"unknown snapshots {missing}")
         nbytes, lengths = [], []
         for sid in job.snapshot_ids:
-            cached = self._cache[sid] = _compact(self._snapshot(sid))
-            del self._snapshots[sid]
+            source = self._snapshots.pop(sid)
+            # a row of the last batch is copied out once, compact, as materialize does
+            cached = source.materialize() if isinstance(source, BatchRow) else _compact(source)
+            self._cache[sid] = cached
             nbytes.append(cached.nbytes)
             lengths.append(cached.length)
         return CacheResult(tuple(nbytes), tuple(lengths))
