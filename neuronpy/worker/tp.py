@@ -322,6 +322,9 @@ def _rank_device(device: str, local_rank: int) -> str:
     return resolved
 
 
+_ENVIRON_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _follower_environment(device: str) -> Iterator[None]:
     """The environment a spawned follower starts with. On a CPU the ranks share this machine's
@@ -329,14 +332,15 @@ def _follower_environment(device: str) -> Iterator[None]:
     the other ranks need, and each collective waits on a rank that is not running. Sleeping
     waits (OMP_WAIT_POLICY=PASSIVE) made a TP-2 decode step about 4x faster here. A policy the
     user set is kept."""
-    if resolve_device(device) != "cpu" or "OMP_WAIT_POLICY" in os.environ:
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        del os.environ["OMP_WAIT_POLICY"]
+    with _ENVIRON_LOCK:  # (models load in threads of their own: one changes it at a time)
+        if resolve_device(device) != "cpu" or "OMP_WAIT_POLICY" in os.environ:
+            yield
+            return
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        try:
+            yield
+        finally:
+            del os.environ["OMP_WAIT_POLICY"]
 
 
 def _calibration_ids(weights: LoadedWeights, quantize: str) -> list[int]:
