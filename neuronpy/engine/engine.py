@@ -517,8 +517,7 @@ class Engine:
             prefix_cache_bytes=self._prefix.bytes if self._prefix else 0,
             preempted=sum(s.preemptions > 0 for s in self._waiting),
             kv_budget_tokens=self.kv_budget_tokens,
-            kv_tokens=sum(s.total_tokens for s in self._running if not s.done)
-            + sum(s.prefilled for s in self._joining),
+            kv_tokens=self._kv_held(),
             **self._counts,
         )
 
@@ -718,6 +717,11 @@ class Engine:
 
     # ---- the KV budget: preemption --------------------------------------------------------------
 
+    def _kv_held(self) -> int:
+        """Tokens of KV the running rows (those not leaving) and the joiners hold now."""
+        running = sum(s.total_tokens for s in self._running if not s.done)
+        return running + sum(s.prefilled for s in self._joining)
+
     @staticmethod
     def _kv_need(slot: Slot) -> int:
         """KV columns a row needs through its next step: its tokens so far and one more."""
@@ -854,8 +858,9 @@ class Engine:
         clones: list[Slot] = []
         if last:
             cache_id = self._cache_id(slot.prompt_ids)
-            clones = [s for s in slot.group if s.prefilled == 0 and s.snapshot_id is None]
-            clones = [s for s in clones if not s.done]
+            clones = [
+                s for s in slot.group if s.prefilled == 0 and s.snapshot_id is None and not s.done
+            ]
         job = Prefill(
             slot.snapshot_id,
             slot.prompt_ids[start:end],
@@ -1062,8 +1067,7 @@ class Engine:
         c["max_batch_size"] = max(c["max_batch_size"], len(rows))
         c["padded_kv_columns"] += self._padding_columns
         c["kv_columns"] += sum(s.total_tokens for s in rows)  # fed tokens, this step's included
-        held = sum(s.total_tokens for s in rows) + sum(s.prefilled for s in self._joining)
-        c["max_kv_tokens"] = max(c["max_kv_tokens"], held)
+        c["max_kv_tokens"] = max(c["max_kv_tokens"], self._kv_held())
         assert result.tokens is not None
         for slot, token in zip(rows, result.tokens, strict=True):
             if not slot.done and token is not None:
@@ -1080,8 +1084,10 @@ class Engine:
             try:
                 return sample_rows(samplers, logits)
             finally:
-                self._sampled_seconds += time.perf_counter() - began
-                self._timing["sampling"] += self._sampled_seconds
+                # a job may sample twice (the rows, and a riding chunk's first token)
+                spent = time.perf_counter() - began
+                self._sampled_seconds += spent
+                self._timing["sampling"] += spent
 
         return sample
 
@@ -1166,9 +1172,9 @@ NORMS = ("input_norm", "post_norm")  # per-layer weights a fingerprint of a bare
 
 
 class PrefillCost:
-    """Fits prefill time = fixed + per_token * tokens over the recent prefills. The fixed part
-    (reading every weight once) is why a chunk budget taken from tokens per second alone
-    shrinks chunk after chunk: small chunks look slow per token, so they get smaller still."""
+    """Fits prefill time = fixed + per_token * tokens over the recent prefills run on their own.
+    The fixed part is reading every weight once, which a chunk riding a decode step does not
+    pay: its per-token part is what such a chunk costs at the least (see _ride_budget)."""
 
     def __init__(self, window: int = 32) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
