@@ -28,7 +28,8 @@ class Prefill:
     # Only the parent's first `parent_length` tokens (a prefix-cache hit may use part of a
     # cached snapshot). The parent may be a cached snapshot: it is copied, never extended.
     parent_length: int | None = None
-    # Keep a compact copy of the finished snapshot in the prefix cache under this id.
+    # Keep the finished snapshot's columns in the prefix cache under this id (shared, not
+    # copied: they are never written again).
     cache_id: int | None = None
     # Copies of the finished snapshot, stored under these ids (n > 1 completions of one
     # prompt). With `sample`, the sampler gets one logits row per snapshot, the original first.
@@ -45,7 +46,7 @@ class PrefillResult:
     logits: torch.Tensor | None  # [vocab] float32, CPU; None when the job sampled (or said no)
     token: int | None = None  # the sampled token, when the job had `sample`
     clone_tokens: tuple[int | None, ...] = ()  # the clones' sampled tokens, in clone_ids order
-    cached_bytes: int = 0  # what the prefix-cache copy (cache_id) takes
+    cached_bytes: int = 0  # what the prefix-cache entry (cache_id) holds: its whole buffers
 
 
 @dataclass(frozen=True)

@@ -92,8 +92,9 @@ class DeviceWorker:
         self.prefill_chunk = prefill_chunk
         # a snapshot, or a row of the last live batch not copied out yet (see BatchRow)
         self._snapshots: dict[int, KvSource] = {}
-        # the prefix cache's snapshots: compact, read-only (a prefill copies them); which to
-        # keep and which to evict is the engine's decision (see engine/prefix_cache.py)
+        # the prefix cache's snapshots: read-only (a prefill copies them); a prompt's entry
+        # shares its sequence's columns (see _prefilled). Which to keep and which to evict is
+        # the engine's decision (see engine/prefix_cache.py)
         self._cache: dict[int, KvSnapshot] = {}
         self._batch: LiveBatch | None = None
         self._jobs: queue.SimpleQueue[tuple[Job, Future[Any]]] = queue.SimpleQueue()
@@ -196,6 +197,11 @@ class DeviceWorker:
             source = self._snapshots[snapshot_id] = source.materialize()
         return source
 
+    def _require(self, snapshot_ids: tuple[int, ...]) -> None:
+        missing = [i for i in snapshot_ids if i not in self._snapshots]
+        if missing:
+            raise WorkerError(f"unknown snapshots {missing}")
+
     def _materialize_rows(self) -> None:
         """Copies out the rows no batch took, so the retired batch's buffers can go."""
         for sid, source in self._snapshots.items():
@@ -230,7 +236,7 @@ class DeviceWorker:
         return parent, extend
 
     def _prefilled(self, job: Prefill, snapshot: KvSnapshot, last: torch.Tensor) -> PrefillResult:
-        """Stores a prefill's snapshot (and its prefix-cache copy and clones); answers the
+        """Stores a prefill's snapshot (and its prefix-cache entry and clones); answers the
         logits of its last token `last` ([hidden], final-normed), or the sampled tokens."""
         self._snapshots[job.snapshot_id] = snapshot
         cached_bytes = 0
@@ -255,9 +261,7 @@ class DeviceWorker:
         return PrefillResult(job.snapshot_id, snapshot.length, logits, cached_bytes=cached_bytes)
 
     def _cache_snapshots(self, job: CacheKvSnapshots) -> CacheResult:
-        missing = [i for i in job.snapshot_ids if i not in self._snapshots]
-        if missing:
-            raise WorkerError(f"unknown snapshots {missing}")
+        self._require(job.snapshot_ids)
         nbytes, lengths = [], []
         for sid in job.snapshot_ids:
             source = self._snapshots.pop(sid)
@@ -269,20 +273,17 @@ class DeviceWorker:
         return CacheResult(tuple(nbytes), tuple(lengths))
 
     def _offload(self, job: OffloadKv) -> OffloadResult:
-        missing = [i for i in job.snapshot_ids if i not in self._snapshots]
-        if missing:
-            raise WorkerError(f"unknown snapshots {missing}")
+        self._require(job.snapshot_ids)
         nbytes = 0
         for sid in job.snapshot_ids:
             snapshot = self._snapshot(sid)  # a row of the batch gets storage of its own
             if snapshot.keys[0].device.type != "cpu":
-                snapshot = self._snapshots[sid] = _moved(snapshot, torch.device("cpu"))
+                snapshot = self._snapshots[sid] = _compact(snapshot, torch.device("cpu"))
             nbytes += snapshot.nbytes
         return OffloadResult(nbytes)
 
     def _save(self, job: SaveKvSnapshot) -> SaveResult:
-        if job.snapshot_id not in self._snapshots:
-            raise WorkerError(f"unknown snapshot {job.snapshot_id}")
+        self._require((job.snapshot_id,))
         snapshot = self._snapshot(job.snapshot_id)
         if job.drop:
             del self._snapshots[job.snapshot_id]
@@ -318,13 +319,11 @@ class DeviceWorker:
         return LoadResult(tuple(tokens), snapshot.nbytes)
 
     def _assemble(self, job: AssembleKvBatch) -> AssembleResult:
-        missing = [i for i in job.snapshot_ids if i not in self._snapshots]
-        if missing:
-            raise WorkerError(f"unknown snapshots {missing}")
+        self._require(job.snapshot_ids)
         for i in job.snapshot_ids:  # preempted sequences offloaded to CPU memory come back
             source = self._snapshots[i]
             if isinstance(source, KvSnapshot) and source.keys[0].device != self.model.device:
-                self._snapshots[i] = _moved(source, self.model.device)
+                self._snapshots[i] = _compact(source, self.model.device)
         self._batch = assemble_batch([self._snapshots[i] for i in job.snapshot_ids])
         for i in job.snapshot_ids:
             kept = self._snapshots.pop(i)
@@ -387,27 +386,14 @@ def _prefix_of(snapshot: KvSnapshot, length: int) -> KvSnapshot:
     )
 
 
-def _moved(snapshot: KvSnapshot, device: torch.device) -> KvSnapshot:
-    """A compact copy of a snapshot on another device (CPU memory: pinned, when a GPU is
-    there, for faster copies back)."""
-    pin = device.type == "cpu" and torch.cuda.is_available()
-
-    def move(t: torch.Tensor) -> torch.Tensor:
-        t = t.to(device, memory_format=torch.contiguous_format)
-        return t.pin_memory() if pin else t
-
-    return KvSnapshot(
-        keys=[move(k) for k in snapshot.keys],
-        values=[move(v) for v in snapshot.values],
-        token_ids=list(snapshot.token_ids),
-    )
-
-
-def _compact(snapshot: KvSnapshot) -> KvSnapshot:
-    """A copy holding just the snapshot's columns: no spare room, no shared storage."""
+def _compact(snapshot: KvSnapshot, device: torch.device | None = None) -> KvSnapshot:
+    """A copy holding just the snapshot's columns (no spare room, no shared storage), on
+    `device` if given (into CPU memory: pinned when a GPU is there, for faster copies back)."""
+    pin = device is not None and device.type == "cpu" and torch.cuda.is_available()
 
     def copy(t: torch.Tensor) -> torch.Tensor:
-        return t.clone(memory_format=torch.contiguous_format)
+        t = t.to(device or t.device, memory_format=torch.contiguous_format, copy=True)
+        return t.pin_memory() if pin else t
 
     return KvSnapshot(
         keys=[copy(k) for k in snapshot.keys],
