@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from neuronpy.errors import InvalidRequestError
 
@@ -103,7 +103,9 @@ class SessionStore:
             )
         path = self.directory / f"{name}{SUFFIX}"
         if path.resolve().parent != self.directory:  # a symlink placed in the directory
-            raise InvalidRequestError(f"session {name!r} is outside the sessions directory")
+            raise InvalidRequestError(
+                f"session {name!r} is outside the sessions directory", "session"
+            )
         return path
 
     def info(self, name: str) -> SessionInfo | None:
@@ -223,11 +225,11 @@ def read_session(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
     """A session's KV on `device` and its token ids, checked against the model that will use
     it (the file may have changed since its header was read). Raises SESSION_ERRORS."""
-    tensors = load_file(str(path), device="cpu")
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path), framework="pt") as f:  # one read: header, then tensors
         meta = f.metadata() or {}
-    if meta.get("format") != FORMAT or meta.get("fingerprint") != fingerprint:
-        raise ValueError("it was saved from another model")
+        if meta.get("format") != FORMAT or meta.get("fingerprint") != fingerprint:
+            raise ValueError("it was saved from another model")
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
     token_ids = [int(t) for t in json.loads(meta["token_ids"])]
     shape = (1, kv_heads, len(token_ids), head_dim)
     keys, values = [], []

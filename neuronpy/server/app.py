@@ -21,7 +21,6 @@ from starlette.routing import Route
 from neuronpy.engine.engine import Engine, RequestStream
 from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.sessions import (
-    SessionInfo,
     SessionRequest,
     SessionStore,
     check_compatible,
@@ -167,16 +166,19 @@ def create_app(
         if store is None:
             raise ApiError(404, SESSIONS_OFF, param="session")
         name = request.path_params.get("name")
-        if name is None:
-            names = await anyio.to_thread.run_sync(store.names)
-            infos = [await anyio.to_thread.run_sync(_session_info, store, n) for n in names]
-            data = [info.public() for info in infos if info is not None]
-            return JSONResponse({"object": "list", "data": data})
-        if request.method == "DELETE":
-            if not await anyio.to_thread.run_sync(_delete_session, store, name):
-                raise ApiError(404, f"no session {name!r}", param="session")
-            return JSONResponse({"id": name, "object": "session.deleted", "deleted": True})
-        info = await anyio.to_thread.run_sync(_session_info, store, name)
+        try:
+            if name is None:
+                names = await anyio.to_thread.run_sync(store.names)
+                infos = [await anyio.to_thread.run_sync(store.info, n) for n in names]
+                data = [info.public() for info in infos if info is not None]
+                return JSONResponse({"object": "list", "data": data})
+            if request.method == "DELETE":
+                if not await anyio.to_thread.run_sync(store.delete, name):
+                    raise ApiError(404, f"no session {name!r}", param="session")
+                return JSONResponse({"id": name, "object": "session.deleted", "deleted": True})
+            info = await anyio.to_thread.run_sync(store.info, name)
+        except InvalidRequestError as exc:
+            raise api_error(exc) from None
         if info is None:
             raise ApiError(404, f"no session {name!r}", param="session")
         return JSONResponse(info.public())
@@ -294,30 +296,16 @@ async def _session_request(
         return None
     if store is None:
         raise ApiError(400, SESSIONS_OFF, param="session")
-    info = await anyio.to_thread.run_sync(_session_info, store, req.session)
-    if info is not None:
-        try:
+    try:
+        info = await anyio.to_thread.run_sync(store.info, req.session)
+        if info is not None:
             dtype = dtype_name(engine.model.dtype)
             check_compatible(info, engine.name, engine.fingerprint, dtype)
-        except InvalidRequestError as exc:
-            raise ApiError(400, exc.message, param="session") from None
-    path = store.path(req.session)
+        path = store.path(req.session)
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
     tokens = info.token_ids if info is not None else None
     return SessionRequest(req.session, path, req.session_save, tokens)
-
-
-def _session_info(store: SessionStore, name: str) -> SessionInfo | None:
-    try:
-        return store.info(name)
-    except InvalidRequestError as exc:
-        raise ApiError(400, exc.message, param="session") from None
-
-
-def _delete_session(store: SessionStore, name: str) -> bool:
-    try:
-        return store.delete(name)
-    except InvalidRequestError as exc:
-        raise ApiError(400, exc.message, param="session") from None
 
 
 def _renderer(
