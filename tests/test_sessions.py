@@ -137,6 +137,12 @@ def test_other_models_and_bad_requests_are_refused(tmp_path: Path) -> None:
             timeout=30,
         )
         assert response.status_code == 400 and "cannot be read" in response.text
+        # the list still answers, naming the unreadable file beside the good one
+        listed = httpx.get(f"{server.url}/v1/sessions", timeout=10)
+        assert listed.status_code == 200
+        junk, talk = listed.json()["data"]
+        assert junk["id"] == "junk" and "cannot be read" in junk["error"]
+        assert talk["id"] == "llama-talk" and talk["tokens"] > 0
     # another model with the same architecture and tokenizer, other weights
     other_model = {MODEL: fixture_model("tiny-qwen2")["tiny-qwen2"]}
     with run_server(other_model, sessions_dir=tmp_path) as other:

@@ -168,10 +168,7 @@ def create_app(
         name = request.path_params.get("name")
         try:
             if name is None:
-                names = await anyio.to_thread.run_sync(store.names)
-                infos = [await anyio.to_thread.run_sync(store.info, n) for n in names]
-                data = [info.public() for info in infos if info is not None]
-                return JSONResponse({"object": "list", "data": data})
+                return JSONResponse({"object": "list", "data": await _list_sessions(store)})
             if request.method == "DELETE":
                 if not await anyio.to_thread.run_sync(store.delete, name):
                     raise ApiError(404, f"no session {name!r}", param="session")
@@ -306,6 +303,21 @@ async def _session_request(
         raise api_error(exc) from None
     tokens = info.token_ids if info is not None else None
     return SessionRequest(req.session, path, req.session_save, tokens)
+
+
+async def _list_sessions(store: SessionStore) -> list[dict[str, Any]]:
+    """Every session in the directory; one that cannot be read is listed with why (so that it
+    can be found and deleted), not a failure of the whole list."""
+    data = []
+    for name in await anyio.to_thread.run_sync(store.names):
+        try:
+            info = await anyio.to_thread.run_sync(store.info, name)
+        except InvalidRequestError as exc:
+            data.append({"id": name, "object": "session", "error": exc.message})
+            continue
+        if info is not None:  # (deleted meanwhile)
+            data.append(info.public())
+    return data
 
 
 def _renderer(
