@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from neuronpy.arch.linear import QUANTIZE_MODES
+from neuronpy.engine.engine import DEFAULT_MAX_N, DEFAULT_PREFIX_CACHE_BYTES
 from neuronpy.engine.reasoning import REASONING_PARSERS
 from neuronpy.envflags import env_flag
 
@@ -30,8 +31,6 @@ DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_QUEUE_TIMEOUT = 60.0  # seconds a request may wait for a row; 0: no deadline
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds in-flight requests get to finish on SIGTERM
-DEFAULT_MAX_N = 8  # completions one request may ask for (n); each counts as a request
-DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # per model: KV kept for prompts to reuse as prefixes
 # What a model may be called: it travels in URLs (/v1/models/NAME), request bodies and logs.
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 API_KEY = re.compile(r"^[\x21-\x7e]+$")  # fits an HTTP header as it is

@@ -343,11 +343,7 @@ class Engine:
     ) -> Engine:
         """Builds the native model from a loaded transformers model; EOS ids from both sources."""
         config = config or EngineConfig()
-        calibration: list[int] = []
-        if config.quantize != "none":
-            calibration = tokenizer.encode(CALIBRATION_TEXT)[
-                : hf_model.config.max_position_embeddings
-            ]
+        calibration = calibration_ids(hf_model, tokenizer, config.quantize)
         return cls(
             LlamaModel.from_hf(hf_model, quantize=config.quantize, calibration_ids=calibration),
             tokenizer,
@@ -1197,6 +1193,13 @@ class PrefillCost:
                 return fixed, slope
         # one chunk size only, or a fit that makes no sense: all of it per token
         return 0.0, mean_y / max(mean_x, 1e-9)
+
+
+def calibration_ids(hf_model: Any, tokenizer: PreTrainedTokenizerBase, quantize: str) -> list[int]:
+    """The tokens a quantized model's activation ranges are measured on (none for "none")."""
+    if quantize == "none":
+        return []
+    return list(tokenizer.encode(CALIBRATION_TEXT)[: hf_model.config.max_position_embeddings])
 
 
 def eos_token_ids(hf_model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:

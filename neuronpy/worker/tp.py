@@ -44,11 +44,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from neuronpy.arch.calibration import CALIBRATION_TEXT
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
 from neuronpy.arch.tp import check_divisible, shard_from_hf
-from neuronpy.engine.engine import Engine, EngineConfig, eos_token_ids
+from neuronpy.engine.engine import Engine, EngineConfig, calibration_ids, eos_token_ids
 from neuronpy.errors import ModelLoadError, WorkerError
 from neuronpy.loading import LoadedWeights, load_pretrained, resolve_device
 from neuronpy.worker.jobs import Job, Shutdown
@@ -343,14 +342,6 @@ def _follower_environment(device: str) -> Iterator[None]:
             del os.environ["OMP_WAIT_POLICY"]
 
 
-def _calibration_ids(weights: LoadedWeights, quantize: str) -> list[int]:
-    """As Engine.from_pretrained calibrates int8 (every rank computes the same ids)."""
-    if quantize == "none":
-        return []
-    limit = weights.hf_model.config.max_position_embeddings
-    return list(weights.tokenizer.encode(CALIBRATION_TEXT)[:limit])
-
-
 def _wait_ready(
     store: Any, world_size: int, followers: Sequence[BaseProcess], timeout: float
 ) -> None:
@@ -439,7 +430,7 @@ def start_tensor_parallel_worker(
             0,
             world,
             quantize=spec.quantize,
-            calibration_ids=_calibration_ids(weights, spec.quantize),
+            calibration_ids=calibration_ids(weights.hf_model, weights.tokenizer, spec.quantize),
             reduce=collectives.all_reduce,
         )
         _wait_ready(store, world, followers, startup_timeout)
@@ -560,7 +551,7 @@ def run_follower(
             rank,
             world,
             quantize=spec.quantize,
-            calibration_ids=_calibration_ids(weights, spec.quantize),
+            calibration_ids=calibration_ids(weights.hf_model, weights.tokenizer, spec.quantize),
             reduce=collectives.all_reduce,
             lm_head=False,
         )
