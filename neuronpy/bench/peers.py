@@ -215,36 +215,18 @@ def engine_send(engine: Any) -> Send:
 class NeuronpyEngine(System):
     """neuronpy's Engine in this process, driven through its Python API."""
 
-    def __init__(
-        self,
-        name: str,
-        hf_model: Any,
-        tokenizer: Any,
-        model_name: str,
-        config: Any,
-        build: Callable[[], Any] | None = None,
-    ):
-        """`build`: makes the engine (a tensor-parallel one); by default from_pretrained."""
+    def __init__(self, name: str, config: Any, build: Callable[[], Any]):
+        """`build`: makes the engine with `config` (blocking; run on a thread that ends)."""
         self.name = name
         self.config = config
         self.description = f"neuronpy engine in-process ({engine_label(config)})"
-        self._hf_model, self._tokenizer, self._model_name = hf_model, tokenizer, model_name
         self._build = build
         self._portal: _Portal | None = None
         self._engine_cm: Any = None
         self.engine: Any = None
 
     def start(self, warmup: Workload) -> None:
-        from neuronpy.engine.engine import Engine
-
-        self.engine = in_fresh_thread(
-            self._build
-            or (
-                lambda: Engine.from_pretrained(
-                    self._hf_model, self._tokenizer, name=self._model_name, config=self.config
-                )
-            )
-        )
+        self.engine = in_fresh_thread(self._build)
         self._portal = _Portal()
         self._engine_cm = self._portal.portal.wrap_async_context_manager(self.engine)
         self._engine_cm.__enter__()

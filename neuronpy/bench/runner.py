@@ -159,6 +159,7 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
     queue = max(4096, config.requests, max(config.ks))
 
     def loader(engine_config: Any, split: bool = True) -> Callable[[], Any]:
+        """Builds the engine: split over --tensor-parallel ranks unless `split` is False."""
         if split and config.tensor_parallel > 1:
             from neuronpy.worker.tp import start_tensor_parallel
 
@@ -182,23 +183,12 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
             system = NeuronpyHttp(name, load_engine=loader(engine_config), model=weights.name)
             system.description += f" ({engine_label(engine_config)})"
             return system
-        return NeuronpyEngine(
-            name,
-            weights.hf_model,
-            weights.tokenizer,
-            weights.name,
-            engine_config,
-            build=loader(engine_config) if config.tensor_parallel > 1 else None,
-        )
+        return NeuronpyEngine(name, engine_config, loader(engine_config))
 
     systems = [neuronpy(NEURONPY, width, config.url)]
     if config.tensor_parallel > 1 and config.drive == "engine":
         one = _engine_config(config, width, queue)
-        systems.append(
-            NeuronpyEngine(
-                NEURONPY_ONE_DEVICE, weights.hf_model, weights.tokenizer, weights.name, one
-            )
-        )
+        systems.append(NeuronpyEngine(NEURONPY_ONE_DEVICE, one, loader(one, split=False)))
         systems[0].description += f" (tensor parallel over {config.tensor_parallel} ranks)"
     for peer in config.peers:
         if peer == NEURONPY_SERIAL:
