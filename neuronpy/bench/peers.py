@@ -33,7 +33,7 @@ import anyio.from_thread
 
 from neuronpy.bench.metrics import RequestRecord, engine_delta
 from neuronpy.bench.workloads import WORKLOADS, BenchRequest, Workload
-from neuronpy.worker.worker import start_in_own_thread
+from neuronpy.threads import start_in_own_thread
 
 log = logging.getLogger(__name__)
 

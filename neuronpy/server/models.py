@@ -15,7 +15,7 @@ from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import FinishReason, SamplingParams
 from neuronpy.errors import ModelLoadError, NeuronError
 from neuronpy.server.protocol import ApiError, unavailable
-from neuronpy.worker.worker import run_in_own_thread
+from neuronpy.threads import run_in_own_thread
 
 log = logging.getLogger(__name__)
 
