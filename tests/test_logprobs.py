@@ -18,7 +18,7 @@ from neuronpy.engine.sampling import Sampler, sample_rows
 from neuronpy.engine.types import SamplingParams
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.logprobs import TokenTexts
-from neuronpy.server.protocol import render_chat
+from neuronpy.server.prompts import render_chat
 from tests.factories import hf_model
 from tests.servers import TINY_LLAMA, RunningServer, fixture_model, run_server
 

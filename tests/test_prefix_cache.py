@@ -10,7 +10,7 @@ import pytest
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.prefix_cache import PrefixIndex
 from neuronpy.engine.types import Completion, SamplingParams
-from neuronpy.server.protocol import render_chat
+from neuronpy.server.prompts import render_chat
 from tests.factories import make_engine, tokenizer
 from tests.servers import fixture_model, run_server
 

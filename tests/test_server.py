@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from neuronpy.errors import ModelLoadError
-from neuronpy.server.protocol import render_chat
+from neuronpy.server.prompts import render_chat
 from tests.servers import TINY_LLAMA, RunningServer, engine_loader, fixture_model, run_server
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]

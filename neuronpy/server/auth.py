@@ -8,11 +8,10 @@ from collections.abc import Collection, Iterable
 
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from neuronpy.config import check_cors
-from neuronpy.server.protocol import ApiError
+from neuronpy.server.errors import ApiError
 
 # Routes that answer without the key: a load balancer's health probe carries no secret.
 OPEN_PATHS = frozenset({"/health"})
@@ -57,11 +56,9 @@ class ApiKeyMiddleware:
             message = "no API key provided: send it as 'Authorization: Bearer KEY'"
         else:
             message = "invalid API key"
-        error = ApiError(401, message, code="invalid_api_key")
-        response = JSONResponse(
-            error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"}
-        )
-        await response(scope, receive, send)
+        challenge = {"WWW-Authenticate": "Bearer"}
+        error = ApiError(401, message, code="invalid_api_key", headers=challenge)
+        await error.response()(scope, receive, send)
 
     def _matches(self, presented: list[bytes]) -> bool:
         matched = False

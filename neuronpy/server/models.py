@@ -14,7 +14,7 @@ import anyio
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import FinishReason, SamplingParams
 from neuronpy.errors import ModelLoadError, NeuronError
-from neuronpy.server.protocol import ApiError, unavailable
+from neuronpy.server.errors import ApiError, unavailable
 from neuronpy.threads import run_in_own_thread
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,104 @@
+"""A request's n copies: entered together, their events merged, cancelled with their client."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from starlette.types import Message, Receive
+
+from neuronpy.engine.engine import RequestStream
+from neuronpy.engine.types import GenerationEvent
+from neuronpy.server.responses import Reply
+
+
+@dataclass
+class Copy:
+    """One of a request's n completions (n == 1: the only one): its engine stream, the reply
+    that renders its choice, and what counts its events in the metrics."""
+
+    stream: RequestStream
+    reply: Reply
+    observe: Callable[[GenerationEvent], None]
+    last: GenerationEvent | None = None  # the latest of its events taken so far
+
+
+class Events:
+    """The copies' events in the order they come, as (copy, event), and (copy, None) once a copy
+    has ended; it stops when every copy has. Each event is counted when it is taken, so an
+    event that is never answered (its client left) is not."""
+
+    def __init__(
+        self,
+        copies: Sequence[Copy],
+        inbox: ObjectReceiveStream[tuple[int, GenerationEvent | None]],
+    ) -> None:
+        self.copies = copies
+        self._inbox = inbox
+        self._ended = 0
+
+    def __aiter__(self) -> Events:
+        return self
+
+    async def __anext__(self) -> tuple[Copy, GenerationEvent | None]:
+        if self._ended == len(self.copies):
+            raise StopAsyncIteration
+        index, event = await self._inbox.receive()
+        copy = self.copies[index]
+        if event is None:
+            self._ended += 1
+        else:
+            copy.observe(event)
+            copy.last = event
+        return copy, event
+
+
+@contextlib.asynccontextmanager
+async def merged(copies: Sequence[Copy]) -> AsyncIterator[Events]:
+    """The copies' events, merged. Leaving cancels every copy that has not finished."""
+    outbox, inbox = anyio.create_memory_object_stream[tuple[int, GenerationEvent | None]](
+        math.inf  # the engine's streams are unbounded already: this holds no more than they do
+    )
+    async with contextlib.AsyncExitStack() as stack, anyio.create_task_group() as tg:
+        for index, copy in enumerate(copies):
+            await stack.enter_async_context(copy.stream)  # its exit cancels the request
+            tg.start_soon(_forward, index, copy.stream, outbox)
+        try:
+            yield Events(copies, inbox)
+        finally:
+            tg.cancel_scope.cancel()
+
+
+async def _forward(
+    index: int,
+    stream: RequestStream,
+    outbox: ObjectSendStream[tuple[int, GenerationEvent | None]],
+) -> None:
+    async for event in stream:
+        outbox.send_nowait((index, event))
+    outbox.send_nowait((index, None))  # this copy has ended
+
+
+async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+    """Run `work` until it returns (True) or the client disconnects (False: it is cancelled).
+
+    The request body must have been read already: what `receive` yields next is the disconnect.
+    """
+    finished = False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            message: Message = await receive()
+            while message["type"] != "http.disconnect":
+                message = await receive()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        await work()
+        finished = True
+        tg.cancel_scope.cancel()
+    return finished

@@ -1,0 +1,152 @@
+"""Every error the server answers: ApiError and its OpenAI body, and the mapping onto it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from neuronpy.engine.types import FinishReason, GenerationEvent
+from neuronpy.errors import (
+    EngineUnhealthyError,
+    InvalidRequestError,
+    NeuronError,
+    QueueFullError,
+    ShuttingDownError,
+)
+
+if TYPE_CHECKING:  # (models.py builds its errors here)
+    from neuronpy.engine.engine import Engine
+    from neuronpy.server.models import ServedModel
+
+# Why a request was refused (a metric label); queue_timeout is the engine's count, the others
+# the server's (see rejection_reason).
+REJECT_REASONS = (
+    "invalid_request",  # 4xx: bad body, bad parameter, unknown model, prompt too long
+    "queue_full",  # max_in_flight running and max_queue waiting
+    "queue_timeout",  # admitted, then waited past queue_timeout without a row
+    "loading",  # the model is not ready yet
+    "shutting_down",  # the server stopped admitting
+    "unhealthy",  # the model failed (its worker, or its start)
+    "error",  # any other 5xx before admission
+)
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error body. Its message is the server's own words (or a
+    bounded quote of the request's): never a traceback, a path or another request's text."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def unavailable(message: str, retry_after: float | None = None) -> ApiError:
+    """503 with OpenAI's error body; `retry_after` seconds become an integer Retry-After header
+    (rounded up, at least 1), as HTTP requires."""
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after else None
+    return ApiError(503, message, type="service_unavailable", headers=headers)
+
+
+def api_error(exc: NeuronError, names: Mapping[str, str] | None = None) -> ApiError:
+    """The HTTP face of an engine error. `names`: what the request calls the parameters the
+    engine names (a chat's 'prompt' is its 'messages')."""
+    if isinstance(exc, InvalidRequestError):
+        param = exc.param if names is None or exc.param is None else names.get(exc.param, exc.param)
+        return ApiError(400, exc.message, param=param)
+    if isinstance(exc, QueueFullError):
+        return unavailable(str(exc), exc.retry_after)
+    if isinstance(exc, (EngineUnhealthyError, ShuttingDownError)):
+        return unavailable(str(exc))
+    return ApiError(500, str(exc), type="server_error")
+
+
+def failure(last: GenerationEvent | None, engine: Engine) -> ApiError | None:
+    """What a request's ending means to its client when it did not finish (None when it did:
+    stop or length). `last` is its last event (None: it ended without one). An abort (it timed
+    out in the queue, or the server is shutting down) is a 503 saying why, with a Retry-After;
+    a failure of the model is a 503, any other a 500."""
+    reason = last.finish_reason if last is not None else None
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return None
+    error = last.error if last is not None else None
+    if reason is FinishReason.ABORT:
+        message = f"the request was aborted: {error or 'the server is shutting down'}"
+        return unavailable(message, engine.retry_after())
+    if not engine.healthy:
+        return unavailable(error or "the model is unavailable")
+    return ApiError(500, error or "generation failed", type="server_error")
+
+
+def rejection_reason(error: ApiError, model: ServedModel | None) -> str:
+    """Which of REJECT_REASONS an error answered before admission stands for. `model` is the
+    served model the request named, None if it named none the server serves."""
+    cause = error.__context__  # the engine's error an ApiError was made from, if any
+    if isinstance(cause, QueueFullError):
+        return "queue_full"
+    if isinstance(cause, ShuttingDownError) or (model is not None and model.status == "stopping"):
+        return "shutting_down"
+    if error.status < 500:
+        return "invalid_request"
+    if model is not None and model.status == "loading":
+        return "loading"
+    return "unhealthy" if error.status == 503 else "error"
+
+
+# ---- starlette's exception handlers ----------------------------------------------------------
+
+
+async def _api_error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error_response(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (an unknown route, a method not allowed) in OpenAI's body."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return ApiError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+
+
+async def _internal_error_response(request: Request, exc: Exception) -> Response:
+    # starlette re-raises after this response, so the server logs the traceback; the client
+    # sees none of it
+    return ApiError(500, "internal server error", type="server_error").response()
+
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    ApiError: _api_error_response,
+    HTTPException: _http_error_response,
+    Exception: _internal_error_response,
+}

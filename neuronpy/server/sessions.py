@@ -1,0 +1,77 @@
+"""Sessions over HTTP: a request's session checked against its model; list, show, delete."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+
+from neuronpy.engine.engine import Engine
+from neuronpy.engine.sessions import SessionStore, check_compatible, dtype_name
+from neuronpy.engine.types import SessionRequest
+from neuronpy.errors import InvalidRequestError
+from neuronpy.server.errors import ApiError, api_error
+from neuronpy.server.requests import ParsedRequest
+
+SESSIONS_OFF = (
+    "sessions are off on this server; start it with --sessions-dir DIR ([server] sessions_dir)"
+)
+T = TypeVar("T")
+
+
+async def _in_thread(call: Callable[..., T], *args: Any) -> T:
+    """A store call (it reads and writes files), its refusals (a bad name, a bad file) 400s."""
+    try:
+        return await anyio.to_thread.run_sync(call, *args)
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
+
+
+async def session_request(
+    store: SessionStore | None, engine: Engine, req: ParsedRequest
+) -> SessionRequest | None:
+    """What the request asks of its session, its file's header checked against the model:
+    400 when sessions are off, for a bad name, and for a session of another model or dtype."""
+    if req.session is None:
+        return None
+    if store is None:
+        raise ApiError(400, SESSIONS_OFF, param="session")
+    info = await _in_thread(store.info, req.session)
+    try:
+        if info is not None:
+            dtype = dtype_name(engine.model.dtype)
+            check_compatible(info, engine.name, engine.fingerprint, dtype)
+        path = store.path(req.session)
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
+    tokens = info.token_ids if info is not None else None
+    return SessionRequest(req.session, path, req.session_save, tokens)
+
+
+async def list_sessions(store: SessionStore) -> dict[str, Any]:
+    """Every session in the directory; one that cannot be read is listed with why (so that it
+    can be found and deleted), not a failure of the whole list."""
+    data = []
+    for name in await _in_thread(store.names):
+        try:
+            info = await anyio.to_thread.run_sync(store.info, name)
+        except InvalidRequestError as exc:
+            data.append({"id": name, "object": "session", "error": exc.message})
+            continue
+        if info is not None:  # (deleted meanwhile)
+            data.append(info.public())
+    return {"object": "list", "data": data}
+
+
+async def show_session(store: SessionStore, name: str) -> dict[str, Any]:
+    info = await _in_thread(store.info, name)
+    if info is None:
+        raise ApiError(404, f"no session {name!r}", param="session")
+    return info.public()
+
+
+async def delete_session(store: SessionStore, name: str) -> dict[str, Any]:
+    if not await _in_thread(store.delete, name):
+        raise ApiError(404, f"no session {name!r}", param="session")
+    return {"id": name, "object": "session.deleted", "deleted": True}
