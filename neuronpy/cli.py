@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -13,12 +12,13 @@ from types import FrameType
 
 import uvicorn
 
-from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.bench import cli as bench_cli
-from neuronpy.config import DTYPES, Config, EngineKnobs, ModelSpec, load_config
-from neuronpy.engine.engine import Engine, EngineConfig
+from neuronpy.compose import load_engine
+from neuronpy.config import Config, load_config
+from neuronpy.defaults import DTYPES, QUANTIZE_MODES
+from neuronpy.engine.engine import Engine
 from neuronpy.errors import ModelLoadError
-from neuronpy.loading import load_pretrained, resolve_spec
+from neuronpy.loading import resolve_spec
 from neuronpy.server.app import ServerState, create_app
 
 log = logging.getLogger("neuronpy")
@@ -214,7 +214,7 @@ def serve(config: Config) -> int:
         for spec in config.models:  # a missing file or package fails now, not after start-up
             _, derived, _ = resolve_spec(spec.path)
             name = spec.name or derived
-            loaders[name] = functools.partial(load_engine, name, spec, config.engine)
+            loaders[name] = functools.partial(load_engine, name, spec)
     except ModelLoadError as exc:
         print(f"neuronpy: error: {exc}", file=sys.stderr)
         return 1
@@ -250,51 +250,3 @@ def serve(config: Config) -> int:
     )
     server.run()
     return 1 if app.state.neuron.status == "failed" else 0
-
-
-def load_engine(name: str, spec: ModelSpec, knobs: EngineKnobs) -> Engine:
-    """Load one model's weights and build its engine (blocking: the server calls it in a thread
-    of its own for each model, so the models load concurrently)."""
-
-    def progress(message: str) -> None:
-        log.info("%s: %s", name, message)
-
-    engine_config = EngineConfig(
-        max_in_flight=spec.admission.max_in_flight,
-        max_queue=spec.admission.max_queue,
-        queue_timeout=spec.admission.queue_timeout or None,  # 0: no deadline
-        prefill_chunk=knobs.prefill_chunk,
-        chunk_steps=float(knobs.chunk_steps),
-        batching=knobs.batching,
-        quantize=spec.quantize,
-        prefix_cache=spec.prefix_cache,
-        prefix_cache_bytes=spec.prefix_cache_bytes,
-        max_n=spec.admission.max_n,
-        reasoning_parser=spec.reasoning_parser,
-        kv_budget_bytes=int(spec.kv_budget),
-    )
-    if spec.tensor_parallel > 1:
-        from neuronpy.worker.tp import start_tensor_parallel
-
-        world = os.environ.get("WORLD_SIZE")
-        if world is not None and world != str(spec.tensor_parallel):
-            raise ValueError(
-                f"WORLD_SIZE={world} in the environment, but --tensor-parallel is "
-                f"{spec.tensor_parallel}: they must agree"
-            )
-
-        return start_tensor_parallel(
-            spec.path,
-            spec.tensor_parallel,
-            name=name,
-            config=engine_config,
-            dtype=spec.dtype,
-            device=spec.device,
-            # followers on other machines when the environment describes the group
-            spawn="WORLD_SIZE" not in os.environ,
-            log_fn=progress,
-        )
-    weights = load_pretrained(spec.path, dtype=spec.dtype, device=spec.device, log=progress)
-    return Engine.from_pretrained(
-        weights.hf_model, weights.tokenizer, name=name, config=engine_config
-    )

@@ -22,6 +22,7 @@ import torch
 import transformers
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
+from neuronpy.arch.calibration import CALIBRATION_TEXT
 from neuronpy.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,26 @@ def load_pretrained(
     model = model.to(device).eval()
     log(f"loaded {name} in {time.perf_counter() - started:.1f} s")
     return LoadedWeights(hf_model=model, tokenizer=tokenizer, name=name, source=source)
+
+
+def calibration_ids(hf_model: Any, tokenizer: Any, quantize: str) -> list[int]:
+    """The tokens a quantized model's activation ranges are measured on (none for "none")."""
+    if quantize == "none":
+        return []
+    return list(tokenizer.encode(CALIBRATION_TEXT)[: hf_model.config.max_position_embeddings])
+
+
+def eos_token_ids(hf_model: Any, tokenizer: Any) -> list[int]:
+    """The end-of-sequence ids of a transformers model: its generation config's, its config's
+    and its tokenizer's."""
+    eos: set[int] = set()
+    for source in (getattr(hf_model, "generation_config", None), hf_model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, (list, tuple)):
+            eos.update(v for v in value if isinstance(v, int))
+    return sorted(eos)
 
 
 def resolve_spec(spec: str | None) -> tuple[str, str, Path | None]:

@@ -8,7 +8,9 @@ from typing import Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from neuronpy.engine.engine import Engine, EngineConfig
+from neuronpy.compose import engine_from_hf
+from neuronpy.config import EngineConfig
+from neuronpy.engine.engine import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILIES = ("tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
@@ -31,6 +33,4 @@ def tokenizer(name: str = "tiny-llama") -> Any:
 
 def make_engine(name: str = "tiny-llama", **config: Any) -> Engine:
     """An engine over a tiny fixture (enter it with `async with`)."""
-    return Engine.from_pretrained(
-        hf_model(name), tokenizer(name), name=name, config=EngineConfig(**config)
-    )
+    return engine_from_hf(hf_model(name), tokenizer(name), name=name, config=EngineConfig(**config))

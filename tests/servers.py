@@ -15,7 +15,9 @@ import httpx
 import pytest
 import uvicorn
 
-from neuronpy.engine.engine import Engine, EngineConfig
+from neuronpy.compose import engine_from_hf
+from neuronpy.config import EngineConfig
+from neuronpy.engine.engine import Engine
 from neuronpy.loading import load_pretrained
 from neuronpy.server.app import ServerState, create_app
 
@@ -66,7 +68,7 @@ def engine_loader(model_dir: Path = TINY_LLAMA, **config: Any) -> Callable[[], E
 
     def load() -> Engine:
         weights = load_pretrained(str(model_dir))
-        return Engine.from_pretrained(
+        return engine_from_hf(
             weights.hf_model, weights.tokenizer, name=weights.name, config=EngineConfig(**config)
         )
 

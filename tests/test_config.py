@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from neuronpy.cli import build_parser, config_from_args, main
 from neuronpy.config import (
-    AdmissionConfig,
+    ADMISSION_KEYS,
+    ENGINE_KEYS,
+    MODEL_KEYS,
     Config,
+    EngineConfig,
     ModelSpec,
     ServerConfig,
     load_config,
 )
+from neuronpy.defaults import REASONING_PARSERS
+from neuronpy.engine.reasoning import REASONING_MARKERS
 
 FULL = """
 [server]
@@ -48,18 +56,19 @@ def test_defaults_bind_loopback_and_serve_the_bundled_model() -> None:
     assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
     (model,) = config.models
     assert model.name is None and model.path is None
-    assert model.admission.max_in_flight == 8
-    assert config.engine.batching
+    assert model.engine.max_in_flight == 8
+    assert model.engine.batching
 
 
 def test_file_sets_every_section(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, FULL), environ={})
     assert config.server == ServerConfig("0.0.0.0", 9000)
+    engine = EngineConfig(4, 10, prefill_chunk=256)
     assert config.models == (
-        ModelSpec(None, "tests/fixtures/tiny-llama", "bfloat16", "cpu", AdmissionConfig(4, 10)),
+        ModelSpec(None, "tests/fixtures/tiny-llama", "bfloat16", "cpu", engine=engine),
     )
-    assert config.engine.prefill_chunk == 256
-    assert config.engine.chunk_steps == 0.5
+    assert config.models[0].engine.prefill_chunk == 256
+    assert config.models[0].engine.chunk_steps == 0.5
 
 
 def test_command_line_overrides_the_file(tmp_path: Path) -> None:
@@ -80,7 +89,7 @@ def test_command_line_overrides_the_file(tmp_path: Path) -> None:
     config = config_from_args(args)
     assert config.server == ServerConfig("0.0.0.0", 8123)  # host from the file, port from the flag
     (model,) = config.models
-    assert model.admission == AdmissionConfig(2, 10)
+    assert model.engine == EngineConfig(2, 10, prefill_chunk=256)
     assert model.dtype == "auto" and model.device == "cpu"
 
 
@@ -90,7 +99,7 @@ def test_flags_without_a_file() -> None:
     )
     config = config_from_args(args)
     assert config.models == (
-        ModelSpec(path="m.gguf", device="cuda:1", admission=AdmissionConfig(max_queue=0)),
+        ModelSpec(path="m.gguf", device="cuda:1", engine=EngineConfig(max_queue=0)),
     )
     assert config.server.host == "::1"
 
@@ -98,8 +107,8 @@ def test_flags_without_a_file() -> None:
 @pytest.mark.parametrize("value", ["0", "false", "off"])
 def test_neuron_batching_0_forces_one_at_a_time(tmp_path: Path, value: str) -> None:
     config = load_config(write(tmp_path, FULL), environ={"NEURON_BATCHING": value})
-    assert config.engine.batching is False
-    assert load_config(environ={"NEURON_BATCHING": "1"}).engine.batching is True
+    assert config.models[0].engine.batching is False
+    assert load_config(environ={"NEURON_BATCHING": "1"}).models[0].engine.batching is True
 
 
 @pytest.mark.parametrize(
@@ -165,11 +174,9 @@ max_queue = 3
 
 def test_models_tables_with_their_own_admission(tmp_path: Path) -> None:
     llama, qwen = load_config(write(tmp_path, TWO), environ={}).models
-    assert llama == ModelSpec(
-        "llama", "tests/fixtures/tiny-llama", admission=AdmissionConfig(2, 10)
-    )
+    assert llama == ModelSpec("llama", "tests/fixtures/tiny-llama", engine=EngineConfig(2, 10))
     assert qwen == ModelSpec(
-        "qwen", "tests/fixtures/tiny-qwen3", "float32", "cpu", AdmissionConfig(4, 3)
+        "qwen", "tests/fixtures/tiny-qwen3", "float32", "cpu", engine=EngineConfig(4, 3)
     )
 
 
@@ -190,19 +197,19 @@ def test_model_flags_replace_the_files_models_and_flags_apply_to_every_model(
     path = str(write(tmp_path, TWO))
     args = ["serve", "--config", path, "--max-in-flight", "6", "--dtype", "bfloat16"]
     llama, qwen = config_from_args(build_parser().parse_args(args)).models
-    assert llama.admission == AdmissionConfig(6, 10) and llama.dtype == "bfloat16"
-    assert qwen.admission == AdmissionConfig(6, 3) and qwen.dtype == "bfloat16"
+    assert llama.engine == EngineConfig(6, 10) and llama.dtype == "bfloat16"
+    assert qwen.engine == EngineConfig(6, 3) and qwen.dtype == "bfloat16"
     args = ["serve", "--config", path, "--model", "m=tests/fixtures/tiny-mistral"]
     (only,) = config_from_args(build_parser().parse_args(args)).models
-    assert only == ModelSpec("m", "tests/fixtures/tiny-mistral", admission=AdmissionConfig(4, 10))
+    assert only == ModelSpec("m", "tests/fixtures/tiny-mistral", engine=EngineConfig(4, 10))
 
 
 def test_quantize_per_model_and_from_the_command_line(tmp_path: Path) -> None:
     text = TWO.replace('name = "qwen"', 'name = "qwen"\nquantize = "int8"')
     llama, qwen = load_config(write(tmp_path, text), environ={}).models
-    assert (llama.quantize, qwen.quantize) == ("none", "int8")
+    assert (llama.engine.quantize, qwen.engine.quantize) == ("none", "int8")
     args = build_parser().parse_args(["serve", "--quantize", "int8"])
-    assert config_from_args(args).models[0].quantize == "int8"
+    assert config_from_args(args).models[0].engine.quantize == "int8"
     with pytest.raises(ValueError, match="quantize must be one of none, int8"):
         load_config(write(tmp_path, '[model]\nquantize = "int4"\n'), environ={})
 
@@ -258,10 +265,10 @@ def test_kv_budget_takes_bytes_or_sizes_per_model_and_from_the_command_line(
 ) -> None:
     text = TWO.replace('name = "qwen"', 'name = "qwen"\nkv_budget = "512MiB"')
     llama, qwen = load_config(write(tmp_path, text), environ={}).models
-    assert (llama.kv_budget, qwen.kv_budget) == (0, 512 * 1024**2)
+    assert (llama.engine.kv_budget, qwen.engine.kv_budget) == (0, 512 * 1024**2)
     for flag, expected in [("2GiB", 2 * 1024**3), ("1.5GB", 1_500_000_000), ("4096", 4096)]:
         args = build_parser().parse_args(["serve", "--kv-budget", flag])
-        assert config_from_args(args).models[0].kv_budget == expected
+        assert config_from_args(args).models[0].engine.kv_budget == expected
     for bad in ['"lots"', "-1", '"12 parsecs"', "true"]:
         with pytest.raises(ValueError, match="kv_budget must be"):
             load_config(write(tmp_path, f"[model]\nkv_budget = {bad}\n"), environ={})
@@ -296,3 +303,72 @@ def test_tp_follower_without_its_environment_says_what_is_missing(
         monkeypatch.delenv(name, raising=False)
     assert main(["tp-follower"]) == 1
     assert "RANK is not set" in capsys.readouterr().err
+
+
+# ---- one EngineConfig ----------------------------------------------------------------------------
+
+
+def test_every_engine_setting_is_written_in_exactly_one_table() -> None:
+    keys = [*ADMISSION_KEYS, *ENGINE_KEYS, *MODEL_KEYS]
+    assert sorted(keys) == sorted(f.name for f in dataclasses.fields(EngineConfig))
+    assert len(set(keys)) == len(keys)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"max_in_flight": 4097}, "max_in_flight must be between 1 and 4096, got 4097"),
+        ({"max_queue": 1_000_001}, "max_queue must be between 0 and 1000000"),
+        ({"max_n": 0}, "max_n must be between 1 and 128"),
+        ({"queue_timeout": None}, "queue_timeout must be a number of seconds"),
+        ({"chunk_steps": 101}, r"chunk_steps must be a number in \[0.1, 100\]"),
+        ({"prefill_chunk": 0}, "prefill_chunk must be at least 1"),
+        ({"prefix_cache": 1}, "prefix_cache must be true or false"),
+        ({"prefix_cache_bytes": -1}, "prefix_cache_bytes must be at least 0"),
+        ({"quantize": "int4"}, "quantize must be one of none, int8"),
+        ({"reasoning_parser": "xml"}, "reasoning_parser must be one of auto, none, think"),
+        ({"kv_budget": "lots"}, "kv_budget must be a number of bytes"),
+    ],
+)
+def test_engine_config_names_the_bad_field(values: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**values)  # type: ignore[arg-type]
+
+
+def test_the_reasoning_parser_names_are_the_parsers() -> None:
+    assert ("auto", "none", *REASONING_MARKERS) == REASONING_PARSERS
+
+
+def test_engine_config_keeps_one_representation_of_each_value() -> None:
+    config = EngineConfig(queue_timeout=0, chunk_steps=1, kv_budget="1KiB")
+    assert config.queue_timeout == 0.0 and isinstance(config.queue_timeout, float)  # no deadline
+    assert isinstance(config.chunk_steps, float)
+    assert config.kv_budget == 1024
+    assert config == EngineConfig(queue_timeout=0.0, chunk_steps=1.0, kv_budget=1024)
+
+
+def test_server_wide_errors_name_their_table_and_a_models_own_name_the_model(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match=r"^\[admission\] max_in_flight must be between 1"):
+        load_config(
+            write(tmp_path, TWO.replace("max_in_flight = 4", "max_in_flight = 0")), environ={}
+        )
+    with pytest.raises(ValueError, match=r"^\[engine\] prefill_chunk must be at least 1"):
+        load_config(write(tmp_path, TWO + "[engine]\nprefill_chunk = 0\n"), environ={})
+    bad_own = TWO.replace("max_in_flight = 2 }", "max_in_flight = 0 }")
+    with pytest.raises(ValueError, match=r"^model 'llama': \[admission\] max_in_flight must be"):
+        load_config(write(tmp_path, bad_own), environ={})
+    with pytest.raises(ValueError, match="unknown key batching in model 'a'"):
+        load_config(write(tmp_path, "[[models]]\nname = 'a'\nbatching = false\n"), environ={})
+
+
+def test_reading_a_config_file_imports_no_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from neuronpy.config import load_config\n"
+        f"load_config({str(write(tmp_path, FULL))!r}, environ={{}})\n"
+        "heavy = sorted({'torch', 'transformers', 'neuronpy.engine.engine'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

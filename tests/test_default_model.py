@@ -8,7 +8,9 @@ import anyio
 import openai
 import pytest
 
-from neuronpy.engine.engine import Engine, EngineConfig
+from neuronpy.compose import engine_from_hf
+from neuronpy.config import EngineConfig
+from neuronpy.engine.engine import Engine
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import (
     DEFAULT_MODEL_NAME,
@@ -29,7 +31,7 @@ except ModelLoadError as exc:
 
 def load_default() -> Engine:
     weights = load_pretrained(None)  # converts the GGUF once into the user's cache
-    return Engine.from_pretrained(
+    return engine_from_hf(
         weights.hf_model, weights.tokenizer, name=weights.name, config=EngineConfig()
     )
 

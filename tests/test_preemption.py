@@ -10,7 +10,9 @@ import anyio
 import openai
 import pytest
 
-from neuronpy.engine.engine import Engine, EngineConfig
+from neuronpy.compose import engine_from_hf
+from neuronpy.config import EngineConfig
+from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import SamplingParams
 from neuronpy.errors import InvalidRequestError
 from tests.factories import hf_model, make_engine, tokenizer
@@ -44,7 +46,7 @@ async def test_parity_preempted_rows_resume_exactly() -> None:
     budget = 100  # tokens: about two of these rows at their longest
     assert unbounded_peak > budget, "the workload must need more KV than the budget"
     async with make_engine(
-        max_in_flight=8, kv_budget_bytes=budget * per_token, prefix_cache=False
+        max_in_flight=8, kv_budget=budget * per_token, prefix_cache=False
     ) as tight:
         got = await concurrently(tight, work, stagger=0.01)
         stats = tight.stats()
@@ -76,7 +78,7 @@ async def test_parity_preemption_with_chunked_joins() -> None:
         expected = await concurrently(free, work, stagger=0.03)
     per_token = make_engine().kv_bytes_per_token
     async with make_engine(
-        max_in_flight=4, prefill_chunk=32, kv_budget_bytes=220 * per_token, prefix_cache=False
+        max_in_flight=4, prefill_chunk=32, kv_budget=220 * per_token, prefix_cache=False
     ) as tight:
         got = await concurrently(tight, work, stagger=0.03)
         stats = tight.stats()
@@ -90,7 +92,7 @@ async def test_parity_preemption_with_chunked_joins() -> None:
 async def test_cancelling_a_preempted_request_frees_its_snapshot() -> None:
     work = jobs()
     per_token = make_engine().kv_bytes_per_token
-    async with make_engine(max_in_flight=8, kv_budget_bytes=70 * per_token) as engine:
+    async with make_engine(max_in_flight=8, kv_budget=70 * per_token) as engine:
         streams = [engine.submit(p, sp) for p, sp in work[:3]]
 
         async def drain(i: int) -> None:
@@ -118,18 +120,18 @@ async def test_cancelling_a_preempted_request_frees_its_snapshot() -> None:
 @pytest.mark.anyio
 async def test_a_prompt_larger_than_the_budget_is_refused() -> None:
     tok = tokenizer()
-    config = EngineConfig(kv_budget_bytes=1)
+    config = EngineConfig(kv_budget=1)
     with pytest.raises(ValueError, match="holds no token"):
-        Engine.from_pretrained(hf_model(), tok, name="m", config=config)
+        engine_from_hf(hf_model(), tok, name="m", config=config)
     per_token = make_engine().kv_bytes_per_token
-    async with make_engine(kv_budget_bytes=8 * per_token) as engine:
+    async with make_engine(kv_budget=8 * per_token) as engine:
         with pytest.raises(InvalidRequestError, match="at most 8 tokens of KV"):
             engine.submit(tok.encode(TEXTS[2]), greedy(4))
         # a short one still runs: one row alone may outgrow the budget rather than stall
         out = await engine.complete(tok.encode("Hi"), greedy(12))
         assert out.completion_tokens == 12
-    with pytest.raises(ValueError, match="kv_budget_bytes"):
-        EngineConfig(kv_budget_bytes=-1)
+    with pytest.raises(ValueError, match="kv_budget"):
+        EngineConfig(kv_budget=-1)
 
 
 def test_preemptions_show_in_metrics_over_http() -> None:
@@ -156,7 +158,7 @@ def test_preemptions_show_in_metrics_over_http() -> None:
     with run_server(fixture_model()) as free:
         expected = run_all(free.url)
     budget = 60 * make_engine().kv_bytes_per_token
-    with run_server(fixture_model(kv_budget_bytes=budget)) as tight:
+    with run_server(fixture_model(kv_budget=budget)) as tight:
         got = run_all(tight.url)
         samples = scrape(tight)
     assert got == expected

@@ -24,8 +24,9 @@ import openai
 import pytest
 
 from neuronpy.bench.load import plan, run_load
-from neuronpy.cli import build_parser, config_from_args, load_engine
-from neuronpy.config import AdmissionConfig, load_config
+from neuronpy.cli import build_parser, config_from_args
+from neuronpy.compose import load_engine
+from neuronpy.config import EngineConfig, load_config
 from neuronpy.engine.engine import Engine
 from neuronpy.worker.jobs import WorkerStatsResult
 from tests.servers import TINY_LLAMA, RunningServer, fixture_model, run_server
@@ -152,22 +153,22 @@ def test_queue_and_drain_timeouts_come_from_the_file_and_the_flags(tmp_path: Pat
     )
     config = load_config(path, environ={})
     assert config.server.drain_timeout == 12.5
-    assert [m.admission.queue_timeout for m in config.models] == [30, 0]
+    assert [m.engine.queue_timeout for m in config.models] == [30, 0]
     args = ["serve", "--config", str(path), "--queue-timeout", "2.5", "--drain-timeout", "0"]
     flagged = config_from_args(build_parser().parse_args(args))
     assert flagged.server.drain_timeout == 0
-    assert [m.admission.queue_timeout for m in flagged.models] == [2.5, 2.5]
-    assert load_config(environ={}).models[0].admission.queue_timeout == 60.0  # the default
+    assert [m.engine.queue_timeout for m in flagged.models] == [2.5, 2.5]
+    assert load_config(environ={}).models[0].engine.queue_timeout == 60.0  # the default
     for bad in (-1, float("inf"), "30", True):
         with pytest.raises(ValueError, match="queue_timeout"):
-            AdmissionConfig(queue_timeout=bad)  # type: ignore[arg-type]
+            EngineConfig(queue_timeout=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="drain_timeout"):
         load_config(None, {"server": {"drain_timeout": -5}}, environ={})
-    # 0 is no deadline: the engine gets None
+    # 0 is no deadline, and the engine gets it as it is
     (spec,) = load_config(
         None, {"admission": {"queue_timeout": 0}}, [{"path": str(TINY_LLAMA)}], environ={}
     ).models
-    assert load_engine(MODEL, spec, config.engine).config.queue_timeout is None
+    assert load_engine(MODEL, spec).config.queue_timeout == 0
 
 
 # ---- admission: bounded running and queue, clean rejections ---------------------------------

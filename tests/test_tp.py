@@ -1,5 +1,6 @@
-"""Tensor parallelism (arch/tp.py, worker/tp.py): a model split over 2 ranks, in 2 processes on
-gloo, computes what one device computes, and a lost rank fails requests instead of hanging."""
+"""Tensor parallelism (arch/weights.py and tp.py, worker/tp.py, compose.py): a model split over
+2 ranks, in 2 processes on gloo, computes what one device computes, and a lost rank fails
+requests instead of hanging."""
 
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ import pytest
 import torch
 
 from neuronpy.arch.llama import LlamaModel
-from neuronpy.arch.tp import TensorParallelError, check_divisible, shard_from_hf
-from neuronpy.engine.engine import Engine, EngineConfig
+from neuronpy.arch.tp import shard_from_hf
+from neuronpy.arch.weights import TensorParallelError, check_divisible
+from neuronpy.compose import start_tensor_parallel
+from neuronpy.config import EngineConfig
+from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import FinishReason
 from neuronpy.errors import WorkerError
 from neuronpy.worker.jobs import (
@@ -34,12 +38,7 @@ from neuronpy.worker.jobs import (
     ForwardLogitsBatch,
     Prefill,
 )
-from neuronpy.worker.tp import (
-    ShardSpec,
-    TensorParallelWorker,
-    start_tensor_parallel,
-    start_tensor_parallel_worker,
-)
+from neuronpy.worker.tp import ShardSpec, TensorParallelWorker, start_tensor_parallel_worker
 from neuronpy.worker.worker import DeviceWorker
 from tests.factories import fixture_dir, hf_model, make_engine, tokenizer
 from tests.servers import run_server

@@ -8,6 +8,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from neuronpy.defaults import QUANTIZE_MODES
 from neuronpy.envflags import env_flag
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ class Linear:
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
 
-QUANTIZE_MODES = ("none", "int8")
 SMOOTH_ALPHA = 0.5  # share of the activations' outlier range moved into the weights
 
 

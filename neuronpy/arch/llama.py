@@ -12,23 +12,9 @@ import torch.nn.functional as F
 
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvSnapshot, LiveBatch
-from neuronpy.arch.linear import Int8Linear, Linear
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
-
-DEFAULT_PREFILL_CHUNK = 512
-AnyLinear = Linear | Int8Linear
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: AnyLinear  # hidden -> (H + 2*KVH) * D: q, k and v fused into one weight read
-    q_norm: torch.Tensor | None  # Qwen3: [D]
-    k_norm: torch.Tensor | None
-    o_proj: AnyLinear  # H * D -> hidden
-    post_norm: torch.Tensor  # [hidden]
-    gate_up: AnyLinear  # hidden -> 2 * inter: gate and up fused
-    down: AnyLinear  # inter -> hidden
+from neuronpy.arch.weights import AnyLinear, LayerWeights, ModelWeights, take_weights
+from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,29 +22,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def input_absmax(hf_model: Any, token_ids: Sequence[int]) -> dict[Any, torch.Tensor]:
-    """Calibration: each nn.Linear's largest absolute input per channel over `token_ids`."""
-    stats: dict[Any, torch.Tensor] = {}
-
-    def record(module: Any, inputs: tuple[torch.Tensor, ...], _output: Any) -> None:
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
-        stats[module] = torch.maximum(stats[module], x) if module in stats else x
-
-    hooks = [
-        m.register_forward_hook(record)
-        for m in hf_model.modules()
-        if isinstance(m, torch.nn.Linear)
-    ]
-    try:
-        with torch.inference_mode():
-            device = next(hf_model.parameters()).device
-            hf_model(torch.tensor([list(token_ids)], device=device))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return stats
 
 
 class LlamaModel:
@@ -94,6 +57,18 @@ class LlamaModel:
         return self.embed.dtype
 
     @classmethod
+    def from_weights(cls, weights: ModelWeights) -> LlamaModel:
+        return cls(
+            config=weights.config,
+            embed=weights.embed,
+            layers=weights.layers,
+            norm=weights.norm,
+            lm_head=weights.lm_head,
+            inv_freq=weights.inv_freq,
+            rope_scale=weights.rope_scale,
+        )
+
+    @classmethod
     def from_hf(
         cls,
         hf_model: Any,
@@ -103,10 +78,9 @@ class LlamaModel:
         """Takes the weights of a loaded transformers `*ForCausalLM`. `quantize="int8"` turns
         every projection (the vocabulary one included) into an int8 one (see Int8Linear),
         smoothed with activation ranges measured on `calibration_ids` when given."""
-        from neuronpy.arch.tp import shard_from_hf  # (tp builds on this module)
-
-        # the whole model is the one shard of a split over one rank
-        return shard_from_hf(hf_model, 0, 1, quantize=quantize, calibration_ids=calibration_ids)
+        return cls.from_weights(
+            take_weights(hf_model, quantize=quantize, calibration_ids=calibration_ids)
+        )
 
     # ---- shared per-layer pieces -------------------------------------------------------------
 

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronpy.arch.linear import QUANTIZE_MODES
 from neuronpy.bench.peers import PEER_HELP, PEERS
 from neuronpy.bench.workloads import WORKLOADS
+from neuronpy.defaults import DTYPES, QUANTIZE_MODES
 
 DESCRIPTION = (
     "Measure neuronpy against its peers on the same model, prompts, dtype and device "
@@ -86,8 +86,6 @@ def _positive(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from neuronpy.loading import DTYPES
-
     peers = "; ".join(f"{name}: {text}" for name, text in PEER_HELP.items())
     model = parser.add_argument_group("model")
     model.add_argument(
@@ -98,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", *DTYPES],
+        choices=DTYPES,
         help="weights dtype for every system (default auto: float32 on CPU)",
     )
     model.add_argument(

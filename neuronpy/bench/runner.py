@@ -138,7 +138,7 @@ def load_weights(config: BenchConfig, progress: Progress) -> Weights:
 
 
 def _engine_config(config: BenchConfig, max_in_flight: int, max_queue: int) -> Any:
-    from neuronpy.engine.engine import EngineConfig
+    from neuronpy.config import EngineConfig
 
     options: dict[str, Any] = {"max_in_flight": max_in_flight, "max_queue": max_queue}
     if config.quantize not in (None, "none"):
@@ -153,7 +153,7 @@ def _engine_config(config: BenchConfig, max_in_flight: int, max_queue: int) -> A
 
 def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
     """neuronpy first, then the selected peers in the order of PEERS."""
-    from neuronpy.engine.engine import Engine
+    from neuronpy.compose import engine_from_hf, start_tensor_parallel
 
     width = config.resolved_max_in_flight()
     queue = max(4096, config.requests, max(config.ks))
@@ -161,8 +161,6 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
     def loader(engine_config: Any, split: bool = True) -> Callable[[], Any]:
         """Builds the engine: split over --tensor-parallel ranks unless `split` is False."""
         if split and config.tensor_parallel > 1:
-            from neuronpy.worker.tp import start_tensor_parallel
-
             return lambda: start_tensor_parallel(
                 config.model,
                 config.tensor_parallel,
@@ -171,7 +169,7 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
                 dtype=config.dtype,
                 device=config.device,
             )
-        return lambda: Engine.from_pretrained(
+        return lambda: engine_from_hf(
             weights.hf_model, weights.tokenizer, name=weights.name, config=engine_config
         )
 

@@ -6,10 +6,11 @@ followers, which run the same job on their shards in lockstep (the all-reduces i
 forward keep them in step), and after it every rank reports whether the job failed. Only rank 0
 answers. The engine, the server and the router do not know.
 
-Start-up, one machine: `start_tensor_parallel` loads the weights, spawns N-1 follower processes
-(torch.multiprocessing, spawn) and returns an Engine over rank 0's shard. Several machines: rank
-0 calls `start_tensor_parallel(..., spawn=False)` and each other rank calls `run_follower`, all
-with the standard MASTER_ADDR / MASTER_PORT / WORLD_SIZE (and RANK for followers) environment.
+Start-up, one machine: `start_tensor_parallel_worker` loads the weights, spawns N-1 follower
+processes (torch.multiprocessing, spawn) and returns rank 0's worker (neuronpy.compose builds
+the Engine over it). Several machines: rank 0 starts it with `spawn=False` and each other rank
+calls `run_follower`, all with the standard MASTER_ADDR / MASTER_PORT / WORLD_SIZE (and RANK for
+followers) environment.
 Rank 0 runs the rendezvous store at MASTER_ADDR:MASTER_PORT and publishes there what to load, so
 a follower needs no other setting (`model=` when its copy of the weights lives elsewhere).
 
@@ -31,7 +32,6 @@ import dataclasses
 import logging
 import os
 import pickle
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,11 +45,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from neuronpy.arch.config import ArchConfig
-from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel
-from neuronpy.arch.tp import check_divisible, shard_from_hf
-from neuronpy.engine.engine import Engine, EngineConfig, calibration_ids, eos_token_ids
+from neuronpy.arch.llama import LlamaModel
+from neuronpy.arch.tp import shard_from_hf
+from neuronpy.arch.weights import check_divisible
+from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.errors import ModelLoadError, WorkerError
-from neuronpy.loading import LoadedWeights, load_pretrained, resolve_device
+from neuronpy.loading import LoadedWeights, calibration_ids, load_pretrained, resolve_device
+from neuronpy.worker.collectives import Collectives, RankLostError, first_line
 from neuronpy.worker.jobs import Job, Shutdown
 from neuronpy.worker.worker import DeviceWorker
 
@@ -59,12 +61,6 @@ DEFAULT_TIMEOUT = 30.0  # seconds a collective may wait before its peer is decla
 DEFAULT_STARTUP_TIMEOUT = 900.0  # seconds for every rank to load its weights
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 _SPEC_KEY = "neuronpy/tp/spec"
-_JOB_BUFFER = 4096  # bytes of one job broadcast; a decode step's job takes a few hundred
-_GATHER_MAX = 1 << 18  # elements gathered at most: past that, the ring all-reduce moves less
-
-
-class RankLostError(WorkerError):
-    """A collective failed or timed out: a peer rank died or hangs, and the group is unusable."""
 
 
 @dataclass(frozen=True)
@@ -91,95 +87,6 @@ class ShardSpec:
     @property
     def heartbeat_seconds(self) -> float:
         return self.heartbeat if self.heartbeat is not None else min(5.0, self.timeout / 5)
-
-
-class Collectives:
-    """One rank's end of the group: job broadcast, per-job acknowledgement, tensor all-reduce.
-
-    The groups are attached once every rank has loaded its weights (`attach`); the shard's
-    `reduce` is `all_reduce`, bound before that. Any failure raises RankLostError.
-    """
-
-    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = timedelta(seconds=timeout)
-        self._jobs: Any = None  # gloo: jobs and acknowledgements (CPU)
-        self._tensors: Any = None  # the model's all-reduces: gloo on CPU, NCCL on CUDA
-
-    def attach(self, store: Any, device: torch.device) -> None:
-        """Builds the groups (a rendezvous through `store`: every rank calls it)."""
-        prefix = dist.PrefixStore("neuronpy/tp/gloo", store)
-        self._jobs = dist.ProcessGroupGloo(prefix, self.rank, self.world_size, self.timeout)
-        self._tensors = self._jobs
-        if device.type == "cuda":  # not exercised by the tests: they run on CPU
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self.timeout
-            nccl_store = dist.PrefixStore("neuronpy/tp/nccl", store)
-            self._tensors = dist.ProcessGroupNCCL(nccl_store, self.rank, self.world_size, options)
-
-    def _wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait()
-        except RuntimeError as exc:  # gloo: "Connection closed by peer", "Timed out ..."
-            raise RankLostError(f"{what} failed: {_first_line(exc)}") from exc
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sums `t` over the ranks (the shard's LlamaModel.reduce).
-
-        Small tensors (a decode step's rows) on gloo: gathered, then summed here in rank order.
-        One exchange instead of the ring's two: 2-3x faster on a small CPU machine, and every
-        rank adds the same numbers in the same order, so all hold bitwise the same result."""
-        t = t.contiguous()
-        if self._tensors is not self._jobs or t.numel() * self.world_size > _GATHER_MAX:
-            self._wait(self._tensors.allreduce(t), "an all-reduce")
-            return t
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._wait(self._jobs.allgather([parts], [t]), "an all-reduce")
-        total = parts[0]
-        for part in parts[1:]:
-            total += part
-        return total
-
-    def broadcast_job(self, payload: bytes | None) -> Any:
-        """Rank 0 sends a pickled job (`payload`); the others receive and unpickle it. One
-        broadcast of a fixed-size buffer (its first 8 bytes: the length), a second one for the
-        rest of a job that does not fit (a long prompt)."""
-        head = torch.zeros(_JOB_BUFFER, dtype=torch.uint8)
-        if self.rank == 0:
-            assert payload is not None
-            framed = len(payload).to_bytes(8, "little") + payload
-            first = framed[:_JOB_BUFFER]
-            head[: len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-        self._wait(self._jobs.broadcast(head, 0), "a job broadcast")
-        size = int.from_bytes(head[:8].numpy().tobytes(), "little")
-        rest = 8 + size - _JOB_BUFFER
-        if rest > 0:
-            tail = torch.empty(rest, dtype=torch.uint8)
-            if self.rank == 0:
-                tail.copy_(torch.frombuffer(bytearray(framed[_JOB_BUFFER:]), dtype=torch.uint8))
-            self._wait(self._jobs.broadcast(tail, 0), "a job broadcast")
-        if self.rank == 0:
-            return None
-        data = head[8:].numpy().tobytes()[:size]
-        if rest > 0:
-            data += tail.numpy().tobytes()
-        return pickle.loads(data)
-
-    def acknowledge(self, failed: bool) -> list[int]:
-        """Every rank says whether its job failed; answers the ranks that did."""
-        flag = torch.tensor([int(failed)], dtype=torch.int32)
-        flags = [torch.empty_like(flag) for _ in range(self.world_size)]
-        self._wait(self._jobs.allgather([flags], [flag]), "a job acknowledgement")
-        return [rank for rank, f in enumerate(flags) if f.item()]
-
-
-def _first_line(exc: BaseException) -> str:
-    # gloo opens its messages with its source location: "[.../pair.cc:537] Read error ..."
-    text = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip())
-    # ... and some close with advice meant for someone else's logs
-    text = text.split(". This is typically caused")[0]
-    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def _without_sampler(job: Any) -> Any:
@@ -453,57 +360,6 @@ def start_tensor_parallel_worker(
     return worker.start(), weights
 
 
-def start_tensor_parallel(
-    model: str | None,
-    world_size: int,
-    *,
-    name: str | None = None,
-    config: EngineConfig | None = None,
-    dtype: str = "auto",
-    device: str = "cpu",
-    timeout: float = DEFAULT_TIMEOUT,
-    spawn: bool = True,
-    master_addr: str | None = None,
-    master_port: int | None = None,
-    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
-    threads: int | None = None,
-    log_fn: Callable[[str], None] = log.info,
-) -> Engine:
-    """An Engine over `world_size` tensor-parallel ranks of `model` (a load_pretrained spec;
-    None: the default model), rank 0 in this process. `spawn`: start the other ranks here
-    (one machine); else wait for them to call `run_follower` (see the module docstring).
-    `config.quantize` and `config.prefill_chunk` apply to every rank. `threads`: torch threads
-    of each spawned follower. Blocking: call it from a thread, as the server loads models."""
-    config = config or EngineConfig()
-    spec = ShardSpec(
-        model=model,
-        world_size=world_size,
-        dtype=dtype,
-        device=device,
-        quantize=config.quantize,
-        prefill_chunk=config.prefill_chunk,
-        timeout=timeout,
-        threads=threads,
-    )
-    worker, weights = start_tensor_parallel_worker(
-        spec,
-        name=name or "model",
-        spawn=spawn,
-        master_addr=master_addr,
-        master_port=master_port,
-        startup_timeout=startup_timeout,
-        log_fn=log_fn,
-    )
-    return Engine(
-        worker.model,
-        weights.tokenizer,
-        name=name or weights.name,
-        config=config,
-        eos_token_ids=eos_token_ids(weights.hf_model, weights.tokenizer),
-        worker=worker,
-    )
-
-
 # ---- followers ---------------------------------------------------------------------------------
 
 
@@ -557,7 +413,7 @@ def run_follower(
         )
         del weights  # the shard holds copies of its slices: the full model can go
     except Exception as exc:
-        store.set(ready, f"{type(exc).__name__}: {_first_line(exc)}")
+        store.set(ready, f"{type(exc).__name__}: {first_line(exc)}")
         raise
     store.set(ready, "ok")
     collectives.attach(store, shard.device)

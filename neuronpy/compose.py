@@ -1,0 +1,119 @@
+"""The composition root: builds a model's engine, on one device or over tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from neuronpy.arch.llama import LlamaModel
+from neuronpy.config import EngineConfig, ModelSpec
+from neuronpy.engine.engine import Engine
+from neuronpy.loading import calibration_ids, eos_token_ids, load_pretrained
+from neuronpy.worker.session_files import model_fingerprint
+from neuronpy.worker.tp import (
+    DEFAULT_STARTUP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    ShardSpec,
+    start_tensor_parallel_worker,
+)
+
+log = logging.getLogger("neuronpy")
+
+
+def engine_from_hf(
+    hf_model: Any, tokenizer: Any, *, name: str, config: EngineConfig | None = None
+) -> Engine:
+    """An engine over a loaded transformers model: its native model (quantized as `config`
+    says), EOS ids from both sources, and the checkpoint's fingerprint for saved sessions."""
+    config = config or EngineConfig()
+    calibration = calibration_ids(hf_model, tokenizer, config.quantize)
+    return Engine(
+        LlamaModel.from_hf(hf_model, quantize=config.quantize, calibration_ids=calibration),
+        tokenizer,
+        name=name,
+        config=config,
+        eos_token_ids=eos_token_ids(hf_model, tokenizer),
+        fingerprint=model_fingerprint(hf_model.state_dict(), extra=(config.quantize,)),
+    )
+
+
+def load_engine(name: str, spec: ModelSpec) -> Engine:
+    """Load one model's weights and build its engine (blocking: the server calls it in a thread
+    of its own for each model, so the models load concurrently)."""
+
+    def progress(message: str) -> None:
+        log.info("%s: %s", name, message)
+
+    if spec.tensor_parallel > 1:
+        world = os.environ.get("WORLD_SIZE")
+        if world is not None and world != str(spec.tensor_parallel):
+            raise ValueError(
+                f"WORLD_SIZE={world} in the environment, but --tensor-parallel is "
+                f"{spec.tensor_parallel}: they must agree"
+            )
+        return start_tensor_parallel(
+            spec.path,
+            spec.tensor_parallel,
+            name=name,
+            config=spec.engine,
+            dtype=spec.dtype,
+            device=spec.device,
+            # followers on other machines when the environment describes the group
+            spawn="WORLD_SIZE" not in os.environ,
+            log_fn=progress,
+        )
+    weights = load_pretrained(spec.path, dtype=spec.dtype, device=spec.device, log=progress)
+    return engine_from_hf(weights.hf_model, weights.tokenizer, name=name, config=spec.engine)
+
+
+def start_tensor_parallel(
+    model: str | None,
+    world_size: int,
+    *,
+    name: str | None = None,
+    config: EngineConfig | None = None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    timeout: float = DEFAULT_TIMEOUT,
+    spawn: bool = True,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    threads: int | None = None,
+    log_fn: Callable[[str], None] = log.info,
+) -> Engine:
+    """An Engine over `world_size` tensor-parallel ranks of `model` (a load_pretrained spec;
+    None: the default model), rank 0 in this process. `spawn`: start the other ranks here
+    (one machine); else wait for them to call `run_follower` (see neuronpy.worker.tp).
+    `config.quantize` and `config.prefill_chunk` apply to every rank. `threads`: torch threads
+    of each spawned follower. Blocking: call it from a thread, as the server loads models."""
+    config = config or EngineConfig()
+    spec = ShardSpec(
+        model=model,
+        world_size=world_size,
+        dtype=dtype,
+        device=device,
+        quantize=config.quantize,
+        prefill_chunk=config.prefill_chunk,
+        timeout=timeout,
+        threads=threads,
+    )
+    worker, weights = start_tensor_parallel_worker(
+        spec,
+        name=name or "model",
+        spawn=spawn,
+        master_addr=master_addr,
+        master_port=master_port,
+        startup_timeout=startup_timeout,
+        log_fn=log_fn,
+    )
+    return Engine(
+        worker.model,
+        weights.tokenizer,
+        name=name or weights.name,
+        config=config,
+        eos_token_ids=eos_token_ids(weights.hf_model, weights.tokenizer),
+        worker=worker,
+    )

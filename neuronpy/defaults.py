@@ -1,0 +1,85 @@
+"""Configuration defaults, allowed values and the checks that enforce them (a leaf: no torch)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZE_MODES = ("none", "int8")
+# What a model's `reasoning_parser` may be: "auto" (detected from the chat template), "none",
+# or a parser of neuronpy.engine.reasoning (the names of its REASONING_MARKERS).
+REASONING_PARSERS = ("auto", "none", "think")
+
+DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
+DEFAULT_CHUNK_STEPS = 0.5  # decode steps' time a joiner's prompt chunk may add to a step
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's KV budget per model
+DEFAULT_MAX_N = 8  # completions one request may ask for
+# 8 running sequences: on a CPU the decode step's cost is dominated by reading the weights up to
+# about this batch size, so 8 streams cost little more than one (see README, "max_in_flight").
+DEFAULT_MAX_IN_FLIGHT = 8
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_QUEUE_TIMEOUT = 60.0  # seconds a request may wait for a row; 0: no deadline
+DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds in-flight requests get to finish on SIGTERM
+
+
+class FieldError(ValueError):
+    """A configuration value that breaks its rule. `field` names it, so that the config file's
+    loader can say which section and model it was written in."""
+
+    def __init__(self, field: str, rule: str) -> None:
+        super().__init__(f"{field} {rule}")
+        self.field = field
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    """An integer (not a bool) in [low, high]; no upper bound when `high` is None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FieldError(name, f"must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise FieldError(name, f"must be {bound}, got {value}")
+
+
+def check_seconds(name: str, value: object) -> None:
+    """A finite number of seconds >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FieldError(name, f"must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise FieldError(name, f"must be a finite number >= 0, got {value}")
+
+
+def check_number(name: str, value: object, low: float, high: float) -> None:
+    """A number (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise FieldError(name, f"must be a number in [{low:g}, {high:g}], got {value!r}")
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise FieldError(name, f"must be true or false, got {value!r}")
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise FieldError(name, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(name: str, value: object) -> int:
+    """Bytes from an integer or a size: "512MiB", "2GiB", "1.5GB", "800M" (KiB, MiB, GiB
+    and TiB are powers of 1024; K, M, G and T, with or without B, powers of 1000)."""
+    if isinstance(value, bool):
+        raise FieldError(name, f"must be a number of bytes or a size like 2GiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise FieldError(name, f"must be >= 0, got {value}")
+        return value
+    match = SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise FieldError(name, f"must be a number of bytes or a size like 2GiB, got {value!r}")
+    unit = (match.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    return int(float(match.group(1)) * base ** "BKMGT".index(unit[0]))
