@@ -34,7 +34,7 @@ class Scripts:
 
     def attach(self, engine: Engine) -> None:
         tokenizer = engine.tokenizer
-        sampling = engine._sampling
+        sampling = engine._runner.sampling
 
         def script_of(slot: Any) -> tuple[int, ...] | None:
             if slot.id not in self._by_slot:
@@ -59,4 +59,4 @@ class Scripts:
 
             return sample
 
-        engine._sampling = scripted  # type: ignore[method-assign]
+        engine._runner.sampling = scripted  # type: ignore[method-assign]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import anyio
 import pytest
 
+from neuronpy.config import load_config
 from neuronpy.engine import router as router_module
 from neuronpy.engine.detokenize import IncrementalDetokenizer
 from neuronpy.engine.types import FinishReason, SamplingParams
@@ -176,7 +179,9 @@ def test_sampling_params_validation() -> None:
 
 async def test_neuron_batching_zero_forces_one_at_a_time(monkeypatch) -> None:
     monkeypatch.setenv("NEURON_BATCHING", "0")
-    async with make_engine(max_in_flight=8) as engine:
+    config = load_config().models[0].engine  # the one place that reads the environment
+    assert config.max_in_flight == 8
+    async with make_engine(**dataclasses.asdict(config)) as engine:
         assert engine.max_running == 1
         async with anyio.create_task_group() as tg:
             for t in ("x", "y", "z"):

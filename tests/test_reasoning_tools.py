@@ -17,12 +17,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from neuronpy.config import ModelSpec
-from neuronpy.engine.engine import EngineConfig
+from neuronpy.config import EngineConfig, load_config
 from neuronpy.engine.output import OutputParser, Parsed
 from neuronpy.engine.reasoning import resolve_reasoning_parser
+from neuronpy.engine.request import Finish, RouterMessage
 from neuronpy.engine.router import route
-from neuronpy.engine.slot import Finish, RouterMessage
 from neuronpy.engine.tools import parse_tool_call
 from neuronpy.engine.types import (
     FinishReason,
@@ -31,7 +30,7 @@ from neuronpy.engine.types import (
     SamplingParams,
     TokenLogprob,
 )
-from neuronpy.server.protocol import render_chat
+from neuronpy.server.prompts import render_chat
 from tests.scripted import Scripts
 from tests.servers import FIXTURES, RunningServer, fixture_model, run_server
 from tests.test_fixtures import bf
@@ -253,8 +252,9 @@ def test_reasoning_parser_is_detected_from_the_chat_template(tokenizer) -> None:
     with pytest.raises(ValueError, match="reasoning_parser"):
         EngineConfig(reasoning_parser="xml")
     with pytest.raises(ValueError, match="reasoning_parser"):
-        ModelSpec(reasoning_parser="xml")
-    assert ModelSpec(reasoning_parser="none").reasoning_parser == "none"
+        load_config(models=[{"reasoning_parser": "xml"}], environ={})
+    (spec,) = load_config(models=[{"reasoning_parser": "none"}], environ={}).models
+    assert spec.engine.reasoning_parser == "none"
 
 
 def test_tools_fixture_rebuilds_byte_identical(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import openai
 import pytest
 from safetensors import safe_open
 
-from neuronpy.server.protocol import render_chat
+from neuronpy.server.prompts import render_chat
 from tests.factories import tokenizer
 from tests.servers import fixture_model, run_server
 
@@ -164,13 +164,15 @@ def test_other_models_and_bad_requests_are_refused(tmp_path: Path) -> None:
 
 
 def _bf16_loader() -> Any:
-    from neuronpy.engine.engine import Engine, EngineConfig
+    from neuronpy.compose import engine_from_hf
+    from neuronpy.config import EngineConfig
+    from neuronpy.engine.engine import Engine
     from neuronpy.loading import load_pretrained
     from tests.servers import TINY_LLAMA
 
     def load() -> Engine:
         weights = load_pretrained(str(TINY_LLAMA), dtype="bfloat16")
-        return Engine.from_pretrained(
+        return engine_from_hf(
             weights.hf_model, weights.tokenizer, name=MODEL, config=EngineConfig()
         )
 
@@ -181,8 +183,7 @@ def _bf16_loader() -> Any:
 async def test_a_session_that_cannot_be_read_fails_its_request_alone(tmp_path: Path) -> None:
     """The file changed between the request's check of its header and the restore: that
     request ends with an error; the one beside it, and the engine, carry on."""
-    from neuronpy.engine.sessions import SessionRequest
-    from neuronpy.engine.types import FinishReason, SamplingParams
+    from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest
     from tests.factories import make_engine
 
     tok = tokenizer()

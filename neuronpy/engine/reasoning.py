@@ -3,23 +3,20 @@ have one (configured per model, or detected from the chat template)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from neuronpy.defaults import REASONING_PARSERS
 
 # name -> (start marker, end marker). "think": Qwen3, QwQ, DeepSeek-R1 and their distills.
+# (neuronpy.defaults.REASONING_PARSERS lists these names, with "auto" and "none".)
 REASONING_MARKERS: dict[str, tuple[str, str]] = {"think": ("<think>", "</think>")}
-# What a model's `reasoning_parser` may be: a parser name, "none", or "auto" (detected).
-REASONING_PARSERS = ("auto", "none", *REASONING_MARKERS)
 
 # Prompt ids decoded to see whether the chat template left a thinking block open.
 PROMPT_TAIL_IDS = 8
 
 
-def resolve_reasoning_parser(setting: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
+def resolve_reasoning_parser(setting: str, tokenizer: object) -> str | None:
     """The reasoning parser a model's `setting` means: None for "none"; for "auto", the parser
-    whose two markers the model's chat template writes (None when it writes none of them)."""
+    whose two markers the model's chat template writes (None when it writes none of them).
+    `tokenizer`: a transformers tokenizer (its `chat_template` is read)."""
     if setting not in REASONING_PARSERS:
         raise ValueError(
             f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {setting!r}"

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from neuronpy.engine.detokenize import IncrementalDetokenizer
 from neuronpy.engine.output import OutputParser, Parsed
 from neuronpy.engine.reasoning import PROMPT_TAIL_IDS, opens_reasoning
-from neuronpy.engine.slot import Finish, RouterMessage
+from neuronpy.engine.request import Finish, RouterMessage
 from neuronpy.engine.stop import StopMatcher
 from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams, TokenLogprob
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from neuronpy.engine.reasoning import REASONING_MARKERS
 from neuronpy.errors import InvalidRequestError
@@ -215,3 +216,14 @@ class Completion:
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """What a request asks of a session: continue from it if it exists (`token_ids` is then
+    what it holds), and save the conversation into it at the end (`save`)."""
+
+    name: str
+    path: Path
+    save: bool = True
+    token_ids: tuple[int, ...] | None = None  # None: no such session yet

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, assemble_batch
-from neuronpy.arch.llama import DEFAULT_PREFILL_CHUNK, LlamaModel, PrefillChunk
-from neuronpy.engine.sessions import SESSION_ERRORS, read_session, write_session
+from neuronpy.arch.llama import LlamaModel, PrefillChunk
+from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.errors import WorkerError
 from neuronpy.threads import start_in_own_thread
 from neuronpy.worker.jobs import (
@@ -40,6 +40,7 @@ from neuronpy.worker.jobs import (
     WorkerStats,
     WorkerStatsResult,
 )
+from neuronpy.worker.session_files import SESSION_ERRORS, read_session, write_session
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,155 @@
+"""What the scheduler asks of the device (plans) and what the runner answers: plain data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from neuronpy.engine.request import Request
+from neuronpy.engine.types import TokenLogprob
+
+# ---- housekeeping: KV to drop or move; the scheduler queues them, the runner runs them in order
+
+
+@dataclass(frozen=True)
+class DropSnapshots:
+    """Snapshots of requests that no longer need them."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DropCached:
+    """Prefix-cache entries (or a session's snapshot read for one prefill) to evict."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Snapshots of preempted requests: to CPU memory while they wait (from a GPU)."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SaveSession:
+    """Write the request's snapshot to its session file; the request ends once it is on disk.
+    `drop`: the snapshot then goes (else a job that follows takes it: the prefix cache)."""
+
+    request: Request
+    snapshot_id: int
+    path: Path
+    drop: bool
+
+
+Op = DropSnapshots | DropCached | Offload | SaveSession
+
+
+# ---- plans with results
+
+
+@dataclass(frozen=True)
+class LoadSession:
+    """Read the request's session file into the cache store under `cache_id`, for its prefill.
+    `hit`: what the prefix cache offered instead ((entry id, tokens) or None)."""
+
+    request: Request
+    cache_id: int
+    path: Path
+    hit: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A session read: its token ids, or why it could not be read (that request fails)."""
+
+    token_ids: tuple[int, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Prefill `tokens` of the request's prompt into snapshot `snapshot_id` (after the first
+    `parent_length` tokens of `parent_id`, when given). The chunk that ends the prompt (`last`)
+    samples the first token of the request and of its `clones` (its other copies, n > 1), whose
+    snapshots are copies stored under `clone_ids`; `cache_id`: the prompt's KV joins the prefix
+    cache under it. `session_id`: a session's snapshot read for this chunk only, dropped after."""
+
+    request: Request
+    snapshot_id: int
+    tokens: tuple[int, ...]
+    parent_id: int | None
+    parent_length: int | None
+    last: bool
+    cache_id: int | None = None
+    clones: tuple[Request, ...] = ()
+    clone_ids: tuple[int, ...] = ()
+    session_id: int | None = None
+
+    @property
+    def sampled(self) -> tuple[Request, ...]:
+        """The requests this chunk samples a token for, in the order of the answer."""
+        return (self.request, *self.clones) if self.last else ()
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One row's sampled token (None: the row was done by then) and its log-probabilities."""
+
+    token: int | None
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    tokens: tuple[Sampled, ...]  # one per PrefillPlan.sampled
+    cached_bytes: int = 0  # what the prefix-cache entry (cache_id) holds
+    seconds: float = 0.0  # the job's time, sampling aside (run on its own)
+    sampling_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """One lockstep step: row b feeds tokens[b]; a joiner's chunk may ride it."""
+
+    rows: tuple[Request, ...]
+    tokens: tuple[int, ...]
+    ride: PrefillPlan | None = None
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    tokens: tuple[Sampled, ...]  # one per row
+    ride: PrefillOutcome | None = None
+    seconds: float = 0.0  # the forward's time, sampling aside
+    sampling_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RebatchPlan:
+    """A join or leave. On the device: the live rows `rows` become snapshots `ids` (survivors,
+    preempted rows, and leaving rows the prefix cache or a session keeps), then `ops` run
+    (offload the preempted, save sessions), then the rows in `cache` join the prefix cache.
+    Then the scheduler ends `leaving` and the new live batch is `order`, assembled."""
+
+    rows: tuple[int, ...]
+    ids: tuple[int, ...]
+    ops: tuple[Op, ...]
+    cache: tuple[tuple[Request, int], ...]  # (request, its extracted snapshot id)
+    leaving: tuple[Request, ...]
+    order: tuple[Request, ...]  # survivors, then joiners
+    extract: bool = True  # False: there is no live batch yet to take rows from
+
+
+@dataclass(frozen=True)
+class CacheOutcome:
+    nbytes: tuple[int, ...]  # per RebatchPlan.cache entry
+    lengths: tuple[int, ...]  # tokens of KV each holds
+
+
+@dataclass(frozen=True)
+class AssemblePlan:
+    """The new live batch: these snapshots, in this row order."""
+
+    snapshot_ids: tuple[int, ...]

@@ -1,0 +1,191 @@
+"""Prefill plans: which cached prefix or session a prompt starts after, its chunks, its copies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from neuronpy.engine.counters import Counters
+from neuronpy.engine.plans import (
+    DropCached,
+    Loaded,
+    LoadSession,
+    Op,
+    PrefillOutcome,
+    PrefillPlan,
+)
+from neuronpy.engine.prefix_cache import PrefixIndex
+from neuronpy.engine.request import Cause, Request
+
+
+class Prefills:
+    """Plans prompts' prefill chunks and books their results, with the prefix cache's index
+    (None: the cache is off) and the sessions' restores."""
+
+    def __init__(
+        self,
+        prefix: PrefixIndex | None,
+        counters: Counters,
+        ops: list[Op],
+        kv_ids: Iterator[int],
+        finish: Callable[[Request], None],
+    ) -> None:
+        self.prefix = prefix
+        self._counters = counters
+        self._ops = ops  # the scheduler's housekeeping queue
+        self._kv_ids = kv_ids  # the scheduler's: snapshots, cache entries and clones share it
+        self._finish = finish
+
+    def session_load(self, request: Request) -> LoadSession | None:
+        """Before a request's first chunk: its session's KV to read, when the session holds
+        more of the prompt than the prefix cache does."""
+        session = request.session
+        if request.done or request.snapshot_id is not None or not session or not session.token_ids:
+            return None
+        hit = self._lookup(request)
+        limit = len(request.prompt_ids) - 1  # one token is left to prefill: it samples
+        if common_prefix(session.token_ids[:limit], request.prompt_ids) <= (hit[1] if hit else 0):
+            return None
+        return LoadSession(request, next(self._kv_ids), session.path, hit)
+
+    def book_session_load(self, load: LoadSession, loaded: Loaded) -> tuple[int, int] | None:
+        """(its snapshot id, the prefix length it gives), or None: the file changed and holds
+        no more than the cache, or it could not be read (the request then fails alone)."""
+        request = load.request
+        if loaded.error is not None:
+            assert request.session is not None
+            request.end(Cause.FAILED, f"session {request.session.name!r}: {loaded.error}")
+            self._finish(request)
+            return None
+        limit = len(request.prompt_ids) - 1
+        common = common_prefix(loaded.token_ids[:limit], request.prompt_ids)
+        if common <= (load.hit[1] if load.hit else 0):
+            self._ops.append(DropCached((load.cache_id,)))
+            return None
+        self._counters.sessions_restored += 1
+        return load.cache_id, common
+
+    def plan(
+        self,
+        request: Request,
+        budget: int | None,
+        load: LoadSession | None = None,
+        restored: tuple[int, int] | None = None,
+    ) -> PrefillPlan | None:
+        """The next `budget` prompt tokens (all, if None) of the request. Its first chunk starts
+        after the longest cached prefix (the session's `restored` one, or the prefix cache's);
+        its last samples the first token and fills the request's other copies (n > 1). None
+        when there is nothing to prefill: the request has ended (its session could not be
+        read, say), or a copy's prefill has filled it."""
+        if request.done or request.prefilled == len(request.prompt_ids):
+            return None
+        start = request.prefilled
+        parent, parent_length, session_id = request.snapshot_id, None, None
+        if parent is None:
+            hit = load.hit if load is not None else self._lookup(request)
+            if restored is not None:
+                hit, session_id = restored, restored[0]
+            else:
+                self._count_lookup(hit)
+            if hit is not None:
+                request.cached_tokens = hit[1]
+                parent, parent_length = hit
+                start = request.prefilled = parent_length
+            request.snapshot_id = next(self._kv_ids)
+        prompt = request.prompt_ids
+        end = len(prompt) if budget is None else min(len(prompt), start + budget)
+        last = end == len(prompt)
+        cache_id = None
+        clones: tuple[Request, ...] = ()
+        if last:
+            cache_id = self._cache_id(prompt)
+            clones = tuple(
+                r
+                for r in request.group
+                if r.prefilled == 0 and r.snapshot_id is None and not r.done
+            )
+        return PrefillPlan(
+            request,
+            request.snapshot_id,
+            prompt[start:end],
+            parent,
+            parent_length,
+            last,
+            cache_id,
+            clones,
+            tuple(next(self._kv_ids) for _ in clones),
+            session_id,
+        )
+
+    def book(self, plan: PrefillPlan, outcome: PrefillOutcome) -> None:
+        """A chunk's result: the cache entry, the counters, and after the last chunk the
+        copies' snapshots (their first tokens are the scheduler's to accept)."""
+        request, c = plan.request, self._counters
+        c.prefill_tokens += len(plan.tokens)
+        if plan.session_id is not None:
+            self._ops.append(DropCached((plan.session_id,)))
+        if plan.cache_id is not None:
+            self.remember(plan.cache_id, request.prompt_ids, outcome.cached_bytes)
+        request.prefilled += len(plan.tokens)
+        c.prefill_chunks += 1
+        if not plan.last:
+            return
+        c.prefills += 1
+        for clone, sid in zip(plan.clones, plan.clone_ids, strict=True):
+            clone.snapshot_id = sid
+            clone.prefilled = len(clone.prompt_ids)
+            clone.cached_tokens = request.cached_tokens
+
+    # ---- the prefix cache ---------------------------------------------------------------------
+
+    def _lookup(self, request: Request) -> tuple[int, int] | None:
+        """The longest cached prefix of the prompt: (entry id, tokens), leaving one to prefill
+        (its logits give the first token)."""
+        if self.prefix is None:
+            return None
+        return self.prefix.lookup(request.prompt_ids, len(request.prompt_ids) - 1)
+
+    def _count_lookup(self, hit: tuple[int, int] | None) -> None:
+        if self.prefix is None:
+            return
+        if hit is None:
+            self._counters.prefix_cache_misses += 1
+        else:
+            self._counters.prefix_cache_hits += 1
+            self._counters.prefix_cache_reused_tokens += hit[1]
+
+    def _cache_id(self, tokens: Sequence[int]) -> int | None:
+        """An id to keep a finished prompt's KV under in the prefix cache, or None when it
+        would add nothing (too short, or a stored sequence starts with it)."""
+        index = self.prefix
+        if index is None or len(tokens) < index.block or index.covers(tokens):
+            return None
+        return next(self._kv_ids)
+
+    def cacheable(self, leaving: Sequence[Request]) -> list[Request]:
+        """Leaving rows worth keeping in the prefix cache: their prompt and output's KV."""
+        if self.prefix is None:
+            return []
+        return [
+            r
+            for r in leaving
+            if r.total_tokens > self.prefix.block
+            and not self.prefix.covers((*r.prompt_ids, *r.output_ids[:-1]))
+        ]
+
+    def remember(self, cache_id: int, tokens: Sequence[int], nbytes: int) -> None:
+        """Indexes an entry the worker now caches; evicts what that makes redundant or what no
+        longer fits the budget (least recently used first)."""
+        assert self.prefix is not None
+        dropped = self.prefix.insert(cache_id, tokens, nbytes)
+        if dropped:
+            self._ops.append(DropCached(tuple(dropped)))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens two sequences share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,236 @@
+"""The runner: turns the scheduler's plans into device worker jobs and awaits every one of them."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import anyio
+import torch
+
+from neuronpy.arch.kv import DEFAULT_HEADROOM
+from neuronpy.engine.plans import (
+    AssemblePlan,
+    CacheOutcome,
+    DecodeOutcome,
+    DecodePlan,
+    DropCached,
+    DropSnapshots,
+    Loaded,
+    LoadSession,
+    Offload,
+    Op,
+    PrefillOutcome,
+    PrefillPlan,
+    RebatchPlan,
+    Sampled,
+    SaveSession,
+)
+from neuronpy.engine.request import Request
+from neuronpy.engine.sampling import Sampler, sample_rows
+from neuronpy.errors import WorkerError
+from neuronpy.worker.jobs import (
+    AssembleKvBatch,
+    AssembleResult,
+    CacheKvSnapshots,
+    CacheResult,
+    DropCachedKv,
+    DropKvSnapshot,
+    ExtractKvRows,
+    ForwardLogitsBatch,
+    ForwardResult,
+    Job,
+    LoadKvSnapshot,
+    LoadResult,
+    OffloadKv,
+    Prefill,
+    PrefillResult,
+    RowSampler,
+    SaveKvSnapshot,
+    SaveResult,
+    WorkerStats,
+    WorkerStatsResult,
+)
+from neuronpy.worker.worker import DeviceWorker
+
+log = logging.getLogger(__name__)
+
+# a session's save is booked once its file is on disk: (request, None) or (request, error)
+OnSaved = Callable[[Request, str | None], None]
+Spawn = Callable[[Callable[[], Awaitable[None]], str], None]
+
+
+class Runner:
+    """Runs plans on one device worker. A job's error is raised where that job is awaited, so
+    the engine knows which job failed; each request's sampler lives here, by request id."""
+
+    def __init__(
+        self,
+        worker: DeviceWorker,
+        *,
+        fingerprint: str,
+        session_metadata: Callable[[], Mapping[str, str]],
+        on_saved: OnSaved,
+        spawn: Spawn,
+    ) -> None:
+        self.worker = worker
+        self.fingerprint = fingerprint
+        self.samplers: dict[int, Sampler] = {}
+        self._session_metadata = session_metadata
+        self._on_saved = on_saved
+        self._spawn = spawn
+        self._sampling_seconds = 0.0  # spent sampling on the worker thread, in the last job
+
+    async def call(self, job: Job) -> Any:
+        fut: Future[Any] = self.worker.submit(job)
+        return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
+
+    async def _timed(self, job: Job) -> tuple[Any, float, float]:
+        """The job's result, its seconds with sampling aside, and its sampling seconds."""
+        self._sampling_seconds = 0.0
+        began = time.perf_counter()
+        result = await self.call(job)
+        sampling = self._sampling_seconds
+        return result, time.perf_counter() - began - sampling, sampling
+
+    def sampling(self, requests: Sequence[Request]) -> RowSampler:
+        """Samples the requests' rows on the worker thread, so that no tensor operation runs on
+        the event loop's thread: two threads running parallel ops make OpenMP's teams
+        oversubscribe the cores and both run slower. A request done by now gets no token."""
+        samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
+
+        def sample(logits: torch.Tensor) -> list[int | None]:
+            began = time.perf_counter()
+            try:
+                return sample_rows(samplers, logits)
+            finally:
+                # a job may sample twice (the rows, and a riding chunk's first token)
+                self._sampling_seconds += time.perf_counter() - began
+
+        return sample
+
+    def _sampled(
+        self, requests: Sequence[Request], tokens: Sequence[int | None]
+    ) -> tuple[Sampled, ...]:
+        """Each row's token with the log-probabilities its sampler recorded with it."""
+        return tuple(
+            Sampled(token, None if token is None else self.samplers[r.id].take_logprob())
+            for r, token in zip(requests, tokens, strict=True)
+        )
+
+    # ---- housekeeping -------------------------------------------------------------------------
+
+    async def run_ops(self, ops: Sequence[Op]) -> None:
+        for op in ops:
+            match op:
+                case DropSnapshots(ids):
+                    await self.call(DropKvSnapshot(ids))
+                case DropCached(ids):
+                    await self.call(DropCachedKv(ids))
+                case Offload(ids):
+                    await self.call(OffloadKv(ids))
+                case SaveSession():
+                    await self._save(op)
+
+    async def _save(self, op: SaveSession) -> None:
+        """Takes the snapshot's CPU copy now (jobs that follow may drop it); the file is written
+        on a thread of its own, and the request ends once it is on disk."""
+        request = op.request
+        job = SaveKvSnapshot(op.snapshot_id, op.path, self._session_metadata(), drop=op.drop)
+        try:
+            result: SaveResult = await self.call(job)
+        except Exception as exc:
+            self._saved(request, exc)
+            return
+
+        async def wait() -> None:
+            try:
+                await anyio.to_thread.run_sync(result.written.result)
+            except Exception as exc:
+                self._saved(request, exc)
+            else:
+                self._on_saved(request, None)
+
+        self._spawn(wait, f"neuronpy-session-{request.id}")
+
+    def _saved(self, request: Request, exc: Exception) -> None:
+        log.warning("session %r not saved: %s", request.session, exc)
+        self._on_saved(request, f"{type(exc).__name__}: {exc}")
+
+    # ---- prefill and decode -------------------------------------------------------------------
+
+    async def load_session(self, load: LoadSession) -> Loaded:
+        """A session file read for a prefill; a file that cannot be read fails that request."""
+        try:
+            result: LoadResult = await self.call(
+                LoadKvSnapshot(load.cache_id, load.path, self.fingerprint)
+            )
+        except WorkerError as exc:
+            return Loaded(error=str(exc))
+        return Loaded(result.token_ids)
+
+    def _prefill_job(self, plan: PrefillPlan) -> Prefill:
+        return Prefill(
+            plan.snapshot_id,
+            plan.tokens,
+            parent_id=plan.parent_id,
+            sample=self.sampling(plan.sampled) if plan.last else None,
+            # later chunks grow it in place; the headroom lets it join without a copy
+            reserve=len(plan.request.prompt_ids) + DEFAULT_HEADROOM,
+            parent_length=plan.parent_length,
+            cache_id=plan.cache_id,
+            clone_ids=plan.clone_ids,
+            logits=plan.last,
+        )
+
+    def _prefill_outcome(self, plan: PrefillPlan, result: PrefillResult) -> PrefillOutcome:
+        tokens = (result.token, *result.clone_tokens) if plan.last else ()
+        return PrefillOutcome(self._sampled(plan.sampled, tokens), result.cached_bytes)
+
+    async def prefill(self, plan: PrefillPlan) -> PrefillOutcome:
+        """A chunk in a forward of its own."""
+        result, seconds, sampling = await self._timed(self._prefill_job(plan))
+        outcome = self._prefill_outcome(plan, result)
+        return dataclasses.replace(outcome, seconds=seconds, sampling_seconds=sampling)
+
+    async def decode(self, plan: DecodePlan) -> DecodeOutcome:
+        """One lockstep step, and the chunk riding it."""
+        job = ForwardLogitsBatch(
+            plan.tokens,
+            sample=self.sampling(plan.rows),
+            prefill=self._prefill_job(plan.ride) if plan.ride is not None else None,
+        )
+        result, seconds, sampling = await self._timed(job)
+        assert isinstance(result, ForwardResult) and result.tokens is not None
+        ride = None
+        if plan.ride is not None:
+            assert result.prefill is not None
+            ride = self._prefill_outcome(plan.ride, result.prefill)
+        tokens = self._sampled(plan.rows, result.tokens)
+        return DecodeOutcome(tokens, ride, seconds, sampling)
+
+    # ---- rebatch ------------------------------------------------------------------------------
+
+    async def rebatch(self, plan: RebatchPlan) -> CacheOutcome | None:
+        """Extracts the rows kept, runs the plan's offloads and saves, caches what the prefix
+        cache keeps."""
+        if plan.extract:
+            await self.call(ExtractKvRows(plan.rows, plan.ids))
+        await self.run_ops(plan.ops)
+        if not plan.cache:
+            return None
+        result: CacheResult = await self.call(CacheKvSnapshots(tuple(i for _, i in plan.cache)))
+        return CacheOutcome(result.nbytes, result.lengths)
+
+    async def assemble(self, plan: AssemblePlan) -> int:
+        """Builds the new live batch; answers its padding columns."""
+        result: AssembleResult = await self.call(AssembleKvBatch(plan.snapshot_ids))
+        return result.padding_columns
+
+    async def worker_stats(self) -> WorkerStatsResult:
+        result: WorkerStatsResult = await self.call(WorkerStats())
+        return result

@@ -1,0 +1,507 @@
+"""The scheduler: every decision of the engine, as plain data in and plans out.
+
+It never awaits and never touches a tensor: the engine loop asks it for a plan, the runner runs
+the plan's jobs on the device worker, and the loop books the results back here. Events for the
+routers and housekeeping jobs (drops, offloads, session saves) collect in `outbox` and `ops`,
+which the loop empties after each call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from neuronpy.engine.admission import check_prompt
+from neuronpy.engine.budget import fit
+from neuronpy.engine.costs import StepCosts, ema
+from neuronpy.engine.counters import Counters, EngineStats
+from neuronpy.engine.planner import RowView, plan_step
+from neuronpy.engine.plans import (
+    AssemblePlan,
+    CacheOutcome,
+    DecodeOutcome,
+    DecodePlan,
+    DropSnapshots,
+    Loaded,
+    LoadSession,
+    Offload,
+    Op,
+    PrefillOutcome,
+    PrefillPlan,
+    RebatchPlan,
+    Sampled,
+    SaveSession,
+)
+from neuronpy.engine.prefill import Prefills
+from neuronpy.engine.prefix_cache import PrefixIndex
+from neuronpy.engine.request import (
+    Cause,
+    Ending,
+    Finish,
+    Request,
+    RequestStatus,
+    RouterMessage,
+)
+from neuronpy.engine.types import SamplingParams, SessionRequest
+from neuronpy.errors import QueueFullError
+
+
+class Scheduler:
+    """Admission, queue deadlines, the KV budget, prefill and rebatch plans, the prefix index."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        max_running: int,
+        max_queue: int,
+        queue_timeout: float,
+        context_len: int,
+        vocab_size: int,
+        kv_budget_tokens: int = 0,
+        prefix_cache_bytes: int = 0,
+        chunk_steps: float = 0.5,
+        prefill_chunk: int = 512,
+    ) -> None:
+        """`queue_timeout` 0: no deadline; `kv_budget_tokens` 0: no budget;
+        `prefix_cache_bytes` 0: no prefix cache."""
+        self.name = name
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.kv_budget_tokens = kv_budget_tokens
+        self.costs = StepCosts(chunk_steps, prefill_chunk)
+        self.counters = Counters()
+        self.waiting: deque[Request] = deque()
+        self.joining: list[Request] = []  # hold a row; being prefilled
+        self.running: list[Request] = []  # row order of the live batch
+        self.saving: set[Request] = set()  # ended; their session file being written
+        self.has_batch = False
+        self.outbox: list[tuple[Request, RouterMessage]] = []  # to the routers, in order
+        self.ops: list[Op] = []  # housekeeping jobs, to run before the next plan's
+        self._request_ids = itertools.count()
+        self._kv_ids = itertools.count()  # snapshots, cache entries, clones, sessions read
+        self.prefix = PrefixIndex(prefix_cache_bytes) if prefix_cache_bytes else None
+        self.prefills = Prefills(self.prefix, self.counters, self.ops, self._kv_ids, self.finish)
+        self._preempting: list[Request] = []  # rows leaving the live batch at the next rebatch
+        self._riding: Request | None = None  # the joiner whose next chunk rides the next step
+        self._padding_columns = 0  # of the live batch
+        self._request_seconds = 0.0  # moving average of a request's time, for Retry-After
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def active(self) -> list[Request]:
+        """Every request admitted and not yet ended (saving ones aside)."""
+        return [*self.running, *self.joining, *self.waiting]
+
+    @property
+    def idle(self) -> bool:
+        return not self.active() and not self.saving
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+        """The prompt as a tuple, or InvalidRequestError naming what does not fit the model."""
+        return check_prompt(
+            prompt_ids,
+            params,
+            name=self.name,
+            context_len=self.context_len,
+            vocab_size=self.vocab_size,
+            kv_budget_tokens=self.kv_budget_tokens,
+        )
+
+    def admit(
+        self,
+        prompt: tuple[int, ...],
+        copies: Sequence[SamplingParams],
+        stop_ids: frozenset[int],
+        session: SessionRequest | None = None,
+        now: float | None = None,
+    ) -> list[Request]:
+        """Queues one request per entry of `copies` (a validated prompt's n completions), or
+        raises QueueFullError when they do not fit in max_in_flight + max_queue."""
+        n = len(copies)
+        if len(self.active()) + n > self.max_running + self.max_queue:
+            self.counters.rejected += 1
+            raise QueueFullError(
+                f"model {self.name!r} is at capacity ({self.max_running} running, "
+                f"{self.max_queue} queued); retry later",
+                retry_after=self.retry_after(),
+            )
+        arrived = time.monotonic() if now is None else now
+        group: list[Request] = []
+        for index, params in enumerate(copies):
+            request = Request(
+                next(self._request_ids), prompt, params, stop_ids, arrived, index, group, session
+            )
+            group.append(request)
+            self.waiting.append(request)
+            self.counters.admitted += 1
+            self.counters.prompt_tokens += len(prompt)
+        return group
+
+    def retry_after(self) -> float:
+        """Seconds until a row is likely free: the queue ahead at the measured request time."""
+        per_request = self._request_seconds or 1.0
+        return max(1.0, per_request * (len(self.waiting) + 1) / self.max_running)
+
+    def cancel(self, request: Request) -> None:
+        """The client went away: a running row leaves at the next rebatch, a queued one never
+        runs. Counted now."""
+        cancelled = request.ending is not None and request.ending.cause is Cause.CANCELLED
+        if not request.status.finished and not cancelled:
+            request.ending = Ending(Cause.CANCELLED)
+            self.counters.cancelled += 1
+
+    def leave(self, request: Request) -> None:
+        """Its router has ended the stream (a stop string, or its consumer went away)."""
+        request.end(Cause.STOP_STRING)
+
+    def expire(self, now: float | None = None) -> None:
+        """Requests that waited past queue_timeout for a row end now, never prefilled."""
+        if not self.queue_timeout or not self.waiting:
+            return
+        now = time.monotonic() if now is None else now
+        for request in [r for r in self.waiting if now - r.arrived_at > self.queue_timeout]:
+            if request.done or request.preemptions:
+                continue  # cancelled: dropped at the next join; preempted: it has started
+            self.waiting.remove(request)
+            self.counters.timed_out += 1
+            request.end(
+                Cause.TIMED_OUT,
+                f"the request waited {now - request.arrived_at:.1f} s for model {self.name!r} "
+                f"without getting a row (queue_timeout {self.queue_timeout:g} s); retry later",
+            )
+            self.finish(request)
+
+    # ---- joining: who gets a row, who is preempted --------------------------------------------
+
+    def join(self) -> None:
+        """Requests ended while queued leave; the oldest waiting take the free rows (within the
+        KV budget, preempting newer rows if that makes room); joiners that ended leave."""
+        self._riding = None
+        plan = plan_step(
+            [RowView(r.id, r.done) for r in self.running],
+            [RowView(r.id, r.done) for r in self.waiting],
+            self.max_running,
+            prefilling=len(self.joining),
+        )
+        by_id = {r.id: r for r in self.waiting}
+        for rid in plan.dropped:
+            request = by_id[rid]
+            self.waiting.remove(request)
+            self.finish(request)  # (a copy of an n > 1 request may have ended on its first token)
+        joining = [by_id[rid] for rid in plan.joining]
+        if self.kv_budget_tokens:
+            live = [r for r in (*self.running, *self.joining) if not r.done]
+            preempt, joining = fit(live, joining, self.kv_budget_tokens)
+            for request in preempt:
+                self._preempt(request)
+        for request in joining:
+            self.waiting.remove(request)
+            request.status = RequestStatus.PREFILLING
+            self.joining.append(request)
+        self.joining = [r for r in self.joining if not self._leave_if_done(r)]
+
+    def _preempt(self, request: Request) -> None:
+        """A row leaves the live batch at this rebatch, or a joiner its prefill; its snapshot
+        waits, with its tokens and sampler, to resume where it stopped."""
+        self.counters.preemptions += 1
+        request.preemptions += 1
+        if request in self.running:
+            self._preempting.append(request)
+            return
+        self.joining.remove(request)
+        if request.snapshot_id is not None:
+            self.ops.append(Offload((request.snapshot_id,)))
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """A preempted request waits again, in arrival order: before every newer request."""
+        request.status = RequestStatus.WAITING
+        at = next((i for i, w in enumerate(self.waiting) if w.id > request.id), len(self.waiting))
+        self.waiting.insert(at, request)
+
+    def _leave_if_done(self, request: Request) -> bool:
+        """A joiner that ended before joining (first token EOS, cancelled) drops its snapshot
+        (or saves it to its session) and finishes."""
+        if not request.done:
+            return False
+        sid, request.snapshot_id = request.snapshot_id, None
+        if sid is not None and self._saves_session(request):
+            self.ops.append(self._save(request, sid, drop=True))
+            return True
+        if sid is not None:
+            self.ops.append(DropSnapshots((sid,)))
+        self.finish(request)
+        return True
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    def to_prefill(self) -> list[Request]:
+        """Joiners to prefill whole, each in a forward of its own: nobody waits on a decode
+        step. While rows decode, a joiner's chunks ride the steps instead (`riding`)."""
+        todo = [r for r in self.joining if r.prefilled < len(r.prompt_ids)]
+        if self.running:
+            self._riding = todo[0] if todo else None
+            return []
+        return todo
+
+    def riding(self) -> Request | None:
+        """The joiner whose next chunk rides the next decode step, if it still has one."""
+        ride, self._riding = self._riding, None
+        if ride is None or ride.done or ride.prefilled >= len(ride.prompt_ids):
+            return None
+        return ride
+
+    def ride_budget(self) -> int:
+        return self.costs.ride_budget()
+
+    def session_load(self, request: Request) -> LoadSession | None:
+        return self.prefills.session_load(request)
+
+    def book_session_load(self, load: LoadSession, loaded: Loaded) -> tuple[int, int] | None:
+        return self.prefills.book_session_load(load, loaded)
+
+    def plan_prefill(
+        self,
+        request: Request,
+        budget: int | None,
+        load: LoadSession | None = None,
+        restored: tuple[int, int] | None = None,
+    ) -> PrefillPlan | None:
+        """The request's next chunk of `budget` tokens (all, if None): see Prefills.plan."""
+        return self.prefills.plan(request, budget, load, restored)
+
+    def book_prefill(self, plan: PrefillPlan, outcome: PrefillOutcome, alone: bool = True) -> None:
+        """A chunk's result; after the last chunk, the first tokens of the request and its
+        copies. `alone`: it ran in a forward of its own (its time then feeds the cost model),
+        rather than riding a decode step."""
+        if alone:
+            self.costs.prefill.observe(len(plan.tokens), outcome.seconds)
+            self.counters.timing["prefill"] += outcome.seconds
+            self.counters.timing["sampling"] += outcome.sampling_seconds
+        self.prefills.book(plan, outcome)
+        for request, sampled in zip(plan.sampled, outcome.tokens, strict=True):
+            self._accept(request, sampled)
+
+    # ---- rebatch: extract the survivors, assemble again -----------------------------------------
+
+    def plan_rebatch(self) -> RebatchPlan | None:
+        """The join or leave to make now (None: the batch keeps its shape): joiners whose
+        prompt is in join; rows that ended leave (their KV to the prefix cache or their session,
+        or dropped); preempted rows become snapshots that wait."""
+        joined = [r for r in self.joining if r.prefilled == len(r.prompt_ids)]
+        self.joining = [r for r in self.joining if r not in joined]
+        joined = [r for r in joined if not self._leave_if_done(r)]
+        preempted, self._preempting = self._preempting, []
+        preempted = [r for r in preempted if not r.done]  # those that ended just leave
+        plan = plan_step([RowView(r.id, r.done) for r in self.running], [], self.max_running)
+        rows = {r.id: r for r in self.running}
+        leaving = tuple(rows[i] for i in plan.leaving)
+        survivors = [rows[i] for i in plan.survivors if rows[i] not in preempted]
+        if not leaving and not joined and not preempted:
+            return None
+        self.counters.rebatches += 1
+        extracted: tuple[Request, ...] = ()
+        ids: tuple[int, ...] = ()
+        cache: tuple[tuple[Request, int], ...] = ()
+        ops: list[Op] = []
+        if self.has_batch:
+            kept = self.prefills.cacheable(leaving)
+            saved = [r for r in leaving if self._saves_session(r)]
+            extracted = (*survivors, *preempted, *kept, *(r for r in saved if r not in kept))
+            ids = tuple(next(self._kv_ids) for _ in extracted)
+            for request, sid in zip(extracted, ids, strict=True):
+                request.snapshot_id = sid
+            cache = tuple((r, sid) for r, sid in zip(extracted, ids, strict=True) if r in kept)
+            if preempted:
+                ops.append(Offload(tuple(ids[len(survivors) : len(survivors) + len(preempted)])))
+            for request in preempted:
+                self._requeue(request)
+            for request in saved:  # (the worker copies them before the prefix cache takes them)
+                sid = ids[extracted.index(request)]
+                ops.append(self._save(request, sid, drop=request not in kept))
+            for request, _ in cache:
+                request.snapshot_id = None  # it moves into the prefix cache
+        return RebatchPlan(
+            tuple(self.running.index(r) for r in extracted),
+            ids,
+            tuple(ops),
+            cache,
+            leaving,
+            (*survivors, *joined),
+            extract=self.has_batch,
+        )
+
+    def book_rebatch(self, plan: RebatchPlan, cached: CacheOutcome | None) -> AssemblePlan | None:
+        """Indexes what the prefix cache took, ends the rows that left, and gives the new row
+        order (None: no row is left)."""
+        self.has_batch = False
+        if cached is not None:
+            for (request, sid), nbytes, length in zip(
+                plan.cache, cached.nbytes, cached.lengths, strict=True
+            ):
+                # the row's KV holds the tokens fed so far: the last sampled one may not be
+                fed = (*request.prompt_ids, *request.output_ids)[:length]
+                self.prefills.remember(sid, fed, nbytes)
+        for request in plan.leaving:
+            if request.status is not RequestStatus.SAVING:
+                self.finish(request)
+        self.running = list(plan.order)
+        if not self.running:
+            return None
+        return AssemblePlan(tuple(r.snapshot_id for r in self.running))  # type: ignore[misc]
+
+    def book_assemble(self, padding_columns: int) -> None:
+        self._padding_columns = padding_columns
+        self.has_batch = True
+        for request in self.running:
+            request.status = RequestStatus.RUNNING
+            request.snapshot_id = None  # moved into the live batch
+
+    def add_time(self, kind: str, seconds: float) -> None:
+        """Books time the engine spent: forward, prefill, rebatch or sampling."""
+        self.counters.timing[kind] += seconds
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    def plan_decode(self, ride: PrefillPlan | None = None) -> DecodePlan:
+        rows = tuple(self.running)
+        return DecodePlan(rows, tuple(r.next_token for r in rows), ride)  # type: ignore[misc]
+
+    def book_decode(self, plan: DecodePlan, outcome: DecodeOutcome) -> None:
+        """One step's tokens, and the riding chunk's result."""
+        c, seconds = self.counters, outcome.seconds
+        c.timing["sampling"] += outcome.sampling_seconds
+        if plan.ride is None:
+            self.costs.observe_step(seconds)
+            c.timing["forward"] += seconds
+        else:
+            assert outcome.ride is not None
+            extra = self.costs.observe_ride(seconds, len(plan.ride.tokens))
+            c.timing["forward"] += seconds - extra
+            c.timing["prefill"] += extra
+            c.riding_chunks += 1
+            self.book_prefill(plan.ride, outcome.ride, alone=False)
+        rows = plan.rows
+        alone = None
+        if len(rows) == 1:
+            alone = "no_peer"
+            if self.joining or self.waiting:
+                alone = "peer_prefilling" if self.joining else "peer_queued"
+        kv = sum(r.total_tokens for r in rows)  # fed tokens, this step's included
+        c.count_step(len(rows), self._padding_columns, kv, self.kv_held(), alone)
+        for request, sampled in zip(rows, outcome.tokens, strict=True):
+            self._accept(request, sampled)
+
+    def _accept(self, request: Request, sampled: Sampled) -> None:
+        """Records a sampled token, hands it to the router, and decides EOS / length."""
+        if request.done or sampled.token is None:
+            return
+        token = sampled.token
+        request.output_ids.append(token)
+        request.next_token = token
+        self.counters.generated_tokens += 1
+        self.outbox.append((request, token if sampled.logprob is None else sampled.logprob))
+        if token in request.stop_ids:
+            request.end(Cause.STOP)
+        elif (
+            len(request.output_ids) >= request.params.max_tokens
+            or request.total_tokens >= self.context_len
+        ):
+            request.end(Cause.LENGTH)
+
+    def kv_held(self) -> int:
+        """Tokens of KV the running rows (those not leaving) and the joiners hold now."""
+        running = sum(r.total_tokens for r in self.running if not r.done)
+        return running + sum(r.prefilled for r in self.joining)
+
+    # ---- ending -------------------------------------------------------------------------------
+
+    def finish(self, request: Request) -> None:
+        """Ends a request whose end is decided: its final message to the router, the counters."""
+        if request.status.finished:
+            return
+        assert request.ending is not None
+        if request.status is RequestStatus.WAITING and request.snapshot_id is not None:
+            # a copy of an n > 1 request cloned while it waited, or a preempted one
+            self.ops.append(DropSnapshots((request.snapshot_id,)))
+            request.snapshot_id = None
+        cause, reason = request.ending.cause, request.ending.cause.reason
+        request.status = RequestStatus.finished_with(reason)
+        self.outbox.append((request, Finish(reason, request.ending.error)))
+        if cause is Cause.FAILED:
+            self.counters.failed += 1
+        elif cause not in (Cause.CANCELLED, Cause.TIMED_OUT):  # (counted when they happened)
+            self.counters.finished += 1
+            elapsed = time.monotonic() - request.arrived_at
+            self._request_seconds = ema(self._request_seconds, elapsed)
+
+    def end_all(self, cause: Cause, error: str | None = None) -> None:
+        """Ends every admitted request now with `cause` (shutdown, drain, a fault), whatever
+        was decided before but a cancellation. Their rows and snapshots go with the next
+        rebatch, or with the worker."""
+        for request in self.active():
+            if request.status.finished:
+                continue
+            if request.ending is None or request.ending.cause is not Cause.CANCELLED:
+                request.ending = Ending(cause, error)
+            self.finish(request)
+
+    def clear(self) -> None:
+        """After a fault: nothing is running, joining or waiting any more."""
+        self.running.clear()
+        self.joining.clear()
+        self.waiting.clear()
+        self.ops.clear()
+        self.has_batch = False
+
+    def _saves_session(self, request: Request) -> bool:
+        """Whether an ended request's KV goes to its session: it ended on its own and asked."""
+        session, ending = request.session, request.ending
+        return bool(session and session.save and ending and ending.cause.on_its_own)
+
+    def _save(self, request: Request, snapshot_id: int, *, drop: bool) -> SaveSession:
+        """The request ends once its KV is in its session file (book_saved)."""
+        assert request.session is not None
+        request.status = RequestStatus.SAVING
+        request.snapshot_id = None
+        self.saving.add(request)
+        return SaveSession(request, snapshot_id, request.session.path, drop)
+
+    def book_saved(self, request: Request, error: str | None = None) -> None:
+        """Its session file is on disk, or could not be written: then the request fails."""
+        self.saving.discard(request)
+        assert request.ending is not None
+        if error is None:
+            self.counters.sessions_saved += 1
+        elif request.ending.cause is not Cause.CANCELLED:
+            request.ending = Ending(Cause.FAILED, f"the session could not be saved ({error})")
+        self.finish(request)
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def stats(self, healthy: bool) -> EngineStats:
+        c = self.counters
+        counts = {k: v for k, v in vars(c).items() if not isinstance(v, dict)}
+        return EngineStats(
+            # rows leaving at the next rebatch no longer count: never above max_running
+            running=sum(not r.done for r in self.running) + len(self.joining),
+            queued=len(self.waiting),
+            live_batch_size=len(self.running) if self.has_batch else 0,
+            healthy=healthy,
+            timing=dict(c.timing),
+            batch_size_steps=dict(c.batch_size_steps),
+            alone_steps=dict(c.alone_steps),
+            prefix_cache_entries=len(self.prefix) if self.prefix else 0,
+            prefix_cache_bytes=self.prefix.bytes if self.prefix else 0,
+            preempted=sum(r.preemptions > 0 for r in self.waiting),
+            kv_budget_tokens=self.kv_budget_tokens,
+            kv_tokens=self.kv_held(),
+            **counts,
+        )
+

@@ -1,0 +1,71 @@
+"""One request's event stream, as the engine hands it to its caller."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+from anyio.abc import ObjectReceiveStream
+
+from neuronpy.engine.request import Request
+from neuronpy.engine.types import GenerationEvent
+
+
+class RequestStream:
+    """One request's events: an async iterator and an async context manager (exit cancels)."""
+
+    def __init__(
+        self,
+        request: Request,
+        events: ObjectReceiveStream[GenerationEvent],
+        cancel: Callable[[Request], None],
+    ) -> None:
+        self._request = request
+        self._on_cancel = cancel
+        self._events = events
+        self._done = False
+        self.prompt_tokens = len(request.prompt_ids)
+
+    @property
+    def id(self) -> int:
+        return self._request.id
+
+    @property
+    def index(self) -> int:
+        """Which of its request's n completions this is (0 when n is 1)."""
+        return self._request.index
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens restored from the prefix cache rather than prefilled (known once the
+        first event has arrived; for n > 1, the prefill all the copies share)."""
+        return self._request.cached_tokens
+
+    def cancel(self) -> None:
+        """Idempotent. A running row leaves within one decode step; a queued one never runs."""
+        if not self._done:
+            self._done = True
+            self._on_cancel(self._request)
+            self._events.close()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> GenerationEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            event = await self._events.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._done = True
+            raise StopAsyncIteration from None
+        if event.finished:
+            self._done = True
+            self._events.close()
+        return event
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cancel()

@@ -1,0 +1,430 @@
+"""The scheduling policy without a model: the scheduler driven by hand-made device results."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from neuronpy.engine.budget import fit
+from neuronpy.engine.plans import (
+    CacheOutcome,
+    DecodeOutcome,
+    DropSnapshots,
+    Offload,
+    PrefillOutcome,
+    RebatchPlan,
+    Sampled,
+    SaveSession,
+)
+from neuronpy.engine.request import Cause, Finish, Request, RequestStatus
+from neuronpy.engine.scheduler import Scheduler
+from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest
+from neuronpy.errors import QueueFullError
+
+ROOT = Path(__file__).parent.parent
+EOS = 0
+TOKEN = 7  # what the hand-made device samples unless told otherwise
+
+# ---- factories ----------------------------------------------------------------------------------
+
+
+def make_scheduler(**kw: object) -> Scheduler:
+    defaults: dict[str, object] = {
+        "name": "m",
+        "max_running": 4,
+        "max_queue": 8,
+        "queue_timeout": 0.0,
+        "context_len": 1000,
+        "vocab_size": 1000,
+    }
+    return Scheduler(**{**defaults, **kw})  # type: ignore[arg-type]
+
+
+def admit(
+    s: Scheduler,
+    length: int = 10,
+    max_tokens: int = 50,
+    n: int = 1,
+    now: float = 0.0,
+    session: SessionRequest | None = None,
+    first: int = 1,
+) -> list[Request]:
+    prompt = s.validate(range(first, first + length), SamplingParams(max_tokens=max_tokens))
+    copies = [SamplingParams(max_tokens=max_tokens)] * n
+    return s.admit(prompt, copies, frozenset({EOS}), session, now=now)
+
+
+def schedule(s: Scheduler, now: float = 0.0) -> RebatchPlan | None:
+    """What the engine's loop does before a step, each device job answered by hand."""
+    s.expire(now)
+    s.join()
+    for request in s.to_prefill():
+        plan = s.plan_prefill(request, None)
+        if plan is not None:
+            s.book_prefill(plan, PrefillOutcome(tuple(Sampled(TOKEN) for _ in plan.sampled)))
+    rebatch = s.plan_rebatch()
+    if rebatch is None:
+        return None
+    cached = None
+    if rebatch.cache:
+        cached = CacheOutcome(
+            tuple(1000 for _ in rebatch.cache),
+            tuple(r.total_tokens - 1 for r, _ in rebatch.cache),
+        )
+    if s.book_rebatch(rebatch, cached) is not None:
+        s.book_assemble(padding_columns=0)
+    return rebatch
+
+
+def step(s: Scheduler, tokens: dict[int, int] | None = None) -> None:
+    """One decode step, a joiner's chunk riding it; row by request id -> token (TOKEN by
+    default)."""
+    ride = s.riding()
+    chunk = s.plan_prefill(ride, s.ride_budget()) if ride is not None else None
+    plan = s.plan_decode(chunk)
+    picks = tuple(Sampled((tokens or {}).get(r.id, TOKEN)) for r in plan.rows)
+    riding = None
+    if chunk is not None:
+        riding = PrefillOutcome(tuple(Sampled(TOKEN) for _ in chunk.sampled))
+    s.book_decode(plan, DecodeOutcome(picks, riding))
+
+
+def ids(requests: object) -> list[int]:
+    return [r.id for r in requests]  # type: ignore[attr-defined]
+
+
+def finishes(s: Scheduler) -> dict[int, Finish]:
+    """The Finish messages the routers would get, by request id (the outbox is emptied)."""
+    out = {r.id: m for r, m in s.outbox if isinstance(m, Finish)}
+    s.outbox.clear()
+    return out
+
+
+@dataclass
+class Row:
+    id: int
+    kv_need: int
+
+
+# ---- admission and order ------------------------------------------------------------------------
+
+
+def test_head_of_line_order_fills_free_rows_oldest_first() -> None:
+    s = make_scheduler(max_running=2)
+    admit(s), admit(s), admit(s), admit(s)
+    schedule(s)
+    assert ids(s.running) == [0, 1] and ids(s.waiting) == [2, 3]
+    assert all(r.status is RequestStatus.RUNNING for r in s.running)
+    step(s, {0: EOS})  # request 0 ends on EOS: it leaves, the oldest waiter takes its row
+    plan = schedule(s)
+    assert plan is not None and ids(plan.leaving) == [0] and ids(plan.order) == [1]
+    assert finishes(s)[0] == Finish(FinishReason.STOP)
+    assert s.counters.finished == 1
+    # a row decodes: the joiner's prompt rides the next step, then it joins
+    assert ids(s.joining) == [2] and ids(s.waiting) == [3]
+    step(s)
+    assert s.counters.riding_chunks == 1
+    plan = schedule(s)
+    assert plan is not None and ids(plan.order) == [1, 2] and ids(s.waiting) == [3]
+
+
+def test_admission_counts_every_copy_and_refuses_past_the_queue() -> None:
+    s = make_scheduler(max_running=2, max_queue=1)
+    admit(s, n=2)
+    with pytest.raises(QueueFullError):
+        admit(s, n=2)
+    assert s.counters.rejected == 1 and s.counters.admitted == 2
+    admit(s)  # one more still fits the queue
+    assert len(s.waiting) == 3
+
+
+# ---- the KV budget ------------------------------------------------------------------------------
+
+
+def test_fit_preempts_the_newest_live_rows_first() -> None:
+    live = [Row(1, 10), Row(2, 10), Row(3, 10)]
+    preempt, admit_ = fit(live, [], 25)
+    assert ids(preempt) == [3] and admit_ == []
+    preempt, _ = fit(live, [], 15)
+    assert ids(preempt) == [3, 2]
+
+
+def test_fit_lets_an_older_waiter_preempt_newer_rows_but_never_overtake() -> None:
+    live = [Row(5, 10), Row(6, 10)]
+    preempt, joined = fit(live, [Row(3, 10)], 25)
+    assert ids(preempt) == [6] and ids(joined) == [3]
+    # a waiter that cannot make room (the live rows are older) waits, and so does the one behind
+    preempt, joined = fit([Row(1, 20)], [Row(4, 10), Row(5, 1)], 25)
+    assert preempt == [] and joined == []
+
+
+def test_fit_keeps_one_row_running_alone_over_the_budget() -> None:
+    preempt, joined = fit([Row(1, 100)], [], 50)
+    assert preempt == [] and joined == []
+    preempt, joined = fit([Row(1, 100), Row(2, 1)], [], 50)
+    assert ids(preempt) == [2]
+
+
+def test_the_newest_row_is_preempted_and_resumes_before_newer_requests() -> None:
+    s = make_scheduler(max_running=4, kv_budget_tokens=40)
+    admit(s), admit(s), admit(s)  # 10-token prompts: 11 columns each to join
+    schedule(s)
+    assert ids(s.running) == [0, 1, 2]
+    step(s)  # each now needs 13 columns: 39 of 40
+    assert schedule(s) is None
+    step(s)  # 14 each: 42 > 40, the newest goes
+    plan = schedule(s)
+    assert plan is not None and ids(plan.order) == [0, 1]
+    (preempted,) = s.waiting
+    assert preempted.id == 2 and preempted.preemptions == 1
+    assert preempted.status is RequestStatus.WAITING
+    assert Offload((preempted.snapshot_id,)) in plan.ops  # its KV waits, kept
+    assert s.counters.preemptions == 1 and s.stats(True).preempted == 1
+    admit(s)  # a newer request that would fit waits behind it: no overtaking
+    assert schedule(s) is None and ids(s.waiting) == [2, 3]
+    step(s, {0: EOS})  # request 0 ends: the preempted one rejoins where it stopped
+    plan = schedule(s)
+    assert plan is not None and ids(plan.order) == [1, 2] and ids(s.joining) == [3]
+    assert s.running[1].preemptions == 1 and len(s.running[1].output_ids) == 3
+    assert s.running[1].status is RequestStatus.RUNNING
+
+
+def test_one_row_runs_alone_even_past_the_budget() -> None:
+    s = make_scheduler(kv_budget_tokens=12)
+    (request,) = admit(s, max_tokens=8)
+    schedule(s)
+    for _ in range(6):
+        step(s)
+        assert schedule(s) is None  # never preempted: it would have nothing to wait for
+    step(s)
+    assert request.done and request.ending is not None
+    assert request.ending.cause is Cause.LENGTH and s.counters.preemptions == 0
+
+
+# ---- queue deadline -----------------------------------------------------------------------------
+
+
+def test_a_request_waiting_past_the_queue_timeout_ends_unprefilled() -> None:
+    s = make_scheduler(max_running=1, queue_timeout=5.0)
+    admit(s, now=0.0), admit(s, now=0.0), admit(s, now=4.0)
+    schedule(s, now=0.0)
+    schedule(s, now=6.0)  # request 1 has waited 6 s, request 2 only 2 s
+    ended = finishes(s)
+    assert list(ended) == [1]
+    assert ended[1].reason is FinishReason.ABORT and "queue_timeout 5 s" in (ended[1].error or "")
+    assert s.counters.timed_out == 1 and s.counters.finished == 0
+    assert ids(s.waiting) == [2] and ids(s.running) == [0]
+
+
+def test_a_preempted_request_is_never_expired() -> None:
+    s = make_scheduler(max_running=2, kv_budget_tokens=25, queue_timeout=1.0)
+    admit(s), admit(s)
+    schedule(s)
+    step(s)  # 13 + 13 > 25: request 1 is preempted
+    schedule(s, now=0.5)
+    assert ids(s.waiting) == [1]
+    schedule(s, now=100.0)
+    assert ids(s.waiting) == [1] and s.counters.timed_out == 0
+
+
+# ---- n > 1 ---------------------------------------------------------------------------------------
+
+
+def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
+    s = make_scheduler(max_running=1)
+    first, *copies = admit(s, n=3)
+    s.join()
+    (plan,) = [s.plan_prefill(r, None) for r in s.to_prefill()]
+    assert plan is not None and plan.last and plan.request is first
+    assert plan.clones == tuple(copies) and len(set(plan.clone_ids)) == 2
+    assert plan.snapshot_id not in plan.clone_ids
+    s.book_prefill(plan, PrefillOutcome((Sampled(4), Sampled(5), Sampled(6))))
+    assert [r.output_ids for r in (first, *copies)] == [[4], [5], [6]]
+    assert [r.snapshot_id for r in copies] == list(plan.clone_ids)
+    assert all(r.prefilled == 10 and r.status is RequestStatus.WAITING for r in copies)
+    assert s.counters.prefills == 1 and s.counters.prefill_tokens == 10
+    # a filled copy has nothing left to prefill when its row comes
+    assert s.plan_prefill(copies[0], None) is None
+    # a waiting copy that is cancelled drops the snapshot it was given
+    s.cancel(copies[1])
+    schedule(s)
+    assert DropSnapshots((plan.clone_ids[1],)) in s.ops
+    assert finishes(s)[copies[1].id].reason is FinishReason.ABORT
+
+
+# ---- leaving: the prefix cache or the session ---------------------------------------------------
+
+
+def test_a_leaving_row_goes_to_the_prefix_cache_and_its_session() -> None:
+    s = make_scheduler(prefix_cache_bytes=1 << 20)
+    session = SessionRequest("chat", Path("/sessions/chat.safetensors"))
+    (saved,) = admit(s, length=20, session=session)
+    (cached,) = admit(s, length=20, first=30)
+    (cancelled,) = admit(s, length=20, first=60, session=session)
+    schedule(s)
+    step(s, {saved.id: EOS, cached.id: EOS})
+    s.cancel(cancelled)
+    plan = schedule(s)
+    assert plan is not None and set(plan.leaving) == {saved, cached, cancelled}
+    saves = [op for op in plan.ops if isinstance(op, SaveSession)]
+    # both rows that ended on their own are worth caching; only the one with a session saves,
+    # and the prefix cache takes its snapshot after the save's copy (drop=False)
+    assert [(op.request, op.drop) for op in saves] == [(saved, False)]
+    assert saved in [r for r, _ in plan.cache] and cached in [r for r, _ in plan.cache]
+    assert saved.status is RequestStatus.SAVING and saved in s.saving
+    assert cancelled.status is RequestStatus.FINISHED_ABORTED
+    assert cached.status is RequestStatus.FINISHED_STOPPED
+    assert len(s.prefix) >= 2  # type: ignore[arg-type]
+    ended = finishes(s)
+    assert saved.id not in ended  # it ends once its file is on disk
+    s.book_saved(saved)
+    assert finishes(s)[saved.id] == Finish(FinishReason.STOP)
+    assert s.counters.sessions_saved == 1 and s.idle
+
+
+def test_a_session_that_cannot_be_written_fails_its_request_alone() -> None:
+    s = make_scheduler()
+    (request,) = admit(s, session=SessionRequest("x", Path("/s/x.safetensors")))
+    (other,) = admit(s)
+    schedule(s)
+    step(s, {request.id: EOS})
+    schedule(s)
+    s.book_saved(request, "OSError: disk full")
+    assert finishes(s)[request.id].reason is FinishReason.ERROR
+    assert s.counters.failed == 1 and other.status is RequestStatus.RUNNING
+
+
+# ---- cancellation in every state ----------------------------------------------------------------
+
+
+def test_cancelled_while_waiting_is_never_prefilled() -> None:
+    s = make_scheduler(max_running=1)
+    admit(s)
+    (waiting,) = admit(s)
+    schedule(s)
+    s.cancel(waiting)
+    s.cancel(waiting)  # idempotent
+    schedule(s)
+    assert finishes(s)[waiting.id].reason is FinishReason.ABORT
+    assert waiting.prefilled == 0 and waiting.snapshot_id is None
+    assert s.counters.cancelled == 1 and s.counters.finished == 0 and not s.waiting
+
+
+def test_cancelled_while_prefilling_leaves_without_joining() -> None:
+    s = make_scheduler()
+    admit(s)
+    schedule(s)
+    (joiner,) = admit(s, length=200)
+    s.join()
+    assert s.to_prefill() == []  # a row decodes: the joiner's chunks ride the steps
+    ride = s.riding()
+    assert ride is joiner
+    chunk = s.plan_prefill(joiner, 32)
+    assert chunk is not None and not chunk.last and len(chunk.tokens) == 32
+    s.cancel(joiner)
+    s.book_prefill(chunk, PrefillOutcome(()), alone=False)
+    s.join()  # it leaves: its partial snapshot is dropped
+    assert DropSnapshots((chunk.snapshot_id,)) in s.ops
+    assert joiner.status is RequestStatus.FINISHED_ABORTED and not s.joining
+
+
+def test_cancelled_while_running_leaves_at_the_next_rebatch() -> None:
+    s = make_scheduler()
+    (stays,) = admit(s)
+    (goes,) = admit(s)
+    schedule(s)
+    step(s)
+    s.cancel(goes)
+    assert s.stats(True).running == 1  # a leaving row no longer counts
+    plan = schedule(s)
+    assert plan is not None and plan.leaving == (goes,) and plan.order == (stays,)
+    assert finishes(s)[goes.id].reason is FinishReason.ABORT
+    assert s.counters.cancelled == 1 and s.counters.finished == 0
+
+
+def test_cancelled_while_saving_is_counted_once() -> None:
+    s = make_scheduler()
+    (request,) = admit(s, session=SessionRequest("x", Path("/s/x.safetensors")))
+    schedule(s)
+    step(s, {request.id: EOS})
+    schedule(s)
+    assert request.status is RequestStatus.SAVING
+    s.cancel(request)
+    s.book_saved(request)
+    assert request.status is RequestStatus.FINISHED_ABORTED
+    assert (s.counters.cancelled, s.counters.finished) == (1, 0)
+
+
+def test_cancelling_a_finished_request_changes_nothing() -> None:
+    s = make_scheduler()
+    (request,) = admit(s, max_tokens=1)
+    schedule(s)  # its first token ends it
+    schedule(s)
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    s.cancel(request)
+    assert request.ending is not None and request.ending.cause is Cause.LENGTH
+    assert (s.counters.cancelled, s.counters.finished) == (0, 1)
+
+
+def test_end_all_fails_every_active_request_but_keeps_cancellations() -> None:
+    s = make_scheduler(max_running=1)
+    (running,) = admit(s)
+    (waiting,) = admit(s)
+    (gone,) = admit(s)
+    schedule(s)
+    s.cancel(gone)
+    s.end_all(Cause.FAILED, "model 'm' failed")
+    ended = finishes(s)
+    assert ended[running.id] == Finish(FinishReason.ERROR, "model 'm' failed")
+    assert ended[waiting.id].reason is FinishReason.ERROR
+    assert ended[gone.id].reason is FinishReason.ABORT
+    assert (s.counters.failed, s.counters.cancelled) == (2, 1)
+
+
+# ---- the core is pure ---------------------------------------------------------------------------
+
+CORE = (
+    *("request", "admission", "scheduler", "prefill", "budget"),
+    *("costs", "counters", "plans", "planner", "prefix_cache", "types"),
+)
+
+
+def test_the_engine_core_runs_with_torch_anyio_and_transformers_unimportable() -> None:
+    """The scheduler core is imported and drives a request to its end in a process where
+    importing torch, anyio or transformers fails."""
+    code = f"""
+import sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "anyio", "transformers"):
+            raise ImportError(f"{{name}} is not importable here")
+
+sys.meta_path.insert(0, Refuse())
+for module in {CORE!r}:
+    __import__(f"neuronpy.engine.{{module}}")
+from neuronpy.engine.plans import DecodeOutcome, PrefillOutcome, Sampled
+from neuronpy.engine.scheduler import Scheduler
+from neuronpy.engine.types import SamplingParams
+
+s = Scheduler(name="m", max_running=2, max_queue=2, queue_timeout=0,
+              context_len=64, vocab_size=32)
+params = SamplingParams(max_tokens=3)
+(request,) = s.admit(s.validate([1, 2, 3], params), [params], frozenset())
+s.join()
+(first,) = s.to_prefill()
+plan = s.plan_prefill(first, None)
+s.book_prefill(plan, PrefillOutcome((Sampled(5),)))
+s.book_rebatch(s.plan_rebatch(), None)
+s.book_assemble(0)
+while not request.done:
+    step = s.plan_decode()
+    s.book_decode(step, DecodeOutcome((Sampled(6),)))
+assert request.output_ids == [5, 6, 6], request.output_ids
+assert not {{"torch", "anyio", "transformers"}} & set(sys.modules)
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
