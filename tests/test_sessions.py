@@ -96,7 +96,11 @@ def test_save_false_restores_but_leaves_the_session_as_it_is(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     "name",
-    ["../escape", "a/b", "..", ".hidden", "", "x" * 200, "dir\\name", "a..b", "nul\x00"],
+    [
+        *("../escape", "a/b", "..", ".hidden", "", "x" * 200, "dir\\name", "a..b", "nul\x00"),
+        # a trailing newline (`$` matches before one: names are matched whole), non-ASCII
+        *("talk\n", "\ntalk", "caf\u00e9", "\u0661"),
+    ],
 )
 def test_names_cannot_leave_the_directory(tmp_path: Path, name: str) -> None:
     sessions = tmp_path / "sessions"
@@ -200,6 +204,37 @@ async def test_a_session_that_cannot_be_read_fails_its_request_alone(tmp_path: P
         other = [event async for event in fine]
         assert events[-1].finish_reason is FinishReason.ERROR
         assert "gone" in (events[-1].error or "")
+        assert str(tmp_path) not in (events[-1].error or "")  # its name, never its path
         assert [t for e in other for t in e.token_ids] == expected.token_ids
         assert engine.healthy and (await engine.worker_stats()).cached_snapshots == 0
     assert not (tmp_path / "gone.safetensors").read_bytes().strip(b"\x00")  # never overwritten
+
+
+@pytest.mark.anyio
+async def test_a_session_deleted_before_its_restore_is_served_as_a_new_one(tmp_path: Path) -> None:
+    """The file was there when the request was admitted (its token ids were read) and is gone
+    by its restore: the request prefills its whole prompt, as for a new session, gets the same
+    output, and saves the session anew."""
+    from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest
+    from neuronpy.worker.session_files import read_header
+    from tests.factories import make_engine
+
+    prompt = tokenizer().encode("The quick brown fox jumps over the lazy dog")
+    path = tmp_path / "gone.safetensors"
+    session = SessionRequest("gone", path, save=True, token_ids=tuple(prompt[:-2]))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    async with make_engine(prefix_cache=False) as engine:
+        expected = await engine.complete(prompt, params)
+        before = engine.stats()
+        stream = engine.submit_many(prompt, params, 1, session)[0]
+        events = [event async for event in stream]
+        after = engine.stats()
+        assert events[-1].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert events[-1].error is None
+        assert [t for e in events for t in e.token_ids] == expected.token_ids
+        assert stream.cached_tokens == 0
+        assert after.prefill_tokens - before.prefill_tokens == len(prompt)
+        assert after.sessions_restored == before.sessions_restored
+        assert after.sessions_saved == before.sessions_saved + 1
+        assert engine.healthy and (await engine.worker_stats()).cached_snapshots == 0
+    assert read_header(path).token_ids[: len(prompt)] == tuple(prompt)

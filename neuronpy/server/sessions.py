@@ -32,7 +32,8 @@ async def session_request(
     store: SessionStore | None, engine: Engine, req: ParsedRequest
 ) -> SessionRequest | None:
     """What the request asks of its session, its file's header checked against the model:
-    400 when sessions are off, for a bad name, and for a session of another model or dtype."""
+    400 when sessions are off, for a bad name, for a file that is not a session neuronpy can
+    read, and for a session of another model, dtype or KV shape, or longer than the context."""
     if req.session is None:
         return None
     if store is None:
@@ -40,8 +41,15 @@ async def session_request(
     info = await _in_thread(store.info, req.session)
     try:
         if info is not None:
-            dtype = dtype_name(engine.model.dtype)
-            check_compatible(info, engine.name, engine.fingerprint, dtype)
+            c = engine.model.config
+            check_compatible(
+                info,
+                engine.name,
+                engine.fingerprint,
+                dtype_name(engine.model.dtype),
+                layout=(c.num_layers, c.num_kv_heads, c.head_dim),
+                context_len=engine.context_len,
+            )
         path = store.path(req.session)
     except InvalidRequestError as exc:
         raise api_error(exc) from None

@@ -280,7 +280,11 @@ class DeviceWorker:
                 kv_heads=c.num_kv_heads,
                 head_dim=c.head_dim,
             )
-        except SESSION_ERRORS as exc:
+        except SESSION_ERRORS as exc:  # (their messages never name the path; nor does this)
+            if isinstance(exc, FileNotFoundError):
+                # deleted since its request was admitted: nothing to restore; the engine then
+                # prefills the whole prompt, as for a new session (its common prefix with () is 0)
+                return LoadResult((), 0)
             raise WorkerError(f"{job.path.name} cannot be restored: {exc}") from exc
         snapshot = self._cache[job.cache_id] = KvSnapshot(keys, values, tokens)
         return LoadResult(tuple(tokens), snapshot.nbytes)
