@@ -128,12 +128,15 @@ async def test_engine_counts_each_copy_against_admission() -> None:
     prompt = tok.encode("The quick brown fox")
     params = SamplingParams(max_tokens=6, temperature=0.0)
     async with make_engine(max_in_flight=2, max_queue=1, max_n=8) as engine:
-        with pytest.raises(QueueFullError):
-            engine.submit_many(prompt, params, 4)  # 4 copies > 2 running + 1 queued
+        with pytest.raises(InvalidRequestError) as info:
+            engine.submit_many(prompt, params, 4)  # 4 copies > 2 running + 1 queued: never fit
+        assert info.value.param == "n"
         with pytest.raises(InvalidRequestError):
             engine.submit_many(prompt, params, 9)
         streams = engine.submit_many(prompt, params, 3)
         assert engine.stats().admitted == 3
+        with pytest.raises(QueueFullError):
+            engine.submit_many(prompt, params, 1)  # it fits, but not now: retry later
         outs = []
         for stream in streams:
             outs.append([t async for event in stream for t in event.token_ids])

@@ -10,6 +10,7 @@ import torch
 
 from neuronpy.engine.sampling import Sampler, sample_rows
 from neuronpy.engine.types import SamplingParams
+from neuronpy.errors import InvalidRequestError
 
 BASE = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -157,12 +158,16 @@ def test_draws_do_not_depend_on_other_requests() -> None:
     assert batched == solo
 
 
-def test_unseeded_requests_differ_and_any_int_seed_works() -> None:
+def test_unseeded_requests_differ_and_any_64_bit_seed_works() -> None:
     logits = torch.zeros(1000)
     first, second = sampler(vocab=1000), sampler(vocab=1000)
     assert [first.sample(logits) for _ in range(20)] != [second.sample(logits) for _ in range(20)]
-    for seed in (-1, 0, 2**64 - 1, 2**70):
+    for seed in (-(2**63), -1, 0, 2**64 - 1):
         assert 0 <= sampler(vocab=1000, seed=seed).sample(logits) < 1000
+    for seed in (-(2**63) - 1, 2**64, 2**70):  # past what the generator takes: refused up front
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(seed=seed)
+        assert info.value.param == "seed"
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])

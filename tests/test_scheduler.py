@@ -63,7 +63,7 @@ def schedule(s: Scheduler, now: float = 0.0) -> RebatchPlan | None:
     s.expire(now)
     s.join()
     for request in s.to_prefill():
-        plan = s.plan_prefill(request, None)
+        plan = s.prefills.plan(request, None)
         if plan is not None:
             s.book_prefill(plan, PrefillOutcome(tuple(Sampled(TOKEN) for _ in plan.sampled)))
     rebatch = s.plan_rebatch()
@@ -84,7 +84,7 @@ def step(s: Scheduler, tokens: dict[int, int] | None = None) -> None:
     """One decode step, a joiner's chunk riding it; row by request id -> token (TOKEN by
     default)."""
     ride = s.riding()
-    chunk = s.plan_prefill(ride, s.ride_budget()) if ride is not None else None
+    chunk = s.prefills.plan(ride, s.ride_budget()) if ride is not None else None
     plan = s.plan_decode(chunk)
     picks = tuple(Sampled((tokens or {}).get(r.id, TOKEN)) for r in plan.rows)
     riding = None
@@ -238,7 +238,7 @@ def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
     s = make_scheduler(max_running=1)
     first, *copies = admit(s, n=3)
     s.join()
-    (plan,) = [s.plan_prefill(r, None) for r in s.to_prefill()]
+    (plan,) = [s.prefills.plan(r, None) for r in s.to_prefill()]
     assert plan is not None and plan.last and plan.request is first
     assert plan.clones == tuple(copies) and len(set(plan.clone_ids)) == 2
     assert plan.snapshot_id not in plan.clone_ids
@@ -248,7 +248,7 @@ def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
     assert all(r.prefilled == 10 and r.status is RequestStatus.WAITING for r in copies)
     assert s.counters.prefills == 1 and s.counters.prefill_tokens == 10
     # a filled copy has nothing left to prefill when its row comes
-    assert s.plan_prefill(copies[0], None) is None
+    assert s.prefills.plan(copies[0], None) is None
     # a waiting copy that is cancelled drops the snapshot it was given
     s.cancel(copies[1])
     schedule(s)
@@ -286,16 +286,19 @@ def test_a_leaving_row_goes_to_the_prefix_cache_and_its_session() -> None:
     assert s.counters.sessions_saved == 1 and s.idle
 
 
-def test_a_session_that_cannot_be_written_fails_its_request_alone() -> None:
+def test_a_session_that_cannot_be_written_keeps_its_reply_and_says_so() -> None:
     s = make_scheduler()
     (request,) = admit(s, session=SessionRequest("x", Path("/s/x.safetensors")))
     (other,) = admit(s)
     schedule(s)
     step(s, {request.id: EOS})
     schedule(s)
-    s.book_saved(request, "OSError: disk full")
-    assert finishes(s)[request.id].reason is FinishReason.ERROR
-    assert s.counters.failed == 1 and other.status is RequestStatus.RUNNING
+    s.book_saved(request, "session 'x' could not be saved (No space left on device)")
+    finish = finishes(s)[request.id]
+    assert finish.reason is FinishReason.STOP and finish.error is None
+    assert finish.session_error == "session 'x' could not be saved (No space left on device)"
+    assert (s.counters.session_save_failures, s.counters.failed, s.counters.finished) == (1, 0, 1)
+    assert other.status is RequestStatus.RUNNING
 
 
 # ---- cancellation in every state ----------------------------------------------------------------
@@ -323,7 +326,7 @@ def test_cancelled_while_prefilling_leaves_without_joining() -> None:
     assert s.to_prefill() == []  # a row decodes: the joiner's chunks ride the steps
     ride = s.riding()
     assert ride is joiner
-    chunk = s.plan_prefill(joiner, 32)
+    chunk = s.prefills.plan(joiner, 32)
     assert chunk is not None and not chunk.last and len(chunk.tokens) == 32
     s.cancel(joiner)
     s.book_prefill(chunk, PrefillOutcome(()), alone=False)
@@ -417,7 +420,7 @@ params = SamplingParams(max_tokens=3)
 (request,) = s.admit(s.validate([1, 2, 3], params), [params], frozenset())
 s.join()
 (first,) = s.to_prefill()
-plan = s.plan_prefill(first, None)
+plan = s.prefills.plan(first, None)
 s.book_prefill(plan, PrefillOutcome((Sampled(5),)))
 s.book_rebatch(s.plan_rebatch(), None)
 s.book_assemble(0)

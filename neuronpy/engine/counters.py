@@ -35,6 +35,7 @@ class Counters:
     max_kv_tokens: int = 0  # the most KV a decode step has held (running rows and joiners)
     sessions_saved: int = 0
     sessions_restored: int = 0
+    session_save_failures: int = 0  # finished requests whose session file could not be written
     # cumulative seconds
     timing: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("forward", "prefill", "rebatch", "sampling"), 0.0)
@@ -99,3 +100,4 @@ class EngineStats:
     max_kv_tokens: int = 0  # the most a decode step has held (running rows and joiners)
     sessions_saved: int = 0  # conversations written to session files
     sessions_restored: int = 0  # prompts that continued from a session file
+    session_save_failures: int = 0  # finished requests whose session file could not be written

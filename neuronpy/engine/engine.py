@@ -40,6 +40,7 @@ __all__ = ["Engine", "EngineStats", "RequestStream"]
 log = logging.getLogger(__name__)
 
 NORMS = ("input_norm", "post_norm")  # per-layer weights a fingerprint of a bare model hashes
+MAX_BUFFERED_EVENTS = 1024  # events a request's consumer may leave unread before it is ended
 
 
 class Engine:
@@ -170,6 +171,12 @@ class Engine:
             raise InvalidRequestError(
                 f"'n' must be an integer from 1 to {self.config.max_n}, got {n!r}", "n"
             )
+        if n > self.max_running + self.config.max_queue:
+            raise InvalidRequestError(
+                f"'n' = {n} copies can never be admitted together: model {self.name!r} runs "
+                f"{self.max_running} and queues {self.config.max_queue}",
+                "n",
+            )
         prompt = self._scheduler.validate(prompt_ids, params)
         if session is not None and n != 1:
             raise InvalidRequestError("a request with a 'session' returns one choice (n = 1)", "n")
@@ -198,7 +205,8 @@ class Engine:
     def _start_router(self, request: Request) -> RequestStream:
         """The request's sampler, its router task and its event stream."""
         to_router, inbox = anyio.create_memory_object_stream[RouterMessage](math.inf)
-        outbox, events = anyio.create_memory_object_stream[GenerationEvent](math.inf)
+        # bounded: a consumer that stops reading ends its request (see route)
+        outbox, events = anyio.create_memory_object_stream[GenerationEvent](MAX_BUFFERED_EVENTS)
         self._runner.samplers[request.id] = Sampler(
             request.params, request.prompt_ids, self.vocab_size
         )
@@ -343,13 +351,13 @@ class Engine:
     async def _plan_prefill(self, request: Request, budget: int | None) -> PrefillPlan | None:
         """The request's next chunk; its first reads its session's KV when that holds more
         of the prompt than the prefix cache."""
-        s = self._scheduler
-        load = s.session_load(request)
+        prefills = self._scheduler.prefills
+        load = prefills.session_load(request)
         restored = None
         if load is not None:
-            restored = s.book_session_load(load, await self._runner.load_session(load))
+            restored = prefills.book_session_load(load, await self._runner.load_session(load))
             await self._flush()
-        return s.plan_prefill(request, budget, load, restored)
+        return prefills.plan(request, budget, load, restored)
 
     async def _flush(self) -> None:
         """Delivers the scheduler's events, then runs its housekeeping jobs in order."""

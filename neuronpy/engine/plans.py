@@ -66,6 +66,7 @@ class Loaded:
 
     token_ids: tuple[int, ...] = ()
     error: str | None = None
+    invalid: bool = False  # the error is the file's (a 400 for its request), not the server's
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,12 @@ class PrefillPlan:
 
 @dataclass(frozen=True)
 class Sampled:
-    """One row's sampled token (None: the row was done by then) and its log-probabilities."""
+    """One row's sampled token (None: the row was done by then, or its sampling failed) and
+    its log-probabilities."""
 
     token: int | None
     logprob: TokenLogprob | None = None
+    error: str | None = None  # why this row's sampling failed: it fails that request alone
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ class Prefills:
         request = load.request
         if loaded.error is not None:
             assert request.session is not None
-            request.end(Cause.FAILED, f"session {request.session.name!r}: {loaded.error}")
+            param = "session" if loaded.invalid else None
+            request.end(Cause.FAILED, f"session {request.session.name!r}: {loaded.error}", param)
             self._finish(request)
             return None
         limit = len(request.prompt_ids) - 1
@@ -97,7 +98,7 @@ class Prefills:
         cache_id = None
         clones: tuple[Request, ...] = ()
         if last:
-            cache_id = self._cache_id(prompt)
+            cache_id = self._entry_id_for(prompt)
             clones = tuple(
                 r
                 for r in request.group
@@ -124,7 +125,7 @@ class Prefills:
         if plan.session_id is not None:
             self._ops.append(DropCached((plan.session_id,)))
         if plan.cache_id is not None:
-            self.remember(plan.cache_id, request.prompt_ids, outcome.cached_bytes)
+            self.index_entry(plan.cache_id, request.prompt_ids, outcome.cached_bytes)
         request.prefilled += len(plan.tokens)
         c.prefill_chunks += 1
         if not plan.last:
@@ -153,7 +154,7 @@ class Prefills:
             self._counters.prefix_cache_hits += 1
             self._counters.prefix_cache_reused_tokens += hit[1]
 
-    def _cache_id(self, tokens: Sequence[int]) -> int | None:
+    def _entry_id_for(self, tokens: Sequence[int]) -> int | None:
         """An id to keep a finished prompt's KV under in the prefix cache, or None when it
         would add nothing (too short, or a stored sequence starts with it)."""
         index = self.prefix
@@ -161,7 +162,7 @@ class Prefills:
             return None
         return next(self._kv_ids)
 
-    def cacheable(self, leaving: Sequence[Request]) -> list[Request]:
+    def worth_caching(self, leaving: Sequence[Request]) -> list[Request]:
         """Leaving rows worth keeping in the prefix cache: their prompt and output's KV."""
         if self.prefix is None:
             return []
@@ -172,7 +173,7 @@ class Prefills:
             and not self.prefix.covers((*r.prompt_ids, *r.output_ids[:-1]))
         ]
 
-    def remember(self, cache_id: int, tokens: Sequence[int], nbytes: int) -> None:
+    def index_entry(self, cache_id: int, tokens: Sequence[int], nbytes: int) -> None:
         """Indexes an entry the worker now caches; evicts what that makes redundant or what no
         longer fits the budget (least recently used first)."""
         assert self.prefix is not None

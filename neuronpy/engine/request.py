@@ -13,7 +13,7 @@ class Cause(enum.Enum):
 
     STOP = "stop"  # EOS or a stop token, seen by the engine
     LENGTH = "length"  # max_tokens or the context window
-    STOP_STRING = "stop_string"  # the router matched a stop string and reported it itself
+    ROUTER_ENDED = "router_ended"  # its router ended the stream (a stop string, its consumer gone)
     CANCELLED = "cancelled"  # the client went away
     ABORTED = "aborted"  # shutdown or drain
     TIMED_OUT = "timed_out"  # waited past the queue deadline without getting a row
@@ -27,13 +27,13 @@ class Cause(enum.Enum):
     @property
     def on_its_own(self) -> bool:
         """Whether the generation ended by itself (what a session saves), not cut short."""
-        return self in (Cause.STOP, Cause.LENGTH, Cause.STOP_STRING)
+        return self in (Cause.STOP, Cause.LENGTH, Cause.ROUTER_ENDED)
 
 
 _REASONS = {
     Cause.STOP: FinishReason.STOP,
     Cause.LENGTH: FinishReason.LENGTH,
-    Cause.STOP_STRING: FinishReason.STOP,
+    Cause.ROUTER_ENDED: FinishReason.STOP,
     Cause.CANCELLED: FinishReason.ABORT,
     Cause.ABORTED: FinishReason.ABORT,
     Cause.TIMED_OUT: FinishReason.ABORT,
@@ -45,6 +45,9 @@ _REASONS = {
 class Ending:
     cause: Cause
     error: str | None = None  # what the client is told (FAILED, or why it was aborted)
+    # FAILED by what the request itself sent (its session file, say): the field to name in a
+    # 400; None: a fault on the server's side
+    param: str | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -83,6 +86,8 @@ class Finish:
 
     reason: FinishReason
     error: str | None = None
+    session_error: str | None = None  # its session could not be saved (the reply stands)
+    param: str | None = None  # the request's field its error is about (see Ending.param)
 
 
 RouterMessage = int | TokenLogprob | Finish  # a token id, or one with its log-probabilities
@@ -117,6 +122,12 @@ class Request:
         return self.ending is not None
 
     @property
+    def started(self) -> bool:
+        """Whether it has had a row (or was preempted from one), or a copy's prefill filled it."""
+        holds_row = RequestStatus.PREFILLING <= self.status <= RequestStatus.SAVING
+        return holds_row or self.preemptions > 0 or self.prefilled > 0
+
+    @property
     def total_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
@@ -125,7 +136,7 @@ class Request:
         """KV columns it needs through its next step: its tokens so far and one more."""
         return self.total_tokens + 1
 
-    def end(self, cause: Cause, error: str | None = None) -> None:
+    def end(self, cause: Cause, error: str | None = None, param: str | None = None) -> None:
         """Decides how it ends; a later cause changes nothing."""
         if self.ending is None and self.status < RequestStatus.SAVING:
-            self.ending = Ending(cause, error)
+            self.ending = Ending(cause, error, param)

@@ -4,11 +4,12 @@ tool-call markup, log-probabilities)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Collection
 
 import anyio
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from transformers import PreTrainedTokenizerBase
 
 from neuronpy.engine.detokenize import IncrementalDetokenizer
@@ -21,9 +22,13 @@ from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams,
 log = logging.getLogger(__name__)
 
 
+class StalledReader(Exception):
+    """The request's consumer let its events pile up to the bound: the request ends."""
+
+
 async def route(
-    inbox: ObjectReceiveStream[RouterMessage],
-    outbox: ObjectSendStream[GenerationEvent],
+    inbox: MemoryObjectReceiveStream[RouterMessage],
+    outbox: MemoryObjectSendStream[GenerationEvent],
     *,
     tokenizer: PreTrainedTokenizerBase,
     prompt_ids: tuple[int, ...],
@@ -39,6 +44,10 @@ async def route(
     the generated text as it is, before `params.output` splits it into reasoning, content and
     tool calls. A request that asked for log-probabilities gets an event per token. A fault
     here (say, the detokenizer raising) fails this request alone.
+
+    What waits for the consumer is bounded by `outbox`'s buffer: when the consumer has left
+    all but one of its slots unread (a client that stopped reading), the last one gets an
+    error event and the request ends, so a stalled reader holds no memory past the bound.
     """
     prompt_tokens = len(prompt_ids)
     count = 0
@@ -80,7 +89,12 @@ async def route(
                     if msg.reason is not FinishReason.ERROR:
                         parsed.extend(parser.finish())
                     reason = FinishReason.STOP if stopped else msg.reason
-                    await outbox.send(event(parsed, reason, msg.error))
+                    last = dataclasses.replace(
+                        event(parsed, reason, msg.error),
+                        session_error=msg.session_error,
+                        error_param=msg.param,
+                    )
+                    await outbox.send(last)
                     return
                 if isinstance(msg, TokenLogprob):
                     logprobs.append(msg)
@@ -98,9 +112,19 @@ async def route(
                     await outbox.send(event(parsed.extend(parser.finish()), FinishReason.STOP))
                     return
                 if parsed or (per_token and logprobs):
+                    stats = outbox.statistics()
+                    if stats.current_buffer_used >= stats.max_buffer_size - 1:
+                        raise StalledReader(
+                            f"the client left {stats.current_buffer_used} events unread; "
+                            "the request was ended"
+                        )
                     await outbox.send(event(parsed))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             request_leave()  # the consumer went away: nobody to route to
+        except StalledReader as exc:
+            log.warning("%s", exc)
+            request_leave()
+            outbox.send_nowait(event(Parsed(), FinishReason.ERROR, str(exc)))
         except Exception as exc:
             log.exception("router failed")
             request_leave()

@@ -55,6 +55,7 @@ from neuronpy.worker.jobs import (
     WorkerStats,
     WorkerStatsResult,
 )
+from neuronpy.worker.session_files import SessionFileError
 from neuronpy.worker.worker import DeviceWorker
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class Runner:
         self._on_saved = on_saved
         self._spawn = spawn
         self._sampling_seconds = 0.0  # spent sampling on the worker thread, in the last job
+        self._errors: dict[int, Exception] = {}  # request id -> why its sampler raised
 
     async def call(self, job: Job) -> Any:
         fut: Future[Any] = self.worker.submit(job)
@@ -100,14 +102,18 @@ class Runner:
     def sampling(self, requests: Sequence[Request]) -> RowSampler:
         """Samples the requests' rows on the worker thread, so that no tensor operation runs on
         the event loop's thread: two threads running parallel ops make OpenMP's teams
-        oversubscribe the cores and both run slower. A request done by now gets no token."""
+        oversubscribe the cores and both run slower. A request done by now gets no token; one
+        whose sampler raises gets none either, and its error (see `_sampled`)."""
         samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
 
         def sample(logits: torch.Tensor) -> list[int | None]:
             began = time.perf_counter()
+            errors: dict[int, Exception] = {}
             try:
-                return sample_rows(samplers, logits)
+                return sample_rows(samplers, logits, errors)
             finally:
+                for row, exc in errors.items():
+                    self._errors[requests[row].id] = exc
                 # a job may sample twice (the rows, and a riding chunk's first token)
                 self._sampling_seconds += time.perf_counter() - began
 
@@ -116,11 +122,19 @@ class Runner:
     def _sampled(
         self, requests: Sequence[Request], tokens: Sequence[int | None]
     ) -> tuple[Sampled, ...]:
-        """Each row's token with the log-probabilities its sampler recorded with it."""
-        return tuple(
-            Sampled(token, None if token is None else self.samplers[r.id].take_logprob())
-            for r, token in zip(requests, tokens, strict=True)
-        )
+        """Each row's token with the log-probabilities its sampler recorded with it, or the
+        error its sampler raised."""
+        out = []
+        for request, token in zip(requests, tokens, strict=True):
+            exc = self._errors.pop(request.id, None)
+            if exc is not None:
+                log.warning("sampling failed for request %d: %r", request.id, exc)
+                out.append(Sampled(None, error=f"sampling failed ({type(exc).__name__}: {exc})"))
+            elif token is None:
+                out.append(Sampled(None))
+            else:
+                out.append(Sampled(token, self.samplers[request.id].take_logprob()))
+        return tuple(out)
 
     # ---- housekeeping -------------------------------------------------------------------------
 
@@ -159,7 +173,10 @@ class Runner:
 
     def _saved(self, request: Request, exc: Exception) -> None:
         log.warning("session %r not saved: %s", request.session, exc)
-        self._on_saved(request, f"{type(exc).__name__}: {exc}")
+        # the client's words: what went wrong, never where (an OSError's text names the path)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        assert request.session is not None
+        self._on_saved(request, f"session {request.session.name!r} could not be saved ({why})")
 
     # ---- prefill and decode -------------------------------------------------------------------
 
@@ -170,7 +187,7 @@ class Runner:
                 LoadKvSnapshot(load.cache_id, load.path, self.fingerprint)
             )
         except WorkerError as exc:
-            return Loaded(error=str(exc))
+            return Loaded(error=str(exc), invalid=isinstance(exc.__cause__, SessionFileError))
         return Loaded(result.token_ids)
 
     def _prefill_job(self, plan: PrefillPlan) -> Prefill:

@@ -156,25 +156,49 @@ class Sampler:
             self._seen_ids = torch.cat([self._seen_ids, torch.tensor([token])])
 
 
-def sample_rows(samplers: Sequence[Sampler | None], logits: torch.Tensor) -> list[int | None]:
+def sample_rows(
+    samplers: Sequence[Sampler | None],
+    logits: torch.Tensor,
+    errors: dict[int, Exception] | None = None,
+) -> list[int | None]:
     """One token per row of `logits` ([B, vocab] CPU) from that row's sampler (None: skip the
-    row). Plain greedy rows share one argmax over their rows, the same tokens as row by row."""
+    row). Plain greedy rows share one argmax over their rows, the same tokens as row by row.
+
+    `errors` given: a row whose sampler raises (its parameters or its data) gets no token and
+    its exception there, by row, and the other rows are sampled as ever; else the error
+    propagates."""
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(f"{len(samplers)} samplers for logits of shape {tuple(logits.shape)}")
     tokens: list[int | None] = [None] * len(samplers)
+    live = list(samplers)
+
+    def failed(i: int, exc: Exception) -> None:
+        if errors is None:
+            raise exc
+        errors[i] = exc
+        live[i] = None
+        tokens[i] = None
+
     greedy = [i for i, s in enumerate(samplers) if s is not None and s.plain_greedy]
     if len(greedy) > 1:
         rows = logits if len(greedy) == len(samplers) else logits[greedy]
         for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
             sampler = samplers[i]
             assert sampler is not None
-            sampler._check(logits[i])
+            try:
+                sampler._check(logits[i])
+            except Exception as exc:
+                failed(i, exc)
+                continue
             sampler.record(token)
             tokens[i] = token
     for i, sampler in enumerate(samplers):
-        if sampler is not None and tokens[i] is None:
-            tokens[i] = sampler.sample(logits[i])
-    _record_logprobs(samplers, logits, tokens)
+        if sampler is not None and tokens[i] is None and live[i] is not None:
+            try:
+                tokens[i] = sampler.sample(logits[i])
+            except Exception as exc:
+                failed(i, exc)
+    _record_logprobs(live, logits, tokens)
     return tokens
 
 

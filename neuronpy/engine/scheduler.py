@@ -24,8 +24,6 @@ from neuronpy.engine.plans import (
     DecodeOutcome,
     DecodePlan,
     DropSnapshots,
-    Loaded,
-    LoadSession,
     Offload,
     Op,
     PrefillOutcome,
@@ -157,17 +155,27 @@ class Scheduler:
             self.counters.cancelled += 1
 
     def leave(self, request: Request) -> None:
-        """Its router has ended the stream (a stop string, or its consumer went away)."""
-        request.end(Cause.STOP_STRING)
+        """Its router has ended the stream and reported the end (a stop string matched, or its
+        consumer went away): the row leaves at the next rebatch."""
+        request.end(Cause.ROUTER_ENDED)
 
     def expire(self, now: float | None = None) -> None:
         """Requests that waited past queue_timeout for a row end now, never prefilled."""
         if not self.queue_timeout or not self.waiting:
             return
         now = time.monotonic() if now is None else now
-        for request in [r for r in self.waiting if now - r.arrived_at > self.queue_timeout]:
-            if request.done or request.preemptions:
-                continue  # cancelled: dropped at the next join; preempted: it has started
+        # decided for every request before any ends: the copies of one request (n > 1) end
+        # together or not at all
+        expired = [
+            r
+            for r in self.waiting
+            if now - r.arrived_at > self.queue_timeout
+            # cancelled: dropped at the next join; preempted, or a copy of a request that has
+            # started: it waits behind its own request's rows, not for a first row
+            and not r.done
+            and not any(copy.started for copy in r.group)
+        ]
+        for request in expired:
             self.waiting.remove(request)
             self.counters.timed_out += 1
             request.end(
@@ -260,22 +268,6 @@ class Scheduler:
     def ride_budget(self) -> int:
         return self.costs.ride_budget()
 
-    def session_load(self, request: Request) -> LoadSession | None:
-        return self.prefills.session_load(request)
-
-    def book_session_load(self, load: LoadSession, loaded: Loaded) -> tuple[int, int] | None:
-        return self.prefills.book_session_load(load, loaded)
-
-    def plan_prefill(
-        self,
-        request: Request,
-        budget: int | None,
-        load: LoadSession | None = None,
-        restored: tuple[int, int] | None = None,
-    ) -> PrefillPlan | None:
-        """The request's next chunk of `budget` tokens (all, if None): see Prefills.plan."""
-        return self.prefills.plan(request, budget, load, restored)
-
     def book_prefill(self, plan: PrefillPlan, outcome: PrefillOutcome, alone: bool = True) -> None:
         """A chunk's result; after the last chunk, the first tokens of the request and its
         copies. `alone`: it ran in a forward of its own (its time then feeds the cost model),
@@ -311,7 +303,7 @@ class Scheduler:
         cache: tuple[tuple[Request, int], ...] = ()
         ops: list[Op] = []
         if self.has_batch:
-            kept = self.prefills.cacheable(leaving)
+            kept = self.prefills.worth_caching(leaving)
             saved = [r for r in leaving if self._saves_session(r)]
             extracted = (*survivors, *preempted, *kept, *(r for r in saved if r not in kept))
             ids = tuple(next(self._kv_ids) for _ in extracted)
@@ -347,7 +339,7 @@ class Scheduler:
             ):
                 # the row's KV holds the tokens fed so far: the last sampled one may not be
                 fed = (*request.prompt_ids, *request.output_ids)[:length]
-                self.prefills.remember(sid, fed, nbytes)
+                self.prefills.index_entry(sid, fed, nbytes)
         for request in plan.leaving:
             if request.status is not RequestStatus.SAVING:
                 self.finish(request)
@@ -400,6 +392,8 @@ class Scheduler:
 
     def _accept(self, request: Request, sampled: Sampled) -> None:
         """Records a sampled token, hands it to the router, and decides EOS / length."""
+        if sampled.error is not None:
+            request.end(Cause.FAILED, sampled.error)  # this request alone: it leaves
         if request.done or sampled.token is None:
             return
         token = sampled.token
@@ -422,8 +416,9 @@ class Scheduler:
 
     # ---- ending -------------------------------------------------------------------------------
 
-    def finish(self, request: Request) -> None:
-        """Ends a request whose end is decided: its final message to the router, the counters."""
+    def finish(self, request: Request, session_error: str | None = None) -> None:
+        """Ends a request whose end is decided: its final message to the router, the counters.
+        `session_error`: why its session could not be saved (the reply itself stands)."""
         if request.status.finished:
             return
         assert request.ending is not None
@@ -433,7 +428,8 @@ class Scheduler:
             request.snapshot_id = None
         cause, reason = request.ending.cause, request.ending.cause.reason
         request.status = RequestStatus.finished_with(reason)
-        self.outbox.append((request, Finish(reason, request.ending.error)))
+        ending = request.ending
+        self.outbox.append((request, Finish(reason, ending.error, session_error, ending.param)))
         if cause is Cause.FAILED:
             self.counters.failed += 1
         elif cause not in (Cause.CANCELLED, Cause.TIMED_OUT):  # (counted when they happened)
@@ -474,14 +470,14 @@ class Scheduler:
         return SaveSession(request, snapshot_id, request.session.path, drop)
 
     def book_saved(self, request: Request, error: str | None = None) -> None:
-        """Its session file is on disk, or could not be written: then the request fails."""
+        """Its session file is on disk, or could not be written: the request still ends as it
+        ended (its reply is the user's), and says so."""
         self.saving.discard(request)
-        assert request.ending is not None
         if error is None:
             self.counters.sessions_saved += 1
-        elif request.ending.cause is not Cause.CANCELLED:
-            request.ending = Ending(Cause.FAILED, f"the session could not be saved ({error})")
-        self.finish(request)
+        else:
+            self.counters.session_save_failures += 1
+        self.finish(request, session_error=error)
 
     # ---- stats --------------------------------------------------------------------------------
 

@@ -15,6 +15,10 @@ MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_LOGIT_BIAS_VALUE = 100.0
+# OpenAI's range; past it a distribution is all but flat anyway
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 2**31 - 1  # what the tensor ops take as a count
+MAX_TOKEN_ID = 2**31  # ids past any vocabulary (stop_token_ids, logit_bias)
 
 
 class FinishReason(str, enum.Enum):
@@ -81,13 +85,16 @@ class SamplingParams:
             raise InvalidRequestError("'max_tokens' must be an integer", "max_tokens")
         if mt < 1:
             raise InvalidRequestError(f"'max_tokens' must be at least 1, got {mt}", "max_tokens")
-        if _check_number("temperature", self.temperature) < 0:
-            raise InvalidRequestError("'temperature' must be >= 0", "temperature")
+        if not 0.0 <= _check_number("temperature", self.temperature) <= MAX_TEMPERATURE:
+            raise InvalidRequestError(
+                f"'temperature' must be in [0, {MAX_TEMPERATURE:g}]", "temperature"
+            )
         top_p = _check_number("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise InvalidRequestError("'top_p' must be in (0, 1]", "top_p")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError("'top_k' must be an integer >= -1", "top_k")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or not -1 <= k <= MAX_TOP_K:
+            raise InvalidRequestError(f"'top_k' must be an integer from -1 to {MAX_TOP_K}", "top_k")
         if not 0.0 <= _check_number("min_p", self.min_p) <= 1.0:
             raise InvalidRequestError("'min_p' must be in [0, 1]", "min_p")
         if not 0.0 < _check_number("repetition_penalty", self.repetition_penalty) <= 10.0:
@@ -98,8 +105,10 @@ class SamplingParams:
             if not -2.0 <= _check_number(name, getattr(self, name)) <= 2.0:
                 raise InvalidRequestError(f"'{name}' must be in [-2, 2]", name)
         seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise InvalidRequestError("'seed' must be an integer", "seed")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64
+        ):
+            raise InvalidRequestError("'seed' must be an integer within 64 bits", "seed")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
             raise InvalidRequestError("'stop' must be a string or a list of strings", "stop")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -109,7 +118,8 @@ class SamplingParams:
                 f"each 'stop' string must have 1 to {MAX_STOP_LENGTH} characters", "stop"
             )
         if not isinstance(self.stop_token_ids, tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID
+            for t in self.stop_token_ids
         ):
             raise InvalidRequestError(
                 "'stop_token_ids' must be a list of non-negative integers", "stop_token_ids"
@@ -139,7 +149,11 @@ def _check_logit_bias(bias: object) -> None:
         raise InvalidRequestError(
             f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias"
         )
-    bad_ids = [t for t, _ in bias if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+    bad_ids = [
+        t
+        for t, _ in bias
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < MAX_TOKEN_ID
+    ]
     bad_values = [
         b
         for _, b in bias
@@ -198,6 +212,11 @@ class GenerationEvent:
     reasoning: str = ""  # new text of the reasoning block (with an OutputFormat.reasoning)
     tool_calls: tuple[ToolCall, ...] = ()  # tool calls completed since the previous event
     logprobs: tuple[TokenLogprob, ...] = ()  # of token_ids, when the request asked for them
+    # on the last event: why the request's session could not be saved (its reply is whole)
+    session_error: str | None = None
+    # with `error`: the request's own field it is about (a 400: its session file was bad);
+    # None: the server's side failed
+    error_param: str | None = None
 
     @property
     def finished(self) -> bool:
