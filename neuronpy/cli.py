@@ -20,6 +20,7 @@ from neuronpy.engine.engine import Engine
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import resolve_spec
 from neuronpy.server.app import ServerState, create_app
+from neuronpy.server.connections import HeadTimeoutProtocol
 
 log = logging.getLogger("neuronpy")
 
@@ -65,11 +66,39 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 60; 0: no deadline)",
     )
     serve.add_argument(
+        "--max-buffered-events",
+        type=int,
+        metavar="N",
+        help="events a request's client may leave unread before the request is ended, per "
+        "model (default 1024)",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=float,
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C, how long in-flight requests get to finish before they are "
         "aborted (default 30)",
+    )
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="close a connection whose request head has not arrived this long after it opened "
+        "(or after its previous response) (default 10; 0: no deadline)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="answer 408 to a request whose body has not arrived this long after its head "
+        "(default 30; 0: no deadline)",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=int,
+        metavar="N",
+        help="requests handled at once, /health and /metrics aside; more get 503 with "
+        "Retry-After (default 256; 0: no limit)",
     )
     serve.add_argument(
         "--api-key",
@@ -138,6 +167,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "host": args.host,
             "port": args.port,
             "drain_timeout": args.drain_timeout,
+            "header_timeout": args.header_timeout,
+            "body_timeout": args.body_timeout,
+            "limit_concurrency": args.limit_concurrency,
             "api_key": args.api_key,
             "cors_allow_origins": args.cors_allow_origin,
             "sessions_dir": args.sessions_dir,
@@ -153,6 +185,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "max_in_flight": args.max_in_flight,
             "max_queue": args.max_queue,
             "queue_timeout": args.queue_timeout,
+            "max_buffered_events": args.max_buffered_events,
         },
     }
     models = [model_flag(value) for value in args.model or ()]
@@ -233,7 +266,17 @@ def serve(config: Config) -> int:
         cors_allow_origins=config.server.cors_allow_origins,
         cors_allow_credentials=config.server.cors_allow_credentials,
         sessions_dir=config.server.sessions_dir,
+        body_timeout=config.server.body_timeout,
+        limit_concurrency=config.server.limit_concurrency,
     )
+    admitted = sum(m.engine.max_in_flight + m.engine.max_queue for m in config.models)
+    if 0 < config.server.limit_concurrency < admitted:
+        log.warning(
+            "limit_concurrency %d is below the %d requests the models admit (max_in_flight + "
+            "max_queue): the server refuses requests before their queues are full",
+            config.server.limit_concurrency,
+            admitted,
+        )
     if config.server.api_key:
         log.info("an API key is required on every route but /health")
     elif config.server.host not in ("127.0.0.1", "localhost", "::1"):
@@ -245,6 +288,8 @@ def serve(config: Config) -> int:
             port=config.server.port,
             log_level="info",
             timeout_graceful_shutdown=10,  # once drained, this only bounds slow readers
+            # h11 with a deadline for each request's head (uvicorn has none; see connections.py)
+            http=HeadTimeoutProtocol.with_header_timeout(config.server.header_timeout),
         ),
         app.state.neuron,
     )

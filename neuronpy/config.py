@@ -12,8 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from neuronpy.defaults import (
+    DEFAULT_BODY_TIMEOUT,
     DEFAULT_CHUNK_STEPS,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_MAX_BUFFERED_EVENTS,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_N,
     DEFAULT_MAX_QUEUE,
@@ -56,6 +60,8 @@ class EngineConfig:
     # seconds a queued request may wait for a row before it is refused (503); 0: no deadline
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT
     max_n: int = DEFAULT_MAX_N  # completions one request may ask for; each counts as a request
+    # events a request's client may leave unread; past that the request ends (stalled reader)
+    max_buffered_events: int = DEFAULT_MAX_BUFFERED_EVENTS
     batching: bool = True  # False: one sequence at a time, through the same code
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per prefill forward
     # how much a joiner's prompt chunk may lengthen a decode step, in decode steps: smaller
@@ -77,6 +83,7 @@ class EngineConfig:
         check_int("max_queue", self.max_queue, 0, 1_000_000)
         check_seconds("queue_timeout", self.queue_timeout)
         check_int("max_n", self.max_n, 1, 128)
+        check_int("max_buffered_events", self.max_buffered_events, 2, 1_000_000)
         check_bool("batching", self.batching)
         check_int("prefill_chunk", self.prefill_chunk, 1)
         check_number("chunk_steps", self.chunk_steps, 0.1, 100)
@@ -91,7 +98,7 @@ class EngineConfig:
 
 # The config file's table for each EngineConfig field (each in exactly one): the server-wide
 # [admission] (a model's own `admission` table on top of it) and [engine], and the model's own.
-ADMISSION_KEYS = ("max_in_flight", "max_queue", "queue_timeout", "max_n")
+ADMISSION_KEYS = ("max_in_flight", "max_queue", "queue_timeout", "max_n", "max_buffered_events")
 ENGINE_KEYS = ("batching", "prefill_chunk", "chunk_steps")
 MODEL_KEYS = ("quantize", "prefix_cache", "prefix_cache_bytes", "kv_budget", "reasoning_parser")
 
@@ -139,6 +146,12 @@ class ServerConfig:
     cors_allow_credentials: bool = False
     # where sessions (conversations' KV saved by name) live; None: sessions are off
     sessions_dir: str | None = None
+    # what one client can hold (see connections.py); 0 turns each off: seconds a connection's
+    # request head may take to arrive (after it opened, or its previous response ended)...
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # ...and a request's body (else 408)
+    # requests handled at once, /health and /metrics aside; more get 503 at once
+    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
 
     def __post_init__(self) -> None:
         try:
@@ -152,6 +165,9 @@ class ServerConfig:
                 raise FieldError("host", f"must be a non-empty string, got {self.host!r}")
             check_int("port", self.port, 0, 65535)
             check_seconds("drain_timeout", self.drain_timeout)
+            check_seconds("header_timeout", self.header_timeout)
+            check_seconds("body_timeout", self.body_timeout)
+            check_int("limit_concurrency", self.limit_concurrency, 0, 1_000_000)
         except FieldError as exc:
             raise ValueError(f"[server] {exc}") from None
         if self.api_key is not None and (

@@ -553,3 +553,223 @@ async def test_sigterm_aborts_what_outlasts_the_drain_timeout_and_exits_0(
         else:  # it had not started: a plain 503, nothing streamed
             assert "shutting down" in assert_clean_503(r)["message"]
     assert f"{len(finished)} request(s) finished, {len(aborted)} aborted" in server.log_text()
+
+
+# ---- what one client can hold: head and body deadlines, the concurrency limit ----------------
+
+HEAD_TIMEOUT, BODY_TIMEOUT, CONCURRENCY = 1.5, 2.0, 2
+PARTIAL_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+HEADER_LINES = b"\r\nX-Slow: 1" * 50  # what a slowloris client sends, a byte at a time
+
+
+def test_limits_come_from_the_file_and_the_flags(tmp_path: Path) -> None:
+    defaults = load_config(environ={}).server
+    assert (defaults.header_timeout, defaults.body_timeout, defaults.limit_concurrency) == (
+        10.0,
+        30.0,
+        256,
+    )
+    path = tmp_path / "neuronpy.toml"
+    path.write_text("[server]\nheader_timeout = 5\nbody_timeout = 0\nlimit_concurrency = 64\n")
+    server = load_config(path, environ={}).server
+    assert (server.header_timeout, server.body_timeout, server.limit_concurrency) == (5, 0, 64)
+    args = ["serve", "--config", str(path), "--header-timeout", "2.5", "--limit-concurrency", "0"]
+    flagged = config_from_args(build_parser().parse_args(args)).server
+    assert (flagged.header_timeout, flagged.body_timeout, flagged.limit_concurrency) == (2.5, 0, 0)
+    for key, bad in [
+        ("header_timeout", -1),
+        ("body_timeout", float("inf")),
+        ("body_timeout", "30"),
+        ("limit_concurrency", 1.5),
+        ("limit_concurrency", -1),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            load_config(None, {"server": {key: bad}}, environ={})
+
+
+def connect(url: str, data: bytes = b"") -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bytes, float]:
+    """What the server sent before it closed `sock`, and when it did; fails if it stays open."""
+    started, received = time.monotonic(), b""
+    sock.settimeout(seconds)
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except TimeoutError:
+        pytest.fail(f"the server kept the connection open past {seconds}s ({received[:80]!r})")
+    except ConnectionResetError:
+        pass
+    return received, time.monotonic() - started
+
+
+def trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> None:
+    """Send `data` a byte every 0.2 s (what resets uvicorn's own keep-alive timer each time)."""
+    with contextlib.suppress(OSError):
+        for byte in data:
+            if stop.wait(0.2):
+                return
+            sock.sendall(bytes([byte]))
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
+    """`neuronpy serve` with short head and body deadlines and a concurrency limit of 2."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path_factory.mktemp("guarded") / "server.log"
+    command = [sys.executable, "-m", "neuronpy", "serve", "--model", str(TINY_LLAMA)]
+    command += ["--port", str(port), "--header-timeout", str(HEAD_TIMEOUT)]
+    command += ["--body-timeout", str(BODY_TIMEOUT), "--limit-concurrency", str(CONCURRENCY)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    server = CliServer(process, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, server.log_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the server never became healthy"
+            time.sleep(0.1)
+        yield server
+    finally:
+        process.kill()
+        process.wait()
+
+
+def completion(url: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1{TEXT}", json=body(6), timeout=30)
+
+
+def test_slow_and_idle_clients_are_cut_off_while_health_is_served(guarded: CliServer) -> None:
+    url = guarded.url
+    before = completion(url)
+    assert before.status_code == 200, before.text
+    stop = threading.Event()
+    idle = [connect(url) for _ in range(20)]  # connected, sending nothing
+    partial = [connect(url, PARTIAL_HEAD) for _ in range(60)]  # a head that never ends
+    slow_head = connect(url)
+    head = PARTIAL_HEAD + b"\r\nContent-Length: 200\r\n\r\n"
+    slow_bodies = [connect(url, head + b'{"pro') for _ in range(CONCURRENCY - 1)]
+    slow_bodies.append(connect(url, head))
+    trickling = [
+        threading.Thread(target=trickle, args=(slow_head, PARTIAL_HEAD + HEADER_LINES, stop)),
+        threading.Thread(target=trickle, args=(slow_bodies[-1], b'{"prompt": "x"}' * 4, stop)),
+    ]
+    for thread in trickling:
+        thread.start()
+    try:
+        # the slow bodies hold both requests the server handles at once: /health and /metrics
+        # are still answered, anything else is refused at once (OpenAI's body, Retry-After)
+        deadline = time.monotonic() + 1
+        refused = completion(url)
+        while refused.status_code == 200 and time.monotonic() < deadline:
+            refused = completion(url)  # (the slow heads may not be read yet)
+        assert refused.status_code == 503, refused.text
+        assert_clean_503({"status": 503, "headers": refused.headers, **refused.json()})
+        assert "limit_concurrency" in refused.json()["error"]["message"]
+        health = httpx.get(f"{url}/health", timeout=5)
+        assert health.status_code == 200 and health.elapsed.total_seconds() < 1
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+        assert 'neuronpy_requests_rejected_total{model="",reason="concurrency_limit"}' in metrics
+        # each slow body gets a 408 once its deadline passes, and its connection closes
+        for sock in slow_bodies:
+            answer, _ = closed_within(sock, BODY_TIMEOUT + 5)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b'"code":"request_timeout"' in answer
+        # every connection whose head did not arrive in time is closed, trickling or not
+        for sock in [*idle, *partial, slow_head]:
+            answer, _ = closed_within(sock, HEAD_TIMEOUT + 5)
+            assert answer == b""
+    finally:
+        stop.set()
+        for thread in trickling:
+            thread.join()
+        for sock in [*idle, *partial, slow_head, *slow_bodies]:
+            sock.close()
+    after = completion(url)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert "Traceback" not in guarded.log_text()
+
+
+def test_a_connection_closes_when_the_next_head_is_late(guarded: CliServer) -> None:
+    """After a response, the next request's head has the same deadline (a slow client that
+    keeps sending a byte at a time never resets it)."""
+    sock = connect(guarded.url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    stop = threading.Event()
+    next_head = b"GET /health HTTP/1.1\r\n" + HEADER_LINES
+    thread = threading.Thread(target=trickle, args=(sock, next_head, stop))
+    try:
+        first = sock.recv(65536)
+        head, _, content = first.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), first
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        while len(content) < length:  # (the body may come in a packet of its own)
+            content += sock.recv(65536)
+        thread.start()
+        answer, took = closed_within(sock, HEAD_TIMEOUT + 5)
+        assert answer == b"" and took < HEAD_TIMEOUT + 3
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
+        sock.close()
+
+
+def test_clients_that_hang_up_mid_body_leave_no_traceback(guarded: CliServer) -> None:
+    head = PARTIAL_HEAD + b"\r\nContent-Length: 1000\r\n\r\n"
+    for _ in range(20):
+        sock = connect(guarded.url, head + b'{"prompt": "')
+        time.sleep(0.01)  # (the server is reading the body)
+        sock.close()
+    for _ in range(20):  # and hung up before the head was whole
+        connect(guarded.url, PARTIAL_HEAD).close()
+    assert completion(guarded.url).status_code == 200  # served after them
+    log = guarded.log_text()
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]
+    assert "Exception in ASGI application" not in log
+
+
+# ---- a session that cannot be saved keeps its reply ----------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_session_save_failure_returns_the_reply_and_says_why(tmp_path: Path) -> None:
+    sessions = tmp_path / "sessions"
+    with run_server(fixture_model(), sessions_dir=sessions) as server:
+        async with httpx.AsyncClient(timeout=60) as client:
+            plain = await post(client, server.url, body(6, chat=True))
+            sessions.rmdir()  # the directory is gone: every save fails
+            saved = await post(client, server.url, body(6, chat=True, session="talk"))
+            whole = await client.post(f"{server.v1}{CHAT}", json=body(6, chat=True, session="talk"))
+            streamed = await post(
+                client, server.url, body(6, chat=True, stream=True, session="talk2")
+            )
+            metrics = (await client.get(f"{server.url}/metrics")).text
+        for result in (saved, streamed):
+            assert result["status"] == 200, result
+            assert (result["text"], result["finish"]) == (plain["text"], plain["finish"])
+        header = saved["headers"]["x-neuronpy-session-error"]
+        assert "talk" in header and str(tmp_path) not in header
+        assert whole.json()["session_error"].startswith(header[:40])
+        assert str(tmp_path) not in whole.text
+        (finishing,) = [
+            e for e in streamed["events"] if isinstance(e, dict) and "session_error" in e
+        ]
+        assert finishing["choices"][0]["finish_reason"] == "length"
+        assert "talk2" in finishing["session_error"]
+        assert str(tmp_path) not in finishing["session_error"]
+        line = 'neuronpy_session_save_failures_total{model="tiny-llama"} 3.0'
+        assert line in metrics
+        assert server.stats()["failed"] == 0

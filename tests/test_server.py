@@ -175,13 +175,13 @@ def test_stop_strings_cut_the_text(server: RunningServer) -> None:
 
 
 def test_seed_makes_sampling_reproducible(server: RunningServer) -> None:
-    # The fixture's logits are sharp (std ~30): only a high temperature really samples.
+    # At temperature 2 (the most the API takes) the fixture samples differently per seed.
     def sample(seed: int) -> str:
         out = client(server).completions.create(
             model="tiny-llama",
             prompt="The dog",
             max_tokens=12,
-            temperature=40.0,
+            temperature=2.0,
             seed=seed,
             extra_body={"ignore_eos": True},
         )

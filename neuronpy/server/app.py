@@ -10,13 +10,16 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from neuronpy.defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_LIMIT_CONCURRENCY
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.server.auth import security_middleware
+from neuronpy.server.connections import ConcurrencyLimit
 from neuronpy.server.errors import EXCEPTION_HANDLERS, ApiError, unavailable
 from neuronpy.server.flow import generate
 from neuronpy.server.metrics import ServerMetrics
@@ -27,7 +30,7 @@ from neuronpy.server.models import (
     log_batches,
     serve_model,
 )
-from neuronpy.server.requests import MAX_BODY_BYTES
+from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
 from neuronpy.server.stream import EventStreamResponse
 
@@ -36,6 +39,8 @@ def create_app(
     models: Mapping[str, Callable[[], Engine]],
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY,
     on_fatal: Callable[[BaseException], None] | None = None,
     stats_log_seconds: float = 10.0,
     drain_timeout: float = 30.0,
@@ -52,6 +57,8 @@ def create_app(
     `app.state.neuron.request_shutdown()` (the CLI calls it on SIGTERM) stops admitting, gives
     in-flight requests `drain_timeout` seconds, aborts the rest, then calls `on_drained`.
     With `api_key`, every route but /health needs it; `cors_allow_origins` turns CORS on.
+    A body must arrive within `body_timeout` seconds (else 408); at most `limit_concurrency`
+    requests are handled at once, /health and /metrics aside (else 503); 0 turns either off.
     `sessions_dir` turns sessions on: conversations' KV saved there by name (see
     engine/sessions.py), listed and deleted under /v1/sessions."""
     if not models:
@@ -59,7 +66,12 @@ def create_app(
     state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
     store = SessionStore(sessions_dir) if sessions_dir is not None else None
     metrics = ServerMetrics(state)
+    limits = BodyLimits(max_body_bytes, body_timeout)
     middleware = security_middleware(api_key, cors_allow_origins, cors_allow_credentials)
+    if limit_concurrency:  # inside the key check: a client without the key holds nothing
+        middleware.append(
+            Middleware(ConcurrencyLimit, limit=limit_concurrency, on_refused=metrics.refuse_unread)
+        )
 
     def failed(exc: BaseException) -> None:
         if on_fatal is not None and all(m.status == "failed" for m in state.models.values()):
@@ -131,10 +143,10 @@ def create_app(
         return Response(content, headers={"Content-Type": content_type})
 
     async def chat_completions(request: Request) -> Response | EventStreamResponse:
-        return await generate(request, state, "chat", max_body_bytes, metrics, store)
+        return await generate(request, state, "chat", limits, metrics, store)
 
     async def completions(request: Request) -> Response | EventStreamResponse:
-        return await generate(request, state, "text", max_body_bytes, metrics, store)
+        return await generate(request, state, "text", limits, metrics, store)
 
     async def sessions_route(request: Request) -> Response:
         """/v1/sessions lists them; /v1/sessions/NAME shows (GET) or deletes (DELETE) one."""

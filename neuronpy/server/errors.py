@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from neuronpy.engine.types import FinishReason, GenerationEvent
@@ -23,6 +24,8 @@ if TYPE_CHECKING:  # (models.py builds its errors here)
     from neuronpy.engine.engine import Engine
     from neuronpy.server.models import ServedModel
 
+log = logging.getLogger(__name__)
+
 # Why a request was refused (a metric label); queue_timeout is the engine's count, the others
 # the server's (see rejection_reason).
 REJECT_REASONS = (
@@ -33,6 +36,7 @@ REJECT_REASONS = (
     "shutting_down",  # the server stopped admitting
     "unhealthy",  # the model failed (its worker, or its start)
     "error",  # any other 5xx before admission
+    "concurrency_limit",  # limit_concurrency requests were being handled (before any was read)
 )
 
 
@@ -94,13 +98,16 @@ def api_error(exc: NeuronError, names: Mapping[str, str] | None = None) -> ApiEr
 
 def failure(last: GenerationEvent | None, engine: Engine) -> ApiError | None:
     """What a request's ending means to its client when it did not finish (None when it did:
-    stop or length). `last` is its last event (None: it ended without one). An abort (it timed
-    out in the queue, or the server is shutting down) is a 503 saying why, with a Retry-After;
-    a failure of the model is a 503, any other a 500."""
+    stop or length). `last` is its last event (None: it ended without one). An error about the
+    request's own field (`error_param`: its session file, say) is a 400 naming it; an abort (it
+    timed out in the queue, or the server is shutting down) is a 503 saying why, with a
+    Retry-After; a failure of the model is a 503, any other a 500."""
     reason = last.finish_reason if last is not None else None
     if reason in (FinishReason.STOP, FinishReason.LENGTH):
         return None
     error = last.error if last is not None else None
+    if last is not None and last.error_param is not None:  # the request's own doing: a 400
+        return ApiError(400, error or "invalid request", param=last.error_param)
     if reason is FinishReason.ABORT:
         message = f"the request was aborted: {error or 'the server is shutting down'}"
         return unavailable(message, engine.retry_after())
@@ -139,6 +146,15 @@ async def _http_error_response(request: Request, exc: Exception) -> Response:
     return ApiError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client hung up while sending its body: nobody reads an answer, and it is not the
+    server's fault, so one debug line rather than a traceback (cheap to provoke, in a loop)."""
+    log.debug(
+        "%s %s: the client disconnected before its body arrived", request.method, request.url.path
+    )
+    return Response(status_code=499)
+
+
 async def _internal_error_response(request: Request, exc: Exception) -> Response:
     # starlette re-raises after this response, so the server logs the traceback; the client
     # sees none of it
@@ -148,5 +164,6 @@ async def _internal_error_response(request: Request, exc: Exception) -> Response
 EXCEPTION_HANDLERS: dict[Any, Any] = {
     ApiError: _api_error_response,
     HTTPException: _http_error_response,
+    ClientDisconnect: _client_gone,
     Exception: _internal_error_response,
 }

@@ -19,10 +19,14 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
 _TOKEN_ID = re.compile(r"^[0-9]{1,10}$")  # a logit_bias key
 
 
+# What a JSON value is called in errors (and the tags of schema.py's unions).
+JSON_NOUNS = {str: "a string", list: "an array", dict: "an object", bool: "a boolean"}
+JSON_NOUNS |= {int: "a number", float: "a number", type(None): "null"}
+
+
 def json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    return {str: "a string", list: "an array", bool: "a boolean"}.get(type(value), "a number")
+    """A JSON value's kind, as errors name it: a string, an array, an object, ..."""
+    return JSON_NOUNS.get(type(value), "a value")
 
 
 def is_int(value: object) -> bool:

@@ -20,8 +20,14 @@ from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.logprobs import token_texts
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
-from neuronpy.server.requests import Kind, parse_request, read_json, requested_model
-from neuronpy.server.responses import Reply, usage
+from neuronpy.server.requests import (
+    BodyLimits,
+    Kind,
+    parse_request,
+    read_json,
+    requested_model,
+)
+from neuronpy.server.responses import SESSION_ERROR_HEADER, Reply, header_text, usage
 from neuronpy.server.sessions import session_request
 from neuronpy.server.stream import EventStreamResponse
 
@@ -30,7 +36,7 @@ async def generate(
     request: Request,
     state: ServerState,
     kind: Kind,
-    limit: int,
+    limits: BodyLimits,
     metrics: ServerMetrics,
     store: SessionStore | None = None,
 ) -> Response | EventStreamResponse:
@@ -39,7 +45,7 @@ async def generate(
     started = time.perf_counter()
     model: ServedModel | None = None
     try:
-        body = await read_json(request, limit)
+        body = await read_json(request, limits)
         model = state.find(requested_model(body))
         engine = model.ready_engine()
         req = parse_request(kind, body)
@@ -86,4 +92,8 @@ async def _gather(request: Request, copies: Sequence[Copy], engine: Engine) -> R
     completion = sum(copy.last.completion_tokens for copy in copies if copy.last is not None)
     first = copies[0].stream
     totals = usage(first.prompt_tokens, completion, first.cached_tokens)
-    return JSONResponse(copies[0].reply.body(choices, totals))
+    # a session that could not be saved does not discard the reply: it is said beside it
+    lost = [c.last.session_error for c in copies if c.last is not None and c.last.session_error]
+    session_error = lost[0] if lost else None
+    headers = {SESSION_ERROR_HEADER: header_text(session_error)} if session_error else None
+    return JSONResponse(copies[0].reply.body(choices, totals, session_error), headers=headers)

@@ -92,6 +92,11 @@ ENGINE_COUNTERS = (
     ),
     ("sessions_saved", "neuronpy_sessions_saved", "Conversations saved to session files."),
     (
+        "session_save_failures",
+        "neuronpy_session_save_failures",
+        "Finished requests whose session could not be saved (their replies were returned).",
+    ),
+    (
         "sessions_restored",
         "neuronpy_sessions_restored",
         "Prompts that continued from a session file.",
@@ -107,8 +112,11 @@ class ServerMetrics:
         self.state = state
         self.registry = CollectorRegistry(auto_describe=False)
         names = list(state.models)
-        server_side = [reason for reason in REJECT_REASONS if reason != "queue_timeout"]
-        self.rejected = {(name, reason): 0 for name in names for reason in server_side}
+        # queue_timeout is the engine's count; concurrency_limit refuses a request before its body
+        # (and so its model) is read: it counts under NO_MODEL
+        per_model = [r for r in REJECT_REASONS if r not in ("queue_timeout", "concurrency_limit")]
+        self.rejected = {(name, reason): 0 for name in names for reason in per_model}
+        self.rejected[NO_MODEL, "concurrency_limit"] = 0
         self.admitted = dict.fromkeys(names, 0)
         self.finished = {(name, reason): 0 for name in names for reason in FINISH_REASONS}
         self.ttft = Histogram(
@@ -142,6 +150,10 @@ class ServerMetrics:
         """Counts a request refused before admission with `error`."""
         key = (model.name if model is not None else NO_MODEL, rejection_reason(error, model))
         self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    def refuse_unread(self) -> None:
+        """Counts a request refused by the concurrency limit, before it was read."""
+        self.rejected[NO_MODEL, "concurrency_limit"] += 1
 
     def admit(self, model: str, started: float) -> Callable[[GenerationEvent], None]:
         """What to call with each event of an admitted request that arrived at `started`

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from neuronpy.errors import InvalidRequestError
+from neuronpy.server.structure import decode_json
 
 # Message roles the chat template may see: the template concatenates them into control tokens.
 ROLES = {
@@ -147,14 +147,14 @@ def parse_messages(value: object) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise InvalidRequestError(f"{where} must be an object", where)
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # (schema.py typed it already)
             raise InvalidRequestError(
                 f"{where}.role must be one of {', '.join(ROLES)}, got {str(role)[:80]!r}",
                 f"{where}.role",
             )
         item: dict[str, Any] = {"role": ROLES[role], "content": _content(message, where)}
         if role == "assistant":
-            calls = _tool_calls(message.get("tool_calls"), where)
+            calls = _tool_calls(message.get("tool_calls"), i)
             if calls:
                 item["tool_calls"] = calls
             reasoning = message.get("reasoning_content")
@@ -202,11 +202,12 @@ def _content(message: dict[str, Any], where: str) -> str:
     )
 
 
-def _tool_calls(value: object, where: str) -> list[dict[str, Any]]:
-    """An assistant message's tool calls, as OpenAI sends them back, for the template."""
+def _tool_calls(value: object, message: int) -> list[dict[str, Any]]:
+    """An assistant message's tool calls (of messages[`message`]), as OpenAI sends them back,
+    for the template."""
     if value is None:
         return []
-    param = f"{where}.tool_calls"
+    param = f"messages[{message}].tool_calls"
     if not isinstance(value, list):
         raise InvalidRequestError(f"{param} must be a list", param)
     out = []
@@ -221,12 +222,11 @@ def _tool_calls(value: object, where: str) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"{param}[{j}].function.arguments must be a string of JSON", param
             )
-        try:
-            parsed = json.loads(arguments)
-        except (ValueError, RecursionError):
-            raise InvalidRequestError(
-                f"{param}[{j}].function.arguments is not valid JSON", param
-            ) from None
+        try:  # the same checks as the body's: the template writes the arguments with `tojson`
+            where = ("messages", message, "tool_calls", j, "function", "arguments")
+            parsed = decode_json(arguments, where)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(exc.message, param) from None
         item: dict[str, Any] = {
             "type": "function",
             "function": {

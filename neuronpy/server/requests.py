@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import anyio
 from starlette.requests import Request
 from transformers import PreTrainedTokenizerBase
 
+from neuronpy.defaults import DEFAULT_BODY_TIMEOUT
 from neuronpy.engine.types import OutputFormat, SamplingParams
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server import fields
@@ -21,11 +22,23 @@ from neuronpy.server.prompts import (
     parse_tools,
     render_chat,
 )
+from neuronpy.server.schema import check_types
+from neuronpy.server.structure import decode_json
 
 Kind = Literal["chat", "text"]
 
 MAX_BODY_BYTES = 4 << 20
+INLINE_DECODE_BYTES = 16 << 10  # decoded on the event loop (a fifth of a millisecond)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions, as OpenAI; chat defaults to the context
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a request body may take: bytes, and seconds for all of them to arrive (0: no
+    deadline), so that a client sending it byte by byte cannot hold its request forever."""
+
+    max_bytes: int = MAX_BODY_BYTES
+    timeout: float = DEFAULT_BODY_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -83,25 +96,40 @@ class ParsedRequest:
         return dataclasses.replace(self.params, max_tokens=max_tokens, output=output)
 
 
-async def read_json(request: Request, limit: int) -> object:
-    """The body as JSON: 415 unless it says it is JSON, 413 past `limit` bytes (before reading
-    them when Content-Length says so), 400 if it does not parse."""
+async def read_json(request: Request, limits: BodyLimits) -> object:
+    """The body as JSON, structurally sound (structure.py: nesting depth, valid Unicode): 415
+    unless it says it is JSON, 413 past `limits.max_bytes` (before reading them when
+    Content-Length says so), 408 unless it all arrives within `limits.timeout` seconds, 400 if
+    it does not parse or check. A client that hangs up meanwhile raises starlette's
+    ClientDisconnect (errors.py answers it quietly)."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise ApiError(415, "the request body must be JSON (Content-Type: application/json)")
+    limit = limits.max_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"the request body is not valid JSON ({str(exc)[:200]})") from None
+    with anyio.move_on_after(limits.timeout or None) as deadline:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    if deadline.cancelled_caught:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {limits.timeout:g} seconds",
+            code="request_timeout",
+            headers={"Connection": "close"},  # the rest of it may still be on its way
+        )
+    raw = b"".join(chunks)
+    try:  # a large body off the event loop: 4 MiB take up to a fifth of a second to check
+        if len(raw) > INLINE_DECODE_BYTES:
+            return await anyio.to_thread.run_sync(decode_json, raw)
+        return decode_json(raw)
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
 
 
 def _too_large(limit: int) -> ApiError:
@@ -132,6 +160,7 @@ def parse_request(kind: Kind, body: object) -> ParsedRequest:
 
 
 def _parse(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
+    check_types(kind == "chat", body)  # every field's JSON type, before any field's rules
     fields.unsupported(body)
     fields.response_format(body.get("response_format"))
     n = body.get("n", 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -12,6 +13,17 @@ from neuronpy.engine.types import FinishReason, GenerationEvent, TokenLogprob
 from neuronpy.server.errors import ApiError
 from neuronpy.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from neuronpy.server.requests import Kind
+
+# The header a reply whose session could not be saved carries (its body says so too).
+SESSION_ERROR_HEADER = "x-neuronpy-session-error"
+_NOT_HEADER_TEXT = re.compile(r"[^\x20-\x7e]+")  # what an HTTP header value cannot hold
+_MAX_HEADER_TEXT = 256
+
+
+def header_text(text: str) -> str:
+    """`text` as a header value: printable ASCII (anything else, line breaks included, one
+    '?'), at most 256 characters."""
+    return _NOT_HEADER_TEXT.sub("?", text)[:_MAX_HEADER_TEXT]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -98,6 +110,8 @@ class Reply:
             chunks.append(error.body())
         elif reason is not None:
             chunks.append(self.finishing_chunk(self.finish_reason(reason)))
+            if event.session_error is not None:  # the reply stands; its session was not saved
+                chunks[-1]["session_error"] = event.session_error
         return chunks
 
     def _output_chunks(self, event: GenerationEvent) -> list[dict[str, Any]]:
@@ -184,8 +198,16 @@ class Reply:
         choice.update(logprobs=logprobs, finish_reason=finish_reason)
         return choice
 
-    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
-        """The whole (non-streamed) response: every choice, and the usage of them all."""
+    def body(
+        self,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any],
+        session_error: str | None = None,
+    ) -> dict[str, Any]:
+        """The whole (non-streamed) response: every choice, and the usage of them all; and,
+        when the request's session could not be saved, why (the reply stands)."""
         out = self._envelope(choices, streaming=False)
         out["usage"] = usage
+        if session_error is not None:
+            out["session_error"] = session_error
         return out
