@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 
-from neuronpy.engine import engine as engine_module
 from neuronpy.engine.sampling import Sampler
 from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest
 from tests.factories import make_engine, tokenizer
@@ -137,11 +136,10 @@ async def test_copies_behind_their_own_siblings_never_time_out() -> None:
 # ---- a reader that stops is ended at the bound ---------------------------------------------------
 
 
-async def test_a_reader_that_stops_reading_is_ended_at_the_bound(monkeypatch) -> None:
-    monkeypatch.setattr(engine_module, "MAX_BUFFERED_EVENTS", 8)
+async def test_a_reader_that_stops_reading_is_ended_at_the_bound() -> None:
     tok = tokenizer()
     per_token = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, logprobs=0)
-    async with make_engine() as engine:
+    async with make_engine(max_buffered_events=8) as engine:
         stalled = engine.submit(tok.encode("The dog"), per_token)  # never read, for now
         reader = await engine.complete(tok.encode("Once upon a time"), GREEDY)
         assert reader.finish_reason is FinishReason.LENGTH

@@ -40,7 +40,6 @@ __all__ = ["Engine", "EngineStats", "RequestStream"]
 log = logging.getLogger(__name__)
 
 NORMS = ("input_norm", "post_norm")  # per-layer weights a fingerprint of a bare model hashes
-MAX_BUFFERED_EVENTS = 1024  # events a request's consumer may leave unread before it is ended
 
 
 class Engine:
@@ -206,7 +205,8 @@ class Engine:
         """The request's sampler, its router task and its event stream."""
         to_router, inbox = anyio.create_memory_object_stream[RouterMessage](math.inf)
         # bounded: a consumer that stops reading ends its request (see route)
-        outbox, events = anyio.create_memory_object_stream[GenerationEvent](MAX_BUFFERED_EVENTS)
+        bound = self.config.max_buffered_events
+        outbox, events = anyio.create_memory_object_stream[GenerationEvent](bound)
         self._runner.samplers[request.id] = Sampler(
             request.params, request.prompt_ids, self.vocab_size
         )
