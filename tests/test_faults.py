@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from neuronpy.engine.sampling import Sampler
-from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest
+from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams, SessionRequest
 from tests.factories import make_engine, tokenizer
 from tests.servers import RunningServer, fixture_model, run_server
 
@@ -172,3 +172,14 @@ async def test_a_session_that_cannot_be_saved_returns_the_reply(tmp_path: Path) 
         assert str(tmp_path) not in last.session_error
         stats = engine.stats()
         assert stats.session_save_failures == 1 and stats.failed == 0
+
+
+def test_an_ending_about_the_request_s_own_field_is_a_400() -> None:
+    from neuronpy.server.errors import failure
+
+    bad_file = GenerationEvent(
+        "", finish_reason=FinishReason.ERROR, error="session 'x': bad", error_param="session"
+    )
+    error = failure(bad_file, engine=None)  # type: ignore[arg-type]  (decided without it)
+    assert error is not None and error.status == 400
+    assert error.body()["error"]["param"] == "session"

@@ -205,6 +205,7 @@ async def test_a_session_that_cannot_be_read_fails_its_request_alone(tmp_path: P
         assert events[-1].finish_reason is FinishReason.ERROR
         assert "gone" in (events[-1].error or "")
         assert str(tmp_path) not in (events[-1].error or "")  # its name, never its path
+        assert events[-1].error_param == "session"  # the request's own doing: the server's 400
         assert [t for e in other for t in e.token_ids] == expected.token_ids
         assert engine.healthy and (await engine.worker_stats()).cached_snapshots == 0
     assert not (tmp_path / "gone.safetensors").read_bytes().strip(b"\x00")  # never overwritten
