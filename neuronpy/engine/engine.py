@@ -140,8 +140,11 @@ class Engine:
 
     def _unavailable(self) -> str:
         if self._failure is None and self._worker.broken is not None:
-            return f"model {self.name!r} failed and is unavailable ({self._worker.broken})"
+            return self._failed(self._worker.broken)
         return self._failure or f"model {self.name!r} is not ready"
+
+    def _failed(self, why: str) -> str:
+        return f"model {self.name!r} failed and is unavailable ({why})"
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -391,7 +394,7 @@ class Engine:
         self._healthy = False
         # a worker's own errors say what broke (a lost tensor-parallel rank); others, their type
         why = str(exc) if isinstance(exc, WorkerError) else type(exc).__name__
-        self._failure = f"model {self.name!r} failed and is unavailable ({why})"
+        self._failure = self._failed(why)
         self._scheduler.end_all(Cause.FAILED, self._failure)
         self._scheduler.clear()
         self._deliver()

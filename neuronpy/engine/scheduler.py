@@ -426,9 +426,9 @@ class Scheduler:
             # a copy of an n > 1 request cloned while it waited, or a preempted one
             self.ops.append(DropSnapshots((request.snapshot_id,)))
             request.snapshot_id = None
-        cause, reason = request.ending.cause, request.ending.cause.reason
-        request.status = RequestStatus.finished_with(reason)
         ending = request.ending
+        cause, reason = ending.cause, ending.cause.reason
+        request.status = RequestStatus.finished_with(reason)
         self.outbox.append((request, Finish(reason, ending.error, session_error, ending.param)))
         if cause is Cause.FAILED:
             self.counters.failed += 1

@@ -11,22 +11,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
-from itertools import accumulate
 from typing import Any
 
 from neuronpy.errors import InvalidRequestError
+from neuronpy.jsontext import json_depth
 
 # Containers within containers: the body object is level 1. A tool's JSON Schema nests two
 # levels per object level (properties, then the property) from level 5 (body, tools, the tool,
 # function, parameters), so 64 leaves it some 29 object levels; recursive template macros
 # fail only past about 150.
 MAX_JSON_DEPTH = 64
-# The nesting is measured on the text, before it is decoded (C-speed regular expressions: a
-# tenth of a second for 4 MiB of brackets, where walking the decoded objects takes ten times
-# that): strings out (a bracket in one is text), then only the brackets left.
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_NESTING = {"[": 1, "{": 1, "]": -1, "}": -1}
+# The nesting is measured on the text, before it is decoded (neuronpy.jsontext).
 # A \u escape of a UTF-16 surrogate (D800-DFFF): the only way a lone one gets into JSON decoded
 # from bytes, as strict UTF-8 decoding rejects encoded ones. A valid pair also matches (then
 # the decoded strings are checked).
@@ -51,7 +46,7 @@ def decode_json(raw: bytes | str, where: JsonPath = (), max_depth: int = MAX_JSO
         raise InvalidRequestError(
             f"{label} not valid UTF-8 (at byte {exc.start})", _param(where)
         ) from None
-    if _depth(text) > max_depth:
+    if json_depth(text) > max_depth:
         raise _refuse_deep(text, label, where, max_depth)
     try:
         value = json.loads(text)
@@ -81,13 +76,6 @@ def format_path(path: JsonPath) -> str:
         else:
             out += f"[{json.dumps(part[:40])}]"
     return out
-
-
-def _depth(text: str) -> int:
-    """How deep the containers of JSON `text` nest (for text that is not JSON: a guess, which
-    decoding then refuses)."""
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
-    return max(accumulate(map(_NESTING.__getitem__, brackets)), default=0)
 
 
 def _refuse_deep(text: str, label: str, where: JsonPath, max_depth: int) -> InvalidRequestError:

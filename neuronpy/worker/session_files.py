@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from neuronpy.jsontext import json_depth
+
 FORMAT = "neuronpy-session/1"
 SAMPLE = 256  # values of each weight tensor the fingerprint hashes
 
@@ -57,8 +59,6 @@ FINGERPRINT = re.compile(r"[0-9a-f]{32}")  # model_fingerprint's
 # a flat JSON list of non-negative integers, nothing else: no nesting, floats, NaN, strings
 _ID = r"(?:0|[1-9][0-9]{0,9})"
 TOKEN_IDS = re.compile(rf"\[\s*(?:{_ID}\s*(?:,\s*{_ID}\s*)*)?\]")
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _TENSOR_FIELDS = {"dtype", "shape", "data_offsets"}
 
 
@@ -387,12 +387,8 @@ def _token_ids(text: object) -> tuple[int, ...]:
 def _bounded_json(text: str, max_depth: int) -> Any:
     """JSON nested at most `max_depth` deep (json's recursion would raise RecursionError on a
     deeply nested one), without NaN or Infinity, without repeated keys."""
-    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub('""', text))
-    depth = 0
-    for c in brackets:
-        depth += 1 if c in "[{" else -1
-        if depth > max_depth:
-            raise SessionFileError(f"its header nests deeper than {max_depth}")
+    if json_depth(text) > max_depth:
+        raise SessionFileError(f"its header nests deeper than {max_depth}")
     return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
 
 
