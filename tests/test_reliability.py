@@ -512,7 +512,7 @@ async def test_sigterm_stops_admitting_lets_in_flight_requests_finish_and_exits_
         assert chunks[-1]["usage"]["completion_tokens"] == 240
     with pytest.raises(httpx.ConnectError):  # drained and stopped: nothing listens any more
         httpx.get(f"{url}/health", timeout=5)
-    assert "4 request(s) finished, 0 aborted" in server.log_text()
+    assert "4 request(s) finished, 0 aborted" in server.log_text(), server.log_text()[-3000:]
 
 
 @pytest.mark.anyio

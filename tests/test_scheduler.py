@@ -388,6 +388,30 @@ def test_end_all_fails_every_active_request_but_keeps_cancellations() -> None:
     assert (s.counters.failed, s.counters.cancelled) == (2, 1)
 
 
+def test_a_request_joining_while_its_rebatch_runs_stays_counted_and_can_be_ended() -> None:
+    """Between the plan of a join and its booking (the device extracts and assembles), the
+    joiner belongs to no list of its own: it must still count as running, keep the scheduler
+    from looking idle, and be ended by end_all (a drain that times out then)."""
+    s = make_scheduler(max_running=2)
+    (first,) = admit(s)
+    schedule(s)
+    (second,) = admit(s)
+    s.join()
+    assert s.to_prefill() == []  # its prompt rides the decode steps of the live row
+    while second.prefilled < len(second.prompt_ids):
+        step(s)
+    rebatch = s.plan_rebatch()  # the device is now rebatching: nothing is booked yet
+    assert rebatch is not None and second in rebatch.order
+    assert s.stats(healthy=True).running == 2
+    assert not s.idle and {first, second} <= set(s.active())
+    s.end_all(Cause.ABORTED, "the server is shutting down")
+    assert set(finishes(s)) == {first.id, second.id}
+    assert s.book_rebatch(rebatch, None) is not None  # the ended rows leave at the next one
+    s.book_assemble(padding_columns=0)
+    schedule(s)
+    assert s.idle and s.stats(healthy=True).running == 0
+
+
 # ---- the core is pure ---------------------------------------------------------------------------
 
 CORE = (

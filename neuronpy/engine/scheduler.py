@@ -77,6 +77,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.joining: list[Request] = []  # hold a row; being prefilled
         self.running: list[Request] = []  # row order of the live batch
+        # prefilled joiners between a rebatch's plan and its booking (the device is at work)
+        self.entering: list[Request] = []
         self.saving: set[Request] = set()  # ended; their session file being written
         self.has_batch = False
         self.outbox: list[tuple[Request, RouterMessage]] = []  # to the routers, in order
@@ -94,7 +96,7 @@ class Scheduler:
 
     def active(self) -> list[Request]:
         """Every request admitted and not yet ended (saving ones aside)."""
-        return [*self.running, *self.joining, *self.waiting]
+        return [*self.running, *self.entering, *self.joining, *self.waiting]
 
     @property
     def idle(self) -> bool:
@@ -297,6 +299,7 @@ class Scheduler:
         survivors = [rows[i] for i in plan.survivors if rows[i] not in preempted]
         if not leaving and not joined and not preempted:
             return None
+        self.entering = joined
         self.counters.rebatches += 1
         extracted: tuple[Request, ...] = ()
         ids: tuple[int, ...] = ()
@@ -333,6 +336,7 @@ class Scheduler:
         """Indexes what the prefix cache took, ends the rows that left, and gives the new row
         order (None: no row is left)."""
         self.has_batch = False
+        self.entering = []
         if cached is not None:
             for (request, sid), nbytes, length in zip(
                 plan.cache, cached.nbytes, cached.lengths, strict=True
@@ -411,7 +415,7 @@ class Scheduler:
 
     def kv_held(self) -> int:
         """Tokens of KV the running rows (those not leaving) and the joiners hold now."""
-        running = sum(r.total_tokens for r in self.running if not r.done)
+        running = sum(r.total_tokens for r in (*self.running, *self.entering) if not r.done)
         return running + sum(r.prefilled for r in self.joining)
 
     # ---- ending -------------------------------------------------------------------------------
@@ -451,6 +455,7 @@ class Scheduler:
     def clear(self) -> None:
         """After a fault: nothing is running, joining or waiting any more."""
         self.running.clear()
+        self.entering.clear()
         self.joining.clear()
         self.waiting.clear()
         self.ops.clear()
@@ -486,7 +491,9 @@ class Scheduler:
         counts = {k: v for k, v in vars(c).items() if not isinstance(v, dict)}
         return EngineStats(
             # rows leaving at the next rebatch no longer count: never above max_running
-            running=sum(not r.done for r in self.running) + len(self.joining),
+            running=sum(not r.done for r in self.running)
+            + sum(not r.done for r in self.entering)
+            + len(self.joining),
             queued=len(self.waiting),
             live_batch_size=len(self.running) if self.has_batch else 0,
             healthy=healthy,
