@@ -56,8 +56,7 @@ def check_prompt(
     biased = [t for t, _ in params.logit_bias if t >= vocab_size]
     if biased:
         raise InvalidRequestError(
-            f"'logit_bias' token ids out of the vocabulary [0, {vocab_size}): "
-            f"{biased[:20]}",
+            f"'logit_bias' token ids out of the vocabulary [0, {vocab_size}): {biased[:20]}",
             "logit_bias",
         )
     return prompt

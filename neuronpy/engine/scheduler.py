@@ -507,4 +507,3 @@ class Scheduler:
             kv_tokens=self.kv_held(),
             **counts,
         )
-

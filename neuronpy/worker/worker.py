@@ -44,6 +44,7 @@ from neuronpy.worker.session_files import SESSION_ERRORS, read_session, write_se
 
 log = logging.getLogger(__name__)
 
+
 class DeviceWorker:
     """Runs jobs one at a time on its own thread; tensors never leave it but as CPU logits."""
 
