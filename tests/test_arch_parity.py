@@ -162,16 +162,48 @@ def test_parity_prefill_chunk_riding_a_decode_step(name: str) -> None:
     past, at = None, 0
     for size in (7, 12, len(joiner) - 19):
         chunk = PrefillChunk(joiner[at : at + size], past, reserve=len(joiner), extend=True)
-        out = model.forward_step(batch, tokens, chunk)
+        out = model.forward_step(batch, tokens, [chunk])
         torch.testing.assert_close(
             out.hidden, model.forward_batch_decode(alone, tokens), atol=1e-4, rtol=1e-4
         )
-        past, at = out.snapshot, at + size
-    assert past is not None and past.token_ids == joiner and out.chunk_hidden is not None
+        (past,), at = out.snapshots, at + size
+    assert past is not None and past.token_ids == joiner and len(out.chunk_hidden) == 1
     whole, hidden = model.prefill(joiner)
-    torch.testing.assert_close(out.chunk_hidden, hidden[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.chunk_hidden[0], hidden[-1], atol=1e-4, rtol=1e-4)
     for a, b in zip(past.keys + past.values, whole.keys + whole.values, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert batch.row_lengths == alone.row_lengths
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_parity_several_joiners_ride_one_decode_step(name: str) -> None:
+    """Chunks of three joiners in one step, of different lengths and progress (one starting,
+    one after a past of its own): each gets what its plain prefill gives, the decode rows what
+    they get alone."""
+    model = native(name)
+    joiners = [PROMPTS[2] * 2, PROMPTS[0], PROMPTS[1] * 5]
+    batch = assemble_batch([model.prefill(p)[0] for p in PROMPTS[:2]])
+    alone = assemble_batch([model.prefill(p)[0] for p in PROMPTS[:2]])
+    tokens = torch.tensor([[4], [5]])
+    first = PrefillChunk(joiners[0][:9], reserve=len(joiners[0]), extend=True)
+    (past,) = model.forward_step(batch, tokens, [first]).snapshots
+    model.forward_batch_decode(alone, tokens)
+    chunks = [
+        PrefillChunk(joiners[0][9:], past, reserve=len(joiners[0]), extend=True),
+        PrefillChunk(joiners[1]),
+        PrefillChunk(joiners[2], reserve=len(joiners[2]) + 4),
+    ]
+    out = model.forward_step(batch, tokens, chunks)
+    torch.testing.assert_close(
+        out.hidden, model.forward_batch_decode(alone, tokens), atol=1e-4, rtol=1e-4
+    )
+    assert len(out.snapshots) == len(out.chunk_hidden) == 3
+    for joiner, snapshot, last in zip(joiners, out.snapshots, out.chunk_hidden, strict=True):
+        whole, hidden = model.prefill(joiner)
+        assert snapshot.token_ids == joiner
+        torch.testing.assert_close(last, hidden[-1], atol=1e-4, rtol=1e-4)
+        for a, b in zip(snapshot.keys + snapshot.values, whole.keys + whole.values, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert batch.row_lengths == alone.row_lengths
 
 

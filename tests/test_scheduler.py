@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from neuronpy.engine.budget import fit
+from neuronpy.engine.costs import MIN_CHUNK
 from neuronpy.engine.plans import (
     CacheOutcome,
     DecodeOutcome,
@@ -81,16 +82,21 @@ def schedule(s: Scheduler, now: float = 0.0) -> RebatchPlan | None:
 
 
 def step(s: Scheduler, tokens: dict[int, int] | None = None) -> None:
-    """One decode step, a joiner's chunk riding it; row by request id -> token (TOKEN by
-    default)."""
-    ride = s.riding()
-    chunk = s.prefills.plan(ride, s.ride_budget()) if ride is not None else None
-    plan = s.plan_decode(chunk)
+    """One decode step, joiners' chunks riding it as the engine plans them; row by request
+    id -> token (TOKEN by default)."""
+    rides = s.riding()
+    budget, chunks = s.ride_budget(len(rides)), []
+    for ride in rides:
+        if chunks and budget < MIN_CHUNK:
+            break
+        chunk = s.prefills.plan(ride, budget)
+        if chunk is not None:
+            chunks.append(chunk)
+            budget -= len(chunk.tokens)
+    plan = s.plan_decode(chunks)
     picks = tuple(Sampled((tokens or {}).get(r.id, TOKEN)) for r in plan.rows)
-    riding = None
-    if chunk is not None:
-        riding = PrefillOutcome(tuple(Sampled(TOKEN) for _ in chunk.sampled))
-    s.book_decode(plan, DecodeOutcome(picks, riding))
+    rides = tuple(PrefillOutcome(tuple(Sampled(TOKEN) for _ in c.sampled)) for c in chunks)
+    s.book_decode(plan, DecodeOutcome(picks, rides))
 
 
 def ids(requests: object) -> list[int]:
@@ -324,8 +330,7 @@ def test_cancelled_while_prefilling_leaves_without_joining() -> None:
     (joiner,) = admit(s, length=200)
     s.join()
     assert s.to_prefill() == []  # a row decodes: the joiner's chunks ride the steps
-    ride = s.riding()
-    assert ride is joiner
+    assert s.riding() == [joiner]
     chunk = s.prefills.plan(joiner, 32)
     assert chunk is not None and not chunk.last and len(chunk.tokens) == 32
     s.cancel(joiner)
@@ -386,6 +391,31 @@ def test_end_all_fails_every_active_request_but_keeps_cancellations() -> None:
     assert ended[waiting.id].reason is FinishReason.ERROR
     assert ended[gone.id].reason is FinishReason.ABORT
     assert (s.counters.failed, s.counters.cancelled) == (2, 1)
+
+
+def test_joiners_ride_one_step_together_oldest_first_and_join_in_one_rebatch() -> None:
+    """A burst of arrivals while a row decodes: their chunks share each step's budget, oldest
+    first, so they join together rather than one by one while the batch decodes half empty."""
+    s = make_scheduler(max_running=8)
+    admit(s)
+    schedule(s)
+    joiners = [admit(s, length=10 + i)[0] for i in range(3)]
+    s.join()
+    assert s.to_prefill() == []
+    assert s.riding() == joiners  # (riding() hands them out once per step)
+    s.to_prefill()
+    budget = s.ride_budget(3)
+    assert budget == 3 * s.ride_budget(1)  # nothing measured yet: the least chunk each
+    step(s)
+    assert s.counters.riding_chunks == 3 and all(j.prefilled == len(j.prompt_ids) for j in joiners)
+    rebatch = s.plan_rebatch()
+    assert rebatch is not None and rebatch.order[1:] == tuple(joiners)
+    # measured costs: the budget is chunk_steps of a step per joiner, never past max_chunk
+    s.costs.step_seconds, s.costs.ride_seconds_per_token = 0.1, 0.001
+    per_joiner = s.ride_budget(1)
+    assert per_joiner == int(s.costs.chunk_steps * 100)
+    assert s.ride_budget(2) == 2 * per_joiner
+    assert s.ride_budget(1000) == s.costs.max_chunk
 
 
 def test_a_request_joining_while_its_rebatch_runs_stays_counted_and_can_be_ended() -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from neuronpy.arch.llama import LlamaModel
+from neuronpy.errors import WorkerError
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
     DropKvSnapshot,
@@ -135,6 +136,36 @@ def test_chunked_prefill_with_reserve_extends_in_place(worker: DeviceWorker) -> 
     assert run(worker, WorkerStats()).snapshots == 1
 
 
+def test_parity_two_prompts_riding_one_step_then_joining(worker: DeviceWorker) -> None:
+    """Two joiners' chunks in one ForwardLogitsBatch: one ends its prompt (logits), one does
+    not; a step refuses two chunks filling one snapshot."""
+    for sid, p in enumerate(PROMPTS[:2]):
+        run(worker, Prefill(sid, tuple(p)))
+    run(worker, AssembleKvBatch((0, 1)))
+    seqs = [list(p) for p in PROMPTS[:2]]
+    a, b = PROMPTS[2], [*LATE, *LATE]
+    rides = (
+        Prefill(7, tuple(a)),
+        Prefill(8, tuple(b[:4]), reserve=len(b) + 4, logits=False),
+    )
+    out = run(worker, ForwardLogitsBatch((3, 4), prefills=rides))
+    for row, seq in enumerate(seqs):
+        seq.append((3, 4)[row])
+        torch.testing.assert_close(out.logits[row], reference(worker, seq), atol=1e-4, rtol=1e-4)
+    first, second = out.prefills
+    torch.testing.assert_close(first.logits, reference(worker, a), atol=1e-4, rtol=1e-4)
+    assert (first.length, second.length, second.logits) == (len(a), 4, None)
+    out = run(worker, ForwardLogitsBatch((5, 6), prefills=(Prefill(8, tuple(b[4:]), parent_id=8),)))
+    torch.testing.assert_close(out.prefills[0].logits, reference(worker, b), atol=1e-4, rtol=1e-4)
+    with pytest.raises(WorkerError, match="different snapshots"):
+        run(worker, ForwardLogitsBatch((5, 6), prefills=(Prefill(9, (1,)), Prefill(9, (2,)))))
+    run(worker, ExtractKvRows((0, 1), (10, 11)))
+    run(worker, AssembleKvBatch((10, 7, 11, 8)))
+    out = run(worker, ForwardLogitsBatch((1, 2, 3, 4)))
+    for row, seq in enumerate(([*seqs[0], 5, 1], [*a, 2], [*seqs[1], 6, 3], [*b, 4])):
+        torch.testing.assert_close(out.logits[row], reference(worker, seq), atol=1e-4, rtol=1e-4)
+
+
 def test_parity_a_prompt_prefilled_riding_decode_steps(worker: DeviceWorker) -> None:
     """A joiner's whole prompt rides ForwardLogitsBatch jobs chunk by chunk: its first chunk
     after a prefix of another snapshot (copied), its middle ones growing it in place without
@@ -152,19 +183,19 @@ def test_parity_a_prompt_prefilled_riding_decode_steps(worker: DeviceWorker) -> 
     ]
     for chunk in chunks:
         tokens = (3, 4)
-        out = run(worker, ForwardLogitsBatch(tokens, prefill=chunk))
+        out = run(worker, ForwardLogitsBatch(tokens, prefills=(chunk,)))
         for row, seq in enumerate(seqs):
             seq.append(tokens[row])
             torch.testing.assert_close(
                 out.logits[row], reference(worker, seq), atol=1e-4, rtol=1e-4
             )
         if chunk.logits:
-            assert out.prefill.length == len(joiner)
+            assert out.prefills[0].length == len(joiner)
             torch.testing.assert_close(
-                out.prefill.logits, reference(worker, joiner), atol=1e-4, rtol=1e-4
+                out.prefills[0].logits, reference(worker, joiner), atol=1e-4, rtol=1e-4
             )
         else:
-            assert out.prefill.logits is None and out.prefill.token is None
+            assert out.prefills[0].logits is None and out.prefills[0].token is None
     # it joins the batch as any prefilled snapshot does
     run(worker, ExtractKvRows((0, 1), (10, 11)))
     run(worker, AssembleKvBatch((10, 11, 9)))

@@ -219,16 +219,19 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward_step(
-        self, batch: LiveBatch, tokens: torch.Tensor, chunk: PrefillChunk | None = None
+        self,
+        batch: LiveBatch,
+        tokens: torch.Tensor,
+        chunks: Sequence[PrefillChunk] = (),
     ) -> StepOutput:
-        """One lockstep decode step over the live batch, and optionally a prefill chunk of a
-        joining sequence riding along in the same forward.
+        """One lockstep decode step over the live batch, and optionally prefill chunks of
+        joining sequences riding along in the same forward.
 
-        Every linear layer runs once over all B decode rows and the chunk's n tokens together,
-        so the chunk does not read the weights a second time. Attention runs per KV group for
+        Every linear layer runs once over all B decode rows and every chunk's tokens together,
+        so a chunk does not read the weights a second time. Attention runs per KV group for
         the decode rows (each group writes its rows' new K/V into its column `used`, in place,
-        and attends with its own padding mask) and causally over the chunk's snapshot for the
-        chunk. Every group then advances by one step.
+        and attends with its own padding mask) and causally over each chunk's own snapshot for
+        that chunk. Every group then advances by one step.
         """
         c = self.config
         b = batch.batch_size
@@ -244,8 +247,9 @@ class LlamaModel:
             at += group.batch_size
         masks = [group.decode_mask() for group in groups]
         positions = [group.positions() for group in groups]
-        ids = tokens[:, 0]
-        if chunk is not None:
+        ids = [tokens[:, 0]]
+        riders = []  # per chunk: (its rows in the forward, K/V buffers, columns, mask)
+        for chunk in chunks:
             new = list(chunk.token_ids)
             start = chunk.past.length if chunk.past is not None else 0
             total = start + len(new)
@@ -254,11 +258,14 @@ class LlamaModel:
             keys, values = self._kv_buffers(chunk.past, total, chunk.reserve, chunk.extend)
             chunk_pos = torch.arange(start, total, device=self.device)
             positions.append(chunk_pos)
-            ids = torch.cat((ids, torch.tensor(new, dtype=torch.long, device=self.device)))
-            chunk_mask = self._causal_mask(chunk_pos, total)
+            ids.append(torch.tensor(new, dtype=torch.long, device=self.device))
+            mask = self._causal_mask(chunk_pos, total)
+            riders.append(((at, at + len(new)), keys, values, (start, total), mask))
+            at += len(new)
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, rows[None], self.dtype)
-        x = F.embedding(ids, self.embed)[None]  # [1, B + n, hidden]: every token a row
+        flat = torch.cat(ids) if len(ids) > 1 else ids[0]
+        x = F.embedding(flat, self.embed)[None]  # [1, B + n, hidden]: every token a row
         for layer, lw in enumerate(self.layers):
             q, k, v = self._qkv(lw, x, cos, sin)  # q [1, H, B + n, D]; k, v [1, KVH, B + n, D]
             q_dec = self._group_queries(q[0, :, :b].transpose(0, 1)[:, :, None])
@@ -277,28 +284,34 @@ class LlamaModel:
                     )
                 )  # [B_g, KVH, G, D]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            attn = self._ungroup(out, 1).transpose(0, 1)  # [1, B, H * D]
-            if chunk is not None:
+            parts = [self._ungroup(out, 1).transpose(0, 1)]  # [1, B, H * D]
+            for (lo, hi), keys, values, (start, total), mask in riders:
                 k_cache, v_cache = keys[layer], values[layer]
-                k_cache[:, :, start:total] = k[:, :, b:]
-                v_cache[:, :, start:total] = v[:, :, b:]
+                k_cache[:, :, start:total] = k[:, :, lo:hi]
+                v_cache[:, :, start:total] = v[:, :, lo:hi]
                 chunk_out = F.scaled_dot_product_attention(
-                    self._group_queries(q[:, :, b:]),
+                    self._group_queries(q[:, :, lo:hi]),
                     k_cache[:, :, :total],
                     v_cache[:, :, :total],
-                    attn_mask=chunk_mask,
+                    attn_mask=mask,
                 )
-                attn = torch.cat((attn, self._ungroup(chunk_out, len(new))), dim=1)
+                parts.append(self._ungroup(chunk_out, hi - lo))
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             x = self._finish_layer(lw, x, attn)
         for group in groups:
             group.steps += 1
         for row, tok in zip(batch.token_ids, tokens[:, 0].tolist(), strict=True):
             row.append(tok)
         hidden = rms_norm(x[0, :b], self.norm, c.rms_norm_eps)
-        if chunk is None:
+        if not chunks:
             return StepOutput(hidden)
-        last = rms_norm(x[0, -1], self.norm, c.rms_norm_eps)
-        return StepOutput(hidden, _snapshot(keys, values, chunk.past, new), last)
+        lasts = torch.tensor([hi - 1 for (_, hi), *_ in riders], device=self.device)
+        last = rms_norm(x[0, lasts], self.norm, c.rms_norm_eps)  # [chunks, hidden]
+        snapshots = tuple(
+            _snapshot(keys, values, chunk.past, list(chunk.token_ids))
+            for chunk, (_, keys, values, _, _) in zip(chunks, riders, strict=True)
+        )
+        return StepOutput(hidden, snapshots, tuple(last))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
@@ -321,8 +334,8 @@ class PrefillChunk:
 @dataclass(frozen=True)
 class StepOutput:
     hidden: torch.Tensor  # [B, hidden], final-normed: the decode rows
-    snapshot: KvSnapshot | None = None  # the chunk's sequence, past and chunk
-    chunk_hidden: torch.Tensor | None = None  # [hidden], final-normed: the chunk's last token
+    snapshots: tuple[KvSnapshot, ...] = ()  # per chunk: its sequence, past and chunk
+    chunk_hidden: tuple[torch.Tensor, ...] = ()  # per chunk: [hidden], its last token, normed
 
 
 def _snapshot(

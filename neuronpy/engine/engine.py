@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig
+from neuronpy.engine.costs import MIN_CHUNK
 from neuronpy.engine.counters import EngineStats
 from neuronpy.engine.plans import PrefillPlan
 from neuronpy.engine.request import Cause, Finish, Request, RouterMessage
@@ -343,11 +344,19 @@ class Engine:
         s.add_time("rebatch", time.perf_counter() - started)
 
     async def _step(self) -> None:
-        """One lockstep decode step over every live row, a joiner's chunk riding it."""
+        """One lockstep decode step over every live row, joiners' chunks riding it: the oldest
+        joiners first, within the step's budget of prompt tokens."""
         s = self._scheduler
-        ride = s.riding()
-        chunk = await self._plan_prefill(ride, s.ride_budget()) if ride is not None else None
-        plan = s.plan_decode(chunk)
+        rides = s.riding()
+        budget, chunks = s.ride_budget(len(rides)), []
+        for ride in rides:
+            if chunks and budget < MIN_CHUNK:
+                break
+            chunk = await self._plan_prefill(ride, budget)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= len(chunk.tokens)
+        plan = s.plan_decode(chunks)
         s.book_decode(plan, await self._runner.decode(plan))
         await self._flush()
 

@@ -114,17 +114,17 @@ class PrefillOutcome:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """One lockstep step: row b feeds tokens[b]; a joiner's chunk may ride it."""
+    """One lockstep step: row b feeds tokens[b]; joiners' chunks may ride it (one each)."""
 
     rows: tuple[Request, ...]
     tokens: tuple[int, ...]
-    ride: PrefillPlan | None = None
+    rides: tuple[PrefillPlan, ...] = ()
 
 
 @dataclass(frozen=True)
 class DecodeOutcome:
     tokens: tuple[Sampled, ...]  # one per row
-    ride: PrefillOutcome | None = None
+    rides: tuple[PrefillOutcome, ...] = ()  # one per DecodePlan.rides
     seconds: float = 0.0  # the forward's time, sampling aside
     sampling_seconds: float = 0.0
 

@@ -215,20 +215,20 @@ class Runner:
         return dataclasses.replace(outcome, seconds=seconds, sampling_seconds=sampling)
 
     async def decode(self, plan: DecodePlan) -> DecodeOutcome:
-        """One lockstep step, and the chunk riding it."""
+        """One lockstep step, and the chunks riding it."""
         job = ForwardLogitsBatch(
             plan.tokens,
             sample=self.sampling(plan.rows),
-            prefill=self._prefill_job(plan.ride) if plan.ride is not None else None,
+            prefills=tuple(self._prefill_job(ride) for ride in plan.rides),
         )
         result, seconds, sampling = await self._timed(job)
         assert isinstance(result, ForwardResult) and result.tokens is not None
-        ride = None
-        if plan.ride is not None:
-            assert result.prefill is not None
-            ride = self._prefill_outcome(plan.ride, result.prefill)
+        rides = tuple(
+            self._prefill_outcome(ride, done)
+            for ride, done in zip(plan.rides, result.prefills, strict=True)
+        )
         tokens = self._sampled(plan.rows, result.tokens)
-        return DecodeOutcome(tokens, ride, seconds, sampling)
+        return DecodeOutcome(tokens, rides, seconds, sampling)
 
     # ---- rebatch ------------------------------------------------------------------------------
 

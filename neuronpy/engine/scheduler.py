@@ -88,7 +88,7 @@ class Scheduler:
         self.prefix = PrefixIndex(prefix_cache_bytes) if prefix_cache_bytes else None
         self.prefills = Prefills(self.prefix, self.counters, self.ops, self._kv_ids, self.finish)
         self._preempting: list[Request] = []  # rows leaving the live batch at the next rebatch
-        self._riding: Request | None = None  # the joiner whose next chunk rides the next step
+        self._riding: list[Request] = []  # joiners whose next chunks ride the next step
         self._padding_columns = 0  # of the live batch
         self._request_seconds = 0.0  # moving average of a request's time, for Retry-After
 
@@ -192,7 +192,7 @@ class Scheduler:
     def join(self) -> None:
         """Requests ended while queued leave; the oldest waiting take the free rows (within the
         KV budget, preempting newer rows if that makes room); joiners that ended leave."""
-        self._riding = None
+        self._riding = []
         plan = plan_step(
             [RowView(r.id, r.done) for r in self.running],
             [RowView(r.id, r.done) for r in self.waiting],
@@ -253,22 +253,22 @@ class Scheduler:
 
     def to_prefill(self) -> list[Request]:
         """Joiners to prefill whole, each in a forward of its own: nobody waits on a decode
-        step. While rows decode, a joiner's chunks ride the steps instead (`riding`)."""
+        step. While rows decode, the joiners' chunks ride the steps instead (`riding`)."""
         todo = [r for r in self.joining if r.prefilled < len(r.prompt_ids)]
         if self.running:
-            self._riding = todo[0] if todo else None
+            self._riding = todo
             return []
         return todo
 
-    def riding(self) -> Request | None:
-        """The joiner whose next chunk rides the next decode step, if it still has one."""
-        ride, self._riding = self._riding, None
-        if ride is None or ride.done or ride.prefilled >= len(ride.prompt_ids):
-            return None
-        return ride
+    def riding(self) -> list[Request]:
+        """The joiners, oldest first, whose next chunks may ride the next decode step (they
+        share `ride_budget`): those that still have prompt to prefill."""
+        rides, self._riding = self._riding, []
+        return [r for r in rides if not r.done and r.prefilled < len(r.prompt_ids)]
 
-    def ride_budget(self) -> int:
-        return self.costs.ride_budget()
+    def ride_budget(self, joiners: int = 1) -> int:
+        """Prompt tokens `joiners` riding chunks may add to the next step, together."""
+        return self.costs.ride_budget(joiners)
 
     def book_prefill(self, plan: PrefillPlan, outcome: PrefillOutcome, alone: bool = True) -> None:
         """A chunk's result; after the last chunk, the first tokens of the request and its
@@ -365,24 +365,24 @@ class Scheduler:
 
     # ---- decode -------------------------------------------------------------------------------
 
-    def plan_decode(self, ride: PrefillPlan | None = None) -> DecodePlan:
+    def plan_decode(self, rides: Sequence[PrefillPlan] = ()) -> DecodePlan:
         rows = tuple(self.running)
-        return DecodePlan(rows, tuple(r.next_token for r in rows), ride)  # type: ignore[misc]
+        return DecodePlan(rows, tuple(r.next_token for r in rows), tuple(rides))  # type: ignore[misc]
 
     def book_decode(self, plan: DecodePlan, outcome: DecodeOutcome) -> None:
-        """One step's tokens, and the riding chunk's result."""
+        """One step's tokens, and the riding chunks' results."""
         c, seconds = self.counters, outcome.seconds
         c.timing["sampling"] += outcome.sampling_seconds
-        if plan.ride is None:
+        if not plan.rides:
             self.costs.observe_step(seconds)
             c.timing["forward"] += seconds
         else:
-            assert outcome.ride is not None
-            extra = self.costs.observe_ride(seconds, len(plan.ride.tokens))
+            extra = self.costs.observe_ride(seconds, sum(len(r.tokens) for r in plan.rides))
             c.timing["forward"] += seconds - extra
             c.timing["prefill"] += extra
-            c.riding_chunks += 1
-            self.book_prefill(plan.ride, outcome.ride, alone=False)
+            c.riding_chunks += len(plan.rides)
+            for ride, done in zip(plan.rides, outcome.rides, strict=True):
+                self.book_prefill(ride, done, alone=False)
         rows = plan.rows
         alone = None
         if len(rows) == 1:

@@ -72,16 +72,17 @@ class ForwardLogitsBatch:
 
     token_ids: tuple[int, ...]
     sample: RowSampler | None = None  # given: answer sampled tokens rather than the logits
-    # a joiner's prompt chunk riding along: it shares the step's weight reads
-    # (LlamaModel.forward_step); a chunk that ends the prompt samples with its own `sample`
-    prefill: Prefill | None = None
+    # joiners' prompt chunks riding along (each of its own sequence): they share the step's
+    # weight reads (LlamaModel.forward_step); a chunk that ends its prompt samples with its
+    # own `sample`
+    prefills: tuple[Prefill, ...] = ()
 
 
 @dataclass(frozen=True)
 class ForwardResult:
     logits: torch.Tensor | None  # [B, vocab] float32, CPU; None when the job sampled
     tokens: tuple[int | None, ...] | None = None  # when the job had `sample`
-    prefill: PrefillResult | None = None  # the riding chunk's, when the job had one
+    prefills: tuple[PrefillResult, ...] = ()  # the riding chunks', in order
 
 
 @dataclass(frozen=True)

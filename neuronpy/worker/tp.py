@@ -91,12 +91,12 @@ class ShardSpec:
 
 def _without_sampler(job: Any) -> Any:
     """The job as followers get it: samplers (closures over the engine) only run on rank 0,
-    a riding prefill chunk's included."""
+    riding prefill chunks' included."""
     changes = {}
     if getattr(job, "sample", None) is not None:
         changes["sample"] = None
-    if getattr(job, "prefill", None) is not None:
-        changes["prefill"] = _without_sampler(job.prefill)
+    if getattr(job, "prefills", ()):
+        changes["prefills"] = tuple(_without_sampler(p) for p in job.prefills)
     return dataclasses.replace(job, **changes) if changes else job
 
 

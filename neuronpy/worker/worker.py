@@ -311,21 +311,28 @@ class DeviceWorker:
         if self._batch is None:
             raise WorkerError("no live batch to step")
         tokens = torch.tensor(job.token_ids, dtype=torch.long, device=self.model.device)
-        prefilled = None
-        if job.prefill is None:
+        if len({p.snapshot_id for p in job.prefills}) != len(job.prefills):
+            raise WorkerError("riding chunks of one step must fill different snapshots")
+        prefilled: tuple[PrefillResult, ...] = ()
+        if not job.prefills:
             hidden = self.model.forward_batch_decode(self._batch, tokens[:, None])
         else:
-            p = job.prefill
-            parent, extend = self._prefill_parent(p)
-            chunk = PrefillChunk(p.token_ids, parent, reserve=p.reserve, extend=extend)
-            out = self.model.forward_step(self._batch, tokens[:, None], chunk)
-            assert out.snapshot is not None and out.chunk_hidden is not None
+            chunks = []
+            for p in job.prefills:
+                parent, extend = self._prefill_parent(p)
+                chunks.append(PrefillChunk(p.token_ids, parent, reserve=p.reserve, extend=extend))
+            out = self.model.forward_step(self._batch, tokens[:, None], chunks)
             hidden = out.hidden
-            prefilled = self._prefilled(p, out.snapshot, out.chunk_hidden)
+            prefilled = tuple(
+                self._prefilled(p, snapshot, last)
+                for p, snapshot, last in zip(
+                    job.prefills, out.snapshots, out.chunk_hidden, strict=True
+                )
+            )
         logits = self.model.logits(hidden).to("cpu")
         if job.sample is not None:
             return ForwardResult(None, tuple(job.sample(logits)), prefilled)
-        return ForwardResult(logits, prefill=prefilled)
+        return ForwardResult(logits, prefills=prefilled)
 
     def _extract(self, job: ExtractKvRows) -> ExtractResult:
         if len(job.rows) != len(job.snapshot_ids):
