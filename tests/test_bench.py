@@ -187,18 +187,43 @@ def test_quick_w1_in_process_with_a_peer(quick_results: dict, tmp_path) -> None:
         assert engine["decode_steps"] >= 7  # the first token comes from the prefill
         assert {"forward", "prefill", "rebatch", "sampling", "other"} <= set(engine["time_s"])
         assert point["results"]["hf-generate"]["engine"] is None
+        assert point["results"]["hf-generate"]["step_profile"] is None
         assert point["ratios"]["neuronpy/hf-generate"] > 0
     efficiency = results["workloads"]["W1"]["scaling_efficiency"]
     assert efficiency["neuronpy"]["1"] == pytest.approx(1.0)
     assert efficiency["neuronpy"]["2"] > 0
     # the outputs: table, JSON and plot
     table = report.format_report(results)
-    for text in ("W1 closed loop", "neuronpy", "hf-generate", "/hf-generate", "E(K)", "K=2"):
+    for text in (
+        "W1 closed loop",
+        "neuronpy",
+        "hf-generate",
+        "/hf-generate",
+        "E(K)",
+        "K=2",
+    ):
         assert text in table
     path = report.write_json(results, tmp_path / "out" / "bench.json")
     loaded = json.loads(path.read_text())
     assert loaded["workloads"]["W1"]["points"][1]["results"]["neuronpy"]["output_tokens"] == 16
     assert "_records" not in json.dumps(loaded) and "_info" not in json.dumps(loaded)
+
+
+def test_w1_says_where_neuronpys_decode_steps_go() -> None:
+    """A profiled run beside the measured one: ms per decode step by where it went, and the
+    report's line for it."""
+    config = quick_config(ks=(2,), prompt_len=16, output_len=160, peers=())
+    results = run_bench(config, weights=_weights(), progress=SILENT)
+    (point,) = results["workloads"]["W1"]["points"]
+    prof = point["results"]["neuronpy"]["step_profile"]
+    assert prof is not None and prof["decode_steps"] > 0
+    assert prof["mean_batch_size"] == pytest.approx(2, rel=0.3)
+    ms = prof["per_step_ms"]
+    assert ms["linear"] > 0 and ms["attention"] > 0 and ms["step"] > 0
+    parts = sum(ms[k] for k in ("linear", "attention", "other ops", "worker python"))
+    assert parts + ms["worker idle"] == pytest.approx(ms["step"], rel=0.05)
+    table = report.format_report(results)
+    assert "K=2 neuronpy profiled: step" in table and "event loop CPU" in table
 
 
 def test_plot_degrades_without_matplotlib(quick_results: dict, tmp_path, monkeypatch) -> None:

@@ -248,3 +248,30 @@ async def test_counters_split_cancelled_from_finished_and_count_tokens() -> None
         assert sum(size * n for size, n in s.batch_size_steps.items()) == s.decoded_rows
         assert sum(s.alone_steps.values()) == s.batch_size_steps.get(1, 0)
         assert s.alone_steps["no_peer"] > 0  # the cancelled request decoded alone
+
+
+async def test_profile_says_where_the_steps_time_went() -> None:
+    """Engine.profile over a window of live decoding: tensor operations by class on the worker,
+    the rest of the worker's time, and the event loop's CPU time, per decode step."""
+    async with make_engine(max_in_flight=4) as engine:
+        streams = [engine.submit(prompt(t), greedy(60)) for t in ("one", "two", "three")]
+        async with anyio.create_task_group() as tg:
+            for stream in streams:
+
+                async def drain(stream=stream) -> None:
+                    async for _ in stream:
+                        pass
+
+                tg.start_soon(drain)
+            while engine.stats().live_batch_size < 3:
+                await anyio.sleep(0.01)
+            profile = await engine.profile(0.3)
+        assert profile.decode_steps > 0 and profile.decoded_rows >= profile.decode_steps
+        assert set(profile.op_seconds) == {"linear", "attention", "other ops"}
+        assert all(v > 0 for v in profile.op_seconds.values()) and profile.op_calls > 0
+        assert 0 < profile.worker_busy <= profile.seconds + 0.05
+        ms = profile.per_step_ms()
+        parts = ms["linear"] + ms["attention"] + ms["other ops"] + ms["worker python"]
+        assert parts + ms["worker idle"] == pytest.approx(ms["step"], rel=0.05)
+        # recording stopped: a second window can start
+        assert (await engine.profile(0.05)).seconds > 0

@@ -67,6 +67,9 @@ def in_fresh_thread(fn: Callable[[], T], name: str = "neuronpy-bench") -> T:
     return fut.result()
 
 
+PROFILE_SECONDS = 3.0  # the window Engine.profile records in a profiled run
+
+
 @dataclass
 class RunOutput:
     records: list[RequestRecord]
@@ -94,6 +97,11 @@ class System:
 
     def close(self) -> None:
         pass
+
+    def profile(self, workload: Workload) -> dict[str, Any] | None:
+        """Runs the workload again (unmeasured) while recording where the system's steps
+        spend their time; None when the system cannot say."""
+        return None
 
     def info(self) -> dict[str, Any]:
         return {"description": self.description, "drive": self.drive}
@@ -240,6 +248,41 @@ class NeuronpyEngine(System):
         )
         after = engine_snapshot(self.engine)
         return RunOutput(records, duration, engine_delta(before, after, duration))
+
+    def profile(self, workload: Workload) -> dict[str, Any] | None:
+        """The workload again, with Engine.profile recording a window of its steady state:
+        from when the batch is as full as the workload makes it, for up to PROFILE_SECONDS."""
+        assert self._portal is not None
+        engine = self.engine
+        full = min(engine.max_running, len(workload.requests))
+
+        async def profiled() -> Any:
+            found: list[Any] = []
+            done = anyio.Event()
+            async with anyio.create_task_group() as tg:
+
+                async def window() -> None:
+                    while engine.stats().live_batch_size < full:
+                        if done.is_set():
+                            return  # the batch never filled: no window
+                        await anyio.sleep(0.02)
+                    found.append(await engine.profile(PROFILE_SECONDS, until=done))
+
+                tg.start_soon(window)
+                await drive(workload.requests, engine_send(engine))
+                done.set()  # a window still recording ends with the run
+            return found[0] if found else None
+
+        result = self._portal.portal.call(profiled)
+        if result is None or not result.decode_steps:
+            return None
+        return {
+            "per_step_ms": result.per_step_ms(),
+            "seconds": result.seconds,
+            "decode_steps": result.decode_steps,
+            "mean_batch_size": result.decoded_rows / result.decode_steps,
+            "op_calls_per_step": result.op_calls / result.decode_steps,
+        }
 
     def close(self) -> None:
         if self._engine_cm is not None:

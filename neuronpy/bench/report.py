@@ -142,6 +142,9 @@ def _workload_section(wname: str, entry: dict[str, Any], config: dict[str, Any])
             eng = (p["results"].get(name) or {}).get("engine")
             if eng:
                 engine_lines.append(f"  {p['point']} {name}: {_engine_line(eng)}")
+            prof = (p["results"].get(name) or {}).get("step_profile")
+            if prof:
+                engine_lines.append(f"  {p['point']} {name} profiled: {_profile_line(prof)}")
     if engine_lines:
         lines.append("engine (its own counters over the run):")
         lines += engine_lines
@@ -195,6 +198,21 @@ def _rate(result: dict[str, Any] | None) -> str:
 
 def _ratio(value: float | None) -> str:
     return f"{value:.2f}x" if value else "-"
+
+
+def _profile_line(prof: dict[str, Any]) -> str:
+    """Where a decode step's time went, in ms per step, over a profiled window."""
+    ms = prof["per_step_ms"]
+    worker = ["linear", "attention", "other ops", "worker python", "worker idle"]
+    within = ["prefill", "rebatch", "sampling"]
+    return (
+        f"step {ms['step']:.1f} ms at mean batch {prof['mean_batch_size']:.1f} = "
+        + " + ".join(f"{k} {ms[k]:.1f}" for k in worker)
+        + "; of which riding prefill / rebatch / sampling "
+        + " / ".join(f"{ms[k]:.1f}" for k in within)
+        + f"; event loop CPU {ms['event loop cpu']:.1f} ms (scheduling, routers, detokenizing,"
+        f" streams: beside the worker); {prof['op_calls_per_step']:.0f} recorded ops per step"
+    )
 
 
 def _engine_line(eng: dict[str, Any]) -> str:

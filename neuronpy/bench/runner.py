@@ -239,9 +239,12 @@ def _check_context(workload: Workload, context_len: int | None) -> None:
         )
 
 
-def _measure(system: System, workload: Workload, warmup: Workload) -> dict[str, Any]:
+def _measure(
+    system: System, workload: Workload, warmup: Workload, profile: bool = False
+) -> dict[str, Any]:
     """One run of one system, in a fresh thread: start it (one warm-up), reset the peak RSS,
-    run the workload, close it. The metrics, its engine's figures and the peak RSS."""
+    run the workload, close it. The metrics, its engine's figures and the peak RSS; with
+    `profile`, then the workload once more, unmeasured, recording where its steps go."""
 
     def session() -> dict[str, Any]:
         try:
@@ -252,10 +255,13 @@ def _measure(system: System, workload: Workload, warmup: Workload) -> dict[str, 
             out = system.run(workload)
             peak = metrics.peak_rss_mb()
             device_peak = metrics.device_peak_mb()
+            step_profile = system.profile(workload) if profile else None
         finally:
             system.close()
         summary = metrics.summarize(out.records, out.duration)
         summary["engine"] = out.engine
+        if step_profile is not None:
+            summary["step_profile"] = step_profile
         summary["memory"] = {
             "rss_start_mb": rss_start,
             "rss_peak_mb": peak,
@@ -407,7 +413,9 @@ def _run_point(
         # each repeat starts with the next system, so none always runs first
         shift = rep % len(active) if active else 0
         for system in active[shift:] + active[:shift]:
-            run = _measure(system, workload, warmup)
+            # the last repeat of a closed-loop point also says where neuronpy's steps go
+            profile = system.name == NEURONPY and workload.name == "W1" and rep == repeats - 1
+            run = _measure(system, workload, warmup, profile)
             runs[system.name].append(run)
             rate = run.get("output_tok_s")
             shown = f"{rate:.1f} tok/s" if rate is not None else run.get("error", "no result")
@@ -423,7 +431,9 @@ def _run_point(
     for name, system_runs in runs.items():
         chosen = _median_run(system_runs) or system_runs[-1]
         rates = [r.get("output_tok_s") for r in system_runs]
+        profiled = next((r["step_profile"] for r in system_runs if "step_profile" in r), None)
         point["results"][name] = _strip(chosen) | {
+            "step_profile": profiled,
             "repeats_output_tok_s": rates,
             "repeats_median_output_tok_s": statistics.median([r for r in rates if r is not None])
             if any(r is not None for r in rates)

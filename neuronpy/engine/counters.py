@@ -101,3 +101,38 @@ class EngineStats:
     sessions_saved: int = 0  # conversations written to session files
     sessions_restored: int = 0  # prompts that continued from a session file
     session_save_failures: int = 0  # finished requests whose session file could not be written
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Where a served step's time went over a window of `seconds` (Engine.profile): the
+    worker's time inside tensor operations by class (profiled), the rest of its busy time
+    (Python: dispatch, sampling code, KV bookkeeping), the time it waited for the event loop,
+    and the event loop thread's own CPU time (scheduling, routers, detokenizing, streams),
+    which runs beside the worker's. `timing`: the engine's counters over the window (forward,
+    prefill, rebatch, sampling seconds)."""
+
+    seconds: float
+    decode_steps: int
+    decoded_rows: int
+    worker_busy: float
+    op_seconds: dict[str, float]
+    op_calls: int
+    event_loop_cpu: float
+    timing: dict[str, float]
+
+    def per_step_ms(self) -> dict[str, float]:
+        """The window's figures in milliseconds per decode step."""
+        steps = max(1, self.decode_steps)
+        ops = sum(self.op_seconds.values())
+        parts = {
+            **self.op_seconds,
+            "worker python": max(0.0, self.worker_busy - ops),
+            "worker idle": max(0.0, self.seconds - self.worker_busy),
+        }
+        out = {k: 1000 * v / steps for k, v in parts.items()}
+        out["step"] = 1000 * self.seconds / steps
+        out["event loop cpu"] = 1000 * self.event_loop_cpu / steps
+        for kind in ("prefill", "rebatch", "sampling"):
+            out[kind] = 1000 * self.timing.get(kind, 0.0) / steps
+        return out

@@ -195,6 +195,25 @@ class WorkerStatsResult:
 
 
 @dataclass(frozen=True)
+class StartProfile:
+    """Start recording the time of every tensor operation the worker runs (torch.profiler),
+    until StopProfile: where a served step's time goes."""
+
+
+@dataclass(frozen=True)
+class StopProfile:
+    """Stop recording; answer the time spent in operations by class."""
+
+
+@dataclass(frozen=True)
+class ProfileResult:
+    seconds: float  # wall time between StartProfile and StopProfile
+    busy_seconds: float  # of which the worker thread ran jobs
+    op_seconds: dict[str, float]  # inside operations, by class: linear, attention, other ops
+    op_calls: int  # operations recorded (nested ones included: aten::linear and what it calls)
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop the worker thread after the jobs queued before it."""
 
@@ -211,5 +230,7 @@ Job = (
     | SaveKvSnapshot
     | LoadKvSnapshot
     | WorkerStats
+    | StartProfile
+    | StopProfile
     | Shutdown
 )

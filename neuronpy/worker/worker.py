@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,9 +35,12 @@ from neuronpy.worker.jobs import (
     OffloadResult,
     Prefill,
     PrefillResult,
+    ProfileResult,
     SaveKvSnapshot,
     SaveResult,
     Shutdown,
+    StartProfile,
+    StopProfile,
     WorkerStats,
     WorkerStatsResult,
 )
@@ -72,6 +76,7 @@ class DeviceWorker:
         self._closed = False
         # why the worker can run no more jobs (a subclass sets it: a lost peer process)
         self.broken: str | None = None
+        self._profile = OpProfile()
 
     def start(self) -> DeviceWorker:
         self._thread.start()
@@ -103,6 +108,7 @@ class DeviceWorker:
                 continue
             if not fut.set_running_or_notify_cancel():
                 continue
+            began = self._profile.job_began = time.perf_counter()
             try:
                 with torch.inference_mode():
                     result = self.handle(job)
@@ -111,6 +117,8 @@ class DeviceWorker:
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
+            finally:
+                self._profile.busy += time.perf_counter() - began
             if isinstance(job, Shutdown):
                 self._snapshots.clear()
                 self._cache.clear()
@@ -154,6 +162,10 @@ class DeviceWorker:
                     cached_snapshots=len(self._cache),
                     cached_bytes=sum(s.nbytes for s in self._cache.values()),
                 )
+            case StartProfile():
+                return self._profile.start()
+            case StopProfile():
+                return self._profile.stop()
             case Shutdown():
                 return None
         raise TypeError(f"unknown job {job!r}")
@@ -352,6 +364,54 @@ class DeviceWorker:
             lengths.append(source.length)
         self._batch = None
         return ExtractResult(tuple(lengths))
+
+
+class OpProfile:
+    """torch.profiler on the worker thread (its recording is per thread), between a
+    StartProfile and a StopProfile job; operations summed by class. The window runs from the
+    end of the start job to the beginning of the stop job: the profiler's own set-up and
+    summing are not in it."""
+
+    def __init__(self) -> None:
+        self._profiler: torch.profiler.profile | None = None
+        self._started = self._busy_at_start = 0.0
+        self.busy = 0.0  # seconds the worker thread has spent running jobs, ever
+        self.job_began = 0.0  # when the job running now began
+
+    def start(self) -> None:
+        if self._profiler is not None:
+            raise WorkerError("a profile is already recording")
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._profiler.__enter__()
+        self._started = time.perf_counter()
+        # (this job's own time, up to now, is not the window's)
+        self._busy_at_start = self.busy + (self._started - self.job_began)
+
+    def stop(self) -> ProfileResult:
+        if self._profiler is None:
+            raise WorkerError("no profile is recording")
+        now = time.perf_counter()
+        seconds = now - self._started
+        busy = self.busy + (now - self.job_began) - self._busy_at_start
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        by_class = {"linear": 0.0, "attention": 0.0, "other ops": 0.0}
+        calls = 0
+        for event in profiler.key_averages():
+            by_class[op_class(event.key)] += event.self_cpu_time_total / 1e6
+            calls += event.count
+        return ProfileResult(seconds, max(0.0, busy), by_class, calls)
+
+
+def op_class(name: str) -> str:
+    """linear (matrix products against weights), attention, or other ops (elementwise,
+    norms, copies, indexing), by a profiled operation's name."""
+    if "scaled_dot_product" in name or "attention" in name:
+        return "attention"
+    op = name.rsplit("::", 1)[-1]
+    if "linear" in op or op in ("addmm", "mm", "matmul", "bmm"):
+        return "linear"
+    return "other ops"
 
 
 def _prefix_of(snapshot: KvSnapshot, length: int) -> KvSnapshot:
