@@ -154,6 +154,42 @@ async def test_parity_long_prompt_joins_in_chunks_between_decode_steps() -> None
     assert stats.riding_chunks >= -(-len(long_prompt) // 32), stats
 
 
+async def test_parity_a_burst_of_joiners_rides_the_same_steps() -> None:
+    """Prompts arriving together while a row decodes ride the same decode steps, each with a
+    chunk of its own (a long one over several steps): nobody's output changes."""
+    tok = tokenizer()
+    first = (tok.encode(TEXTS[5]), greedy(80))
+    burst = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS[:5], MAX_TOKENS, strict=False)]
+    burst.append((tok.encode(" ".join(TEXTS * 3))[:120], greedy(15)))
+    async with make_engine(max_in_flight=1) as serial:
+        expected = await one_at_a_time(serial, [first, *burst])
+    async with make_engine(max_in_flight=8, prefill_chunk=64) as engine:
+        riders: list[int] = []
+        forward_step = engine.model.forward_step
+
+        def recorded(batch, tokens, chunks=()):  # type: ignore[no-untyped-def]
+            riders.append(len(chunks))
+            return forward_step(batch, tokens, chunks)
+
+        engine.model.forward_step = recorded  # type: ignore[method-assign]
+        async with engine.submit(*first) as stream:
+            got_first = [await anext(stream)]  # it decodes: the burst arrives now
+            streams = [engine.submit(p, sp) for p, sp in burst]
+            got_first += [e async for e in stream]
+        got = []
+        for s in streams:
+            async with s:
+                got.append([e async for e in s])
+        stats = engine.stats()
+    texts = ["".join(e.text for e in events) for events in [got_first, *got]]
+    assert texts == [c.text for c in expected]
+    for events, want in zip([got_first, *got], expected, strict=True):
+        assert events[-1].finish_reason is want.finish_reason
+        assert events[-1].completion_tokens == want.completion_tokens
+    assert max(riders) >= 2, riders  # one step carried several joiners' chunks
+    assert stats.riding_chunks >= len(burst) + 1, stats  # the long prompt took two or more
+
+
 async def test_parity_int8_concurrent_equals_sequential() -> None:
     tok = tokenizer()
     jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]

@@ -416,6 +416,8 @@ def test_joiners_ride_one_step_together_oldest_first_and_join_in_one_rebatch() -
     assert per_joiner == int(s.costs.chunk_steps * 100)
     assert s.ride_budget(2) == 2 * per_joiner
     assert s.ride_budget(1000) == s.costs.max_chunk
+    s.costs.ride_seconds_per_token = 1.0  # a chunk costing far more than a step: the least each
+    assert (s.ride_budget(1), s.ride_budget(3)) == (MIN_CHUNK, 3 * MIN_CHUNK)
 
 
 def test_a_request_joining_while_its_rebatch_runs_stays_counted_and_can_be_ended() -> None:

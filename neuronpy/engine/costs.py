@@ -62,14 +62,17 @@ class StepCosts:
     def ride_budget(self, joiners: int = 1) -> int:
         """Prompt tokens the chunks riding one step may add: about `chunk_steps` decode steps'
         time per joiner, at what riding chunks have cost per token (no weight reads of their
-        own: more tokens fit than in a chunk run on its own), and never past `max_chunk`.
+        own: more tokens fit than in a chunk run on its own), at least MIN_CHUNK per joiner,
+        and never past `max_chunk`.
         Joiners share it oldest first, so a burst of arrivals fills the batch within a few
         steps instead of joining one by one while the batch decodes half empty."""
         fit = self.prefill.fit()
         # a chunk's compute costs at least about what it does run on its own, weights aside:
         # the fit's per-token figure bounds a noisy (or not yet measured) riding estimate
         per_token = max(self.ride_seconds_per_token, fit[1] if fit else 0.0)
-        if not per_token or not self.step_seconds:
-            return min(self.max_chunk, MIN_CHUNK * max(1, joiners))
-        budget = int(max(1, joiners) * self.chunk_steps * self.step_seconds / per_token)
-        return max(MIN_CHUNK, min(self.max_chunk, budget))
+        joiners = max(1, joiners)
+        budget = 0
+        if per_token and self.step_seconds:
+            budget = int(joiners * self.chunk_steps * self.step_seconds / per_token)
+        # every joiner gets at least the least chunk (MIN_CHUNK), the step at most max_chunk
+        return max(MIN_CHUNK, min(self.max_chunk, max(MIN_CHUNK * joiners, budget)))
