@@ -15,6 +15,7 @@ from neuronpy.defaults import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_CHUNK_STEPS,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_GRAMMAR_CACHE_BYTES,
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_BUFFERED_EVENTS,
@@ -77,6 +78,9 @@ class EngineConfig:
     # how chat replies' thinking blocks go to reasoning_content: "auto" (when the chat template
     # writes <think>), "none", or a parser's name ("think")
     reasoning_parser: str = "auto"
+    # bytes of compiled grammars (structured outputs) kept for reuse; a constraint whose
+    # grammar alone is larger is refused (400)
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
 
     def __post_init__(self) -> None:
         check_int("max_in_flight", self.max_in_flight, 1, 4096)
@@ -91,6 +95,7 @@ class EngineConfig:
         check_bool("prefix_cache", self.prefix_cache)
         check_int("prefix_cache_bytes", self.prefix_cache_bytes, 0)
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        check_int("grammar_cache_bytes", self.grammar_cache_bytes, 1 << 16)
         object.__setattr__(self, "kv_budget", parse_size("kv_budget", self.kv_budget))
         object.__setattr__(self, "queue_timeout", float(self.queue_timeout))
         object.__setattr__(self, "chunk_steps", float(self.chunk_steps))
@@ -100,7 +105,14 @@ class EngineConfig:
 # [admission] (a model's own `admission` table on top of it) and [engine], and the model's own.
 ADMISSION_KEYS = ("max_in_flight", "max_queue", "queue_timeout", "max_n", "max_buffered_events")
 ENGINE_KEYS = ("batching", "prefill_chunk", "chunk_steps")
-MODEL_KEYS = ("quantize", "prefix_cache", "prefix_cache_bytes", "kv_budget", "reasoning_parser")
+MODEL_KEYS = (
+    "quantize",
+    "prefix_cache",
+    "prefix_cache_bytes",
+    "kv_budget",
+    "reasoning_parser",
+    "grammar_cache_bytes",
+)
 
 
 def check_cors(origins: object, credentials: object) -> tuple[str, ...]:

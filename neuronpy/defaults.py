@@ -14,6 +14,7 @@ REASONING_PARSERS = ("auto", "none", "think")
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 DEFAULT_CHUNK_STEPS = 0.5  # decode steps' time a joiner's prompt chunk may add to a step
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's KV budget per model
+DEFAULT_GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept per model (constraints)
 DEFAULT_MAX_N = 8  # completions one request may ask for
 # 8 running sequences: on a CPU the decode step's cost is dominated by reading the weights up to
 # about this batch size, so 8 streams cost little more than one (see README, "max_in_flight").

@@ -279,8 +279,30 @@ def test_cli_flags_build_the_config() -> None:
     assert config.prompt_len == 32 and config.workloads == ("W1",)
     args = parser.parse_args(["bench", "--workloads", "all", "--url", "http://127.0.0.1:9"])
     config = cli.config_from_args(args)
-    assert config.workloads == ("W1", "W2", "W3", "W4") and config.drive == "http"
+    assert config.workloads == ("W1", "W2", "W3", "W4", "W5") and config.drive == "http"
     assert config.resolved_max_in_flight() == 16
     for bad in (["--k", "0"], ["--peers", "vllm"], ["--workloads", "W9"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["bench", *bad])
+
+
+@pytest.mark.parametrize("drive", ["engine", "http"])
+def test_w5_runs_w1s_streams_constrained_beside_w1(drive: str) -> None:
+    """W5: every request under a schema of its own, every token written (the schemas never
+    complete), batched equal to serial, and its tokens/s set beside W1's at the same K."""
+    config = quick_config(
+        ks=(2,),
+        prompt_len=16,
+        output_len=12,
+        peers=("neuronpy-serial", "hf-generate"),
+        workloads=("W1", "W5"),
+        drive=drive,
+    )
+    results = run_bench(config, weights=_weights(), progress=SILENT)
+    (point,) = results["workloads"]["W5"]["points"]
+    assert set(point["results"]) == {"neuronpy", "neuronpy-serial"}  # hf has no constraints
+    ours = point["results"]["neuronpy"]
+    assert ours["output_tokens"] == 2 * 12 and "error" not in ours
+    assert point["parity"]["identical"] == point["parity"]["total"] == 2
+    assert point["ratios"]["W5/W1"] > 0
+    assert "constrained / unconstrained (W5 / W1)" in report.format_report(results)

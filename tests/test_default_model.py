@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import anyio
 import openai
+import pydantic
 import pytest
 
 from neuronpy.compose import engine_from_hf
@@ -83,3 +84,22 @@ def test_second_load_hits_the_gguf_cache(server: RunningServer) -> None:
     assert any("cache hit" in m for m in messages)
     assert not any(m.startswith("converting") for m in messages)
     assert weights.name == DEFAULT_MODEL_NAME
+
+
+class Country(pydantic.BaseModel):
+    name: str
+    capital: str
+
+
+def test_openai_parse_gives_a_parsed_object(server: RunningServer) -> None:
+    api = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
+    out = api.chat.completions.parse(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "France as JSON: its name and its capital."}],
+        response_format=Country,
+        temperature=0,
+        max_tokens=60,
+    )
+    country = out.choices[0].message.parsed
+    assert isinstance(country, Country)
+    assert country.capital == "Paris"

@@ -310,7 +310,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("logit-bias-out-of-vocab", CHAT, {**MSG, "logit_bias": {"360": 10}}, 400, "logit_bias"),
     ("top-logprobs", CHAT, {**MSG, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("tools", CHAT, {**MSG, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
-    ("json", CHAT, {**MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("format", CHAT, {**MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("unknown-model", CHAT, {**MSG, "model": "gpt-4"}, 404, "model"),
     ("model-not-string", TEXT, {**PROMPT, "model": 5}, 400, "model"),
 ]

@@ -32,7 +32,7 @@ import anyio
 import anyio.from_thread
 
 from neuronpy.bench.metrics import RequestRecord, engine_delta
-from neuronpy.bench.workloads import WORKLOADS, BenchRequest, Workload
+from neuronpy.bench.workloads import UNCONSTRAINED, WORKLOADS, BenchRequest, Workload
 from neuronpy.threads import start_in_own_thread
 
 log = logging.getLogger(__name__)
@@ -199,10 +199,14 @@ def engine_label(config: Any) -> str:
 
 
 def engine_send(engine: Any) -> Send:
-    from neuronpy.engine.types import FinishReason, SamplingParams
+    from neuronpy.engine.types import Constraint, FinishReason, SamplingParams
 
     async def send(req: BenchRequest, rec: RequestRecord, on_chunk: Callable[[int], None]) -> None:
-        params = SamplingParams(max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+        constraint = None if req.schema is None else Constraint("json_schema", req.schema)
+        params = SamplingParams(
+            max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True, constraint=constraint
+        )
+        await engine.prepare(req.prompt_ids, params)  # (a schema's compile counts in TTFT)
         ids: list[int] = []
         text: list[str] = []
         async with engine.submit(req.prompt_ids, params) as stream:
@@ -371,6 +375,9 @@ def http_send(client: Any, url: str, model: str) -> Send:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if req.schema is not None:
+            schema = {"name": "w5", "schema": json.loads(req.schema)}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
         text: list[str] = []
         async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -640,6 +647,7 @@ class HfContinuousBatching(System):
     ):
         self.name = name
         self.description = PEER_HELP[HF_CB]
+        self.workloads = UNCONSTRAINED  # it has no constrained decoding
         self._model = hf_model
         self.max_batch_tokens = max_batch_tokens
         self.page_size = page_size

@@ -96,6 +96,12 @@ def _workload_section(wname: str, entry: dict[str, Any], config: dict[str, Any])
             row.append(_num(efficiency[NEURONPY].get(k), 2))
         rows.append(row)
     lines += _table(header, rows)
+    for p in points:
+        if "W5/W1" in p["ratios"]:
+            lines.append(
+                f"{p['point']}: {NEURONPY} constrained / unconstrained (W5 / W1) "
+                f"{_ratio(p['ratios']['W5/W1'])}"
+            )
     lines.append("")
     lines.append("latency (ms): TTFT, TPOT, ITL and E2EL as p50/p99; ITL also max")
     detail_header = [

@@ -45,6 +45,7 @@ from neuronpy.bench.workloads import (
     w2,
     w3,
     w4,
+    w5,
 )
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
         if peer == NEURONPY_SERIAL:
             # over HTTP it gets a loopback server of its own, even when neuronpy is at --url
             serial = neuronpy(NEURONPY_SERIAL, 1, None)
-            serial.workloads = frozenset({"W1", "W2", "W3"})  # W4's join needs a batch
+            serial.workloads = frozenset({"W1", "W2", "W3", "W5"})  # W4's join needs a batch
             systems.append(serial)
         elif peer == HF_SERIAL:
             systems.append(
@@ -300,6 +301,8 @@ def _points(
 ) -> list[Workload]:
     if name == "W1":
         return [w1(source, k, config.prompt_len, config.output_len) for k in config.ks]
+    if name == "W5":
+        return [w5(source, k, config.prompt_len, config.output_len) for k in config.ks]
     if name == "W2":
         peak = peak_tok_s()
         return [
@@ -397,7 +400,20 @@ def run_bench(
                     results["systems"][system_name] = info
         if wname == "W1":
             entry["scaling_efficiency"] = _efficiency(entry["points"])
+    _structured_overhead(results["workloads"])
     return results
+
+
+def _structured_overhead(workloads: dict[str, Any]) -> None:
+    """W5 beside W1 at each K (the same prompts, unconstrained): neuronpy's W5/W1 tokens/s."""
+    plain = {
+        p["point"]: p["results"].get(NEURONPY, {}).get("output_tok_s")
+        for p in workloads.get("W1", {}).get("points", [])
+    }
+    for point in workloads.get("W5", {}).get("points", []):
+        ours = point["results"].get(NEURONPY, {}).get("output_tok_s")
+        if ours and plain.get(point["point"]):
+            point["ratios"]["W5/W1"] = ours / plain[point["point"]]
 
 
 def _run_point(

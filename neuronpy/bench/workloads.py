@@ -6,18 +6,22 @@ every system sees exactly the same prompts, and prompt i of a workload is the sa
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-WORKLOADS = ("W1", "W2", "W3", "W4")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
+# the workloads a system without constrained decoding runs (W5 needs it)
+UNCONSTRAINED = frozenset({"W1", "W2", "W3", "W4"})
 
 DESCRIPTIONS = {
     "W1": "closed loop: K concurrent streams",
     "W2": "staggered: Poisson arrivals at a share of W1's peak, mixed lengths",
     "W3": "burst: every request at t=0, mixed lengths",
     "W4": "long prefill: one long prompt joins while 7 streams decode",
+    "W5": "structured: W1's K streams, each held to a JSON schema of its own",
 }
 
 
@@ -35,6 +39,7 @@ class BenchRequest:
     arrival: float = 0.0
     after_tokens: int | None = None
     tag: str = ""  # W4: "decode" or "join"
+    schema: str | None = None  # W5: the JSON Schema (its text) the output must match
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,34 @@ def w1(source: PromptSource, k: int, prompt_len: int, output_len: int) -> Worklo
         concurrency=k,
         params={"k": k, "prompt_len": prompt_len, "output_len": output_len},
     )
+
+
+def w5_schema(i: int) -> str:
+    """Request i's schema: an object holding an array of strings under a key of its own,
+    with more items than any output can hold, so that every request writes all its tokens
+    (as W1's, EOS ignored) and W5 compares with W1 token for token."""
+    schema = {
+        "type": "object",
+        "properties": {
+            f"items_{i}": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 8 + i % 24},
+                "minItems": 100_000,
+            }
+        },
+        "required": [f"items_{i}"],
+    }
+    return json.dumps(schema)
+
+
+def w5(source: PromptSource, k: int, prompt_len: int, output_len: int) -> Workload:
+    """W1 at K (the same prompts), each request constrained by a schema of its own."""
+    plain = w1(source, k, prompt_len, output_len)
+    requests = tuple(
+        BenchRequest(r.prompt_ids, r.max_tokens, schema=w5_schema(i))
+        for i, r in enumerate(plain.requests)
+    )
+    return Workload("W5", plain.point, requests, concurrency=k, params=plain.params)
 
 
 def mixed_lengths(

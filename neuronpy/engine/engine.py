@@ -18,7 +18,9 @@ from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig
 from neuronpy.engine.costs import MIN_CHUNK
 from neuronpy.engine.counters import EngineStats, StepProfile
+from neuronpy.engine.grammar import Grammars, Reasoning
 from neuronpy.engine.plans import PrefillPlan
+from neuronpy.engine.reasoning import prompt_opens_reasoning
 from neuronpy.engine.request import Cause, Finish, Request, RouterMessage
 from neuronpy.engine.router import route
 from neuronpy.engine.runner import Runner
@@ -105,6 +107,9 @@ class Engine:
             on_saved=self._saved,
             spawn=self._spawn,
         )
+        self.grammars = Grammars(
+            tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.grammar_cache_bytes
+        )
         self._routers: dict[int, ObjectSendStream[RouterMessage]] = {}
         self._healthy = False
         self._failure: str | None = None
@@ -181,6 +186,9 @@ class Engine:
                 "n",
             )
         prompt = self._scheduler.validate(prompt_ids, params)
+        reasoning = self._reasoning(prompt, params)
+        if params.constraint is not None:  # (compiles here unless prepare() did)
+            self.grammars.compile(params.constraint, reasoning)
         if session is not None and n != 1:
             raise InvalidRequestError("a request with a 'session' returns one choice (n = 1)", "n")
         if session is not None and not self._worker.supports_sessions:
@@ -198,21 +206,43 @@ class Engine:
             for i in range(n)
         ]
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        if params.constraint is not None:  # a complete grammar allows only its stop tokens
+            eos = self.grammars.stop_ids
         stop_ids = eos | frozenset(params.stop_token_ids)
         requests = self._scheduler.admit(prompt, copies, stop_ids, session)
-        streams = [self._start_router(r) for r in requests]
+        streams = [self._start_router(r, reasoning) for r in requests]
         self._idle = anyio.Event()
         self._wake.set()
         return streams
 
-    def _start_router(self, request: Request) -> RequestStream:
-        """The request's sampler, its router task and its event stream."""
+    def _reasoning(self, prompt_ids: Sequence[int], params: SamplingParams) -> Reasoning | None:
+        """The reply's reasoning block before its constraint, if it has both."""
+        parser = params.output.reasoning
+        if params.constraint is None or parser is None:
+            return None
+        return parser, prompt_opens_reasoning(self.tokenizer, prompt_ids, parser)
+
+    async def prepare(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Compiles the request's constraint (if any, and not cached) on a thread, so that
+        `submit` does not block the event loop on it; InvalidRequestError naming the
+        constraint's field when it cannot be compiled."""
+        if params.constraint is None:
+            return
+        reasoning = self._reasoning(prompt_ids, params)
+        if not self.grammars.cached(params.constraint, reasoning):
+            await anyio.to_thread.run_sync(self.grammars.compile, params.constraint, reasoning)
+
+    def _start_router(self, request: Request, reasoning: Reasoning | None) -> RequestStream:
+        """The request's sampler (with its grammar's matcher when constrained), its router task
+        and its event stream."""
+        constraint = request.params.constraint
+        matcher = None if constraint is None else self.grammars.matcher(constraint, reasoning)
         to_router, inbox = anyio.create_memory_object_stream[RouterMessage](math.inf)
         # bounded: a consumer that stops reading ends its request (see route)
         bound = self.config.max_buffered_events
         outbox, events = anyio.create_memory_object_stream[GenerationEvent](bound)
         self._runner.samplers[request.id] = Sampler(
-            request.params, request.prompt_ids, self.vocab_size
+            request.params, request.prompt_ids, self.vocab_size, matcher
         )
         self._routers[request.id] = to_router
         assert self._tg is not None
@@ -234,6 +264,7 @@ class Engine:
         self, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerationEvent]:
         """Submits and yields the request's events; leaving the loop early cancels it."""
+        await self.prepare(prompt_ids, params)
         async with self.submit(prompt_ids, params) as stream:
             async for event in stream:
                 yield event

@@ -3,6 +3,9 @@ have one (configured per model, or detected from the chat template)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from neuronpy.defaults import REASONING_PARSERS
 
 # name -> (start marker, end marker). "think": Qwen3, QwQ, DeepSeek-R1 and their distills.
@@ -38,3 +41,12 @@ def opens_reasoning(prompt_tail: str, parser: str) -> bool:
     """Whether a prompt ending in `prompt_tail` leaves the thinking block open (the template
     wrote the start marker, DeepSeek-R1 style): then the reply begins inside it."""
     return prompt_tail.rstrip().endswith(REASONING_MARKERS[parser][0])
+
+
+def prompt_opens_reasoning(tokenizer: Any, prompt_ids: Sequence[int], parser: str | None) -> bool:
+    """Whether the prompt `prompt_ids` leaves parser `parser`'s thinking block open (None: no
+    parser, so no block). `tokenizer`: a transformers tokenizer (its last ids are decoded)."""
+    if parser is None or not prompt_ids:
+        return False
+    tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:]), skip_special_tokens=False)
+    return opens_reasoning(tail, parser)

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from neuronpy.engine.detokenize import IncrementalDetokenizer
 from neuronpy.engine.output import OutputParser, Parsed
-from neuronpy.engine.reasoning import PROMPT_TAIL_IDS, opens_reasoning
+from neuronpy.engine.reasoning import prompt_opens_reasoning
 from neuronpy.engine.request import Finish, RouterMessage
 from neuronpy.engine.stop import StopMatcher
 from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams, TokenLogprob
@@ -140,8 +140,5 @@ def _parser(
 ) -> OutputParser:
     """The reply's parser; it starts inside the reasoning block if the prompt opened one."""
     output = params.output
-    opened = False
-    if output.reasoning is not None and prompt_ids:
-        tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:]), skip_special_tokens=False)
-        opened = opens_reasoning(tail, output.reasoning)
+    opened = prompt_opens_reasoning(tokenizer, prompt_ids, output.reasoning)
     return OutputParser(output, opened=opened)

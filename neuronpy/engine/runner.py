@@ -13,6 +13,7 @@ import anyio
 import torch
 
 from neuronpy.arch.kv import DEFAULT_HEADROOM
+from neuronpy.engine.grammar import Matcher
 from neuronpy.engine.plans import (
     AssemblePlan,
     CacheOutcome,
@@ -87,17 +88,29 @@ class Runner:
         self._sampling_seconds = 0.0  # spent sampling on the worker thread, in the last job
         self._errors: dict[int, Exception] = {}  # request id -> why its sampler raised
 
-    async def call(self, job: Job) -> Any:
+    async def call(self, job: Job, meanwhile: Callable[[], None] | None = None) -> Any:
+        """Runs `job` on the worker; `meanwhile` runs here while the worker starts on it."""
         fut: Future[Any] = self.worker.submit(job)
+        if meanwhile is not None:
+            meanwhile()
         return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
 
-    async def _timed(self, job: Job) -> tuple[Any, float, float]:
-        """The job's result, its seconds with sampling aside, and its sampling seconds."""
+    async def _timed(
+        self, job: Job, constrained: Sequence[Request] = ()
+    ) -> tuple[Any, float, float]:
+        """The job's result, its seconds with sampling aside, and its sampling seconds. The
+        `constrained` requests' next-token bitmasks are filled while its forward runs."""
         self._sampling_seconds = 0.0
         began = time.perf_counter()
-        result = await self.call(job)
+        matchers = [m for r in constrained if (m := self._matcher(r)) is not None]
+        fill = (lambda: [m.fill_ahead() for m in matchers]) if matchers else None
+        result = await self.call(job, fill)
         sampling = self._sampling_seconds
         return result, time.perf_counter() - began - sampling, sampling
+
+    def _matcher(self, request: Request) -> Matcher | None:
+        sampler = None if request.done else self.samplers.get(request.id)
+        return None if sampler is None else sampler.matcher
 
     def sampling(self, requests: Sequence[Request]) -> RowSampler:
         """Samples the requests' rows on the worker thread, so that no tensor operation runs on
@@ -210,7 +223,8 @@ class Runner:
 
     async def prefill(self, plan: PrefillPlan) -> PrefillOutcome:
         """A chunk in a forward of its own."""
-        result, seconds, sampling = await self._timed(self._prefill_job(plan))
+        sampled = plan.sampled if plan.last else ()
+        result, seconds, sampling = await self._timed(self._prefill_job(plan), sampled)
         outcome = self._prefill_outcome(plan, result)
         return dataclasses.replace(outcome, seconds=seconds, sampling_seconds=sampling)
 
@@ -221,7 +235,8 @@ class Runner:
             sample=self.sampling(plan.rows),
             prefills=tuple(self._prefill_job(ride) for ride in plan.rides),
         )
-        result, seconds, sampling = await self._timed(job)
+        riding = [r for ride in plan.rides if ride.last for r in ride.sampled]
+        result, seconds, sampling = await self._timed(job, [*plan.rows, *riding])
         assert isinstance(result, ForwardResult) and result.tokens is not None
         rides = tuple(
             self._prefill_outcome(ride, done)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from neuronpy.engine.grammar import Matcher
 from neuronpy.engine.types import SamplingParams, TokenLogprob
 
 # Temperatures below this are greedy, as in vLLM: dividing by one near zero overflows float32
@@ -21,13 +22,22 @@ class Sampler:
     seeded request gets the same tokens alone or in any batch.
     """
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        matcher: Matcher | None = None,
+    ) -> None:
+        """`matcher`: the request's constraint (its logits are masked to what the grammar
+        allows, before anything else)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
         prompt = [int(t) for t in prompt_ids]
         if any(t < 0 for t in prompt):
             raise ValueError("prompt ids must be non-negative")
         self.params = params
+        self.matcher = matcher
         self.output_ids: list[int] = []
         self._greedy = params.temperature < MIN_TEMPERATURE
         self._repetition = params.repetition_penalty != 1.0
@@ -52,8 +62,11 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no penalty: the token is the row's argmax (rows can share one argmax)."""
-        return self._greedy and not (self._repetition or self._frequency or self._bias)
+        """Greedy with no penalty and no constraint: the token is the row's argmax (rows can
+        share one argmax)."""
+        return self._greedy and not (
+            self._repetition or self._frequency or self._bias or self.matcher is not None
+        )
 
     def sample(self, logits: torch.Tensor) -> int:
         """Choose the next token from `logits` ([vocab] CPU), record it and return it."""
@@ -67,10 +80,12 @@ class Sampler:
         return token
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """A float32 copy of `logits` with the logit_bias (first), then the repetition,
-        frequency and presence penalties."""
+        """A float32 copy of `logits`, masked to what the request's grammar allows (first),
+        with the logit_bias, then the repetition, frequency and presence penalties."""
         out = self._check(logits).to(torch.float32, copy=True)
         p = self.params
+        if self.matcher is not None:
+            self.matcher.mask(out)
         if self._bias:
             out[self._bias_ids] += self._bias_values
         if self._repetition:
@@ -131,6 +146,7 @@ class Sampler:
 
     def record(self, token: int) -> None:
         """Note a token chosen for this request elsewhere (a batched argmax)."""
+        assert self.matcher is None, "a constrained row is never in a batched argmax"
         self._record(token)
 
     def take_logprob(self) -> TokenLogprob | None:
@@ -139,6 +155,8 @@ class Sampler:
         return logprob
 
     def _record(self, token: int) -> None:
+        if self.matcher is not None:
+            self.matcher.accept(token)
         self.output_ids.append(token)
         if self._frequency:
             if not self._counts.numel():

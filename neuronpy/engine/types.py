@@ -52,6 +52,51 @@ class OutputFormat:
             raise InvalidRequestError(f"unknown reasoning parser {self.reasoning!r}")
 
 
+# What a constrained request may ask (engine/grammar.py compiles it; README "Structured outputs")
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tools")
+MAX_CONSTRAINT_CHARS = 64 << 10  # a schema's, regex's or grammar's text
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match, for constrained decoding: a JSON Schema
+    ("json_schema", `spec` its JSON text), any JSON object ("json_object"), a regex, one of
+    `choices` ("choice"), an EBNF grammar ("grammar"), or well-formed calls of the tools in
+    `spec` ("tools": {"tools": [{"name", "parameters"}], "parallel": bool}, as JSON).
+
+    `param` is the request field it came from, named by its errors; it is not part of the
+    constraint's identity (two requests with the same schema share one compiled grammar)."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    param: str = field(default="response_format", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError(
+                f"unknown constraint {self.kind!r}; one of {', '.join(CONSTRAINT_KINDS)}",
+                self.param,
+            )
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(
+                f"'{self.param}' takes at most {MAX_CONSTRAINT_CHARS} characters", self.param
+            )
+        if self.kind == "choice":
+            if not 1 <= len(self.choices) <= MAX_CHOICES or not all(
+                isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_CHARS for c in self.choices
+            ):
+                raise InvalidRequestError(
+                    f"'{self.param}' must be 1 to {MAX_CHOICES} non-empty strings of at most "
+                    f"{MAX_CHOICE_CHARS} characters",
+                    self.param,
+                )
+        elif self.kind not in ("json_object",) and not self.spec:
+            raise InvalidRequestError(f"'{self.param}' is empty", self.param)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops. Validated on construction (InvalidRequestError).
@@ -78,6 +123,8 @@ class SamplingParams:
     # (token id, bias) pairs added to the raw logits before anything else; ids are unique
     logit_bias: tuple[tuple[int, float], ...] = ()
     output: OutputFormat = OutputFormat()
+    # what the output must match (constrained decoding); None: anything
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         mt = self.max_tokens
@@ -134,6 +181,8 @@ class SamplingParams:
         _check_logit_bias(self.logit_bias)
         if not isinstance(self.output, OutputFormat):
             raise InvalidRequestError("'output' must be an OutputFormat")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidRequestError("'constraint' must be a Constraint")
 
     @property
     def greedy(self) -> bool:

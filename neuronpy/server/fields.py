@@ -112,23 +112,6 @@ def session(found: object) -> tuple[str | None, bool]:
     )
 
 
-def response_format(found: object) -> None:
-    """Only text: a JSON mode needs constrained decoding, which this server does not have."""
-    if found is None:
-        return
-    kind = found.get("type") if isinstance(found, dict) else None
-    if kind == "text":
-        return
-    if kind in ("json_object", "json_schema"):
-        message = (
-            f"response_format {kind!r} is not supported: this server has no constrained "
-            'decoding; use {"type": "text"} (the default) and validate the reply yourself'
-        )
-    else:
-        message = "'response_format' must be an object whose type is 'text'"
-    raise InvalidRequestError(message, "response_format")
-
-
 def logprobs(chat: bool, body: dict[str, Any]) -> int | None:
     """How many top alternatives to report per token (0: the chosen token's only), or None.
     Chat: `logprobs: true` and `top_logprobs: N`; completions: `logprobs: N`."""

@@ -54,6 +54,7 @@ async def generate(
         params = req.sampling_params(len(prompt_ids), engine.context_len, reasoning)
         session = await session_request(store, engine, req)
         try:
+            await engine.prepare(prompt_ids, params)  # a constraint's grammar, on a thread
             streams = engine.submit_many(prompt_ids, params, req.n, session)
         except NeuronError as exc:
             raise api_error(exc, req.param_names) from None

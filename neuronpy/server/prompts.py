@@ -42,8 +42,8 @@ class ChatTools:
 
 def parse_tools(body: dict[str, Any]) -> ChatTools:
     """`tools`, `tool_choice` and `parallel_tool_calls`. tool_choice "none" hides the tools
-    from the template; a named function shows the template that tool alone; "required" and a
-    named one are not enforced on the output (no constrained decoding)."""
+    from the template; a named function shows the template that tool alone. "required" and a
+    named function are enforced on the output (server/constraints.py: tool_constraint)."""
     tools = _tools(body.get("tools"))
     names = [t["function"]["name"] for t in tools]
     choice, named = _tool_choice(body.get("tool_choice"), names)

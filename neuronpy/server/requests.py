@@ -14,6 +14,7 @@ from neuronpy.defaults import DEFAULT_BODY_TIMEOUT
 from neuronpy.engine.types import OutputFormat, SamplingParams
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server import fields
+from neuronpy.server.constraints import parse_constraint, tool_constraint
 from neuronpy.server.errors import ApiError, api_error
 from neuronpy.server.prompts import (
     ChatTools,
@@ -162,7 +163,7 @@ def parse_request(kind: Kind, body: object) -> ParsedRequest:
 def _parse(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
     check_types(kind == "chat", body)  # every field's JSON type, before any field's rules
     fields.unsupported(body)
-    fields.response_format(body.get("response_format"))
+    constraint = parse_constraint(body)
     n = body.get("n", 1)
     n = 1 if n is None else n
     if not fields.is_int(n) or n < 1:  # the engine checks its own cap (max_n) before admitting
@@ -189,9 +190,11 @@ def _parse(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
         ignore_eos=fields.optional(body, "ignore_eos", bool, False),
         logprobs=fields.logprobs(kind == "chat", body),
         logit_bias=fields.logit_bias(body.get("logit_bias")),
+        constraint=constraint,
     )
     if kind == "chat":
         messages, tools = parse_messages(body.get("messages")), parse_tools(body)
+        params = dataclasses.replace(params, constraint=tool_constraint(tools, constraint))
     elif body.get("tools"):
         raise InvalidRequestError("'tools' needs /v1/chat/completions", "tools")
     session, session_save = fields.session(body.get("session"))
