@@ -503,3 +503,38 @@ def test_bad_constraints_are_400s_and_change_nothing(
         f"{server.v1}/chat/completions", json={**body, **{k: None for k in extra}}, timeout=30
     )
     assert ok.status_code == 200
+
+
+def test_grammar_cache_serves_the_same_schema_twice_and_metrics_show_it(
+    server: RunningServer,
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def metrics() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        return {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.labels.get("model") == MODEL and "grammar" in sample.name
+        }
+
+    schema = obj({"unique_to_this_test": INT})
+    body = {
+        "model": MODEL,
+        "prompt": "Hi",
+        "max_tokens": 30,
+        "temperature": 0.0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}},
+    }
+    before = metrics()
+    first = httpx.post(f"{server.v1}/completions", json=body, timeout=30).json()
+    middle = metrics()
+    second = httpx.post(f"{server.v1}/completions", json=body, timeout=30).json()
+    after = metrics()
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    jsonschema.validate(json.loads(first["choices"][0]["text"]), schema)
+    compiled = "neuronpy_grammars_compiled_total"
+    assert middle[compiled] == before[compiled] + 1 and after[compiled] == middle[compiled]
+    assert after["neuronpy_grammar_compile_seconds_total"] > 0
+    assert after["neuronpy_grammar_cache_bytes"] > 0

@@ -101,6 +101,9 @@ class EngineStats:
     sessions_saved: int = 0  # conversations written to session files
     sessions_restored: int = 0  # prompts that continued from a session file
     session_save_failures: int = 0  # finished requests whose session file could not be written
+    grammars_compiled: int = 0  # constraints compiled (structured outputs; cache misses)
+    grammar_compile_seconds: float = 0.0  # spent compiling them, on threads of their own
+    grammar_cache_bytes: int = 0  # compiled grammars kept for reuse
 
 
 @dataclass(frozen=True)

@@ -126,7 +126,17 @@ class Engine:
         await self._tg.__aenter__()
         self._healthy = True
         self._tg.start_soon(self._loop, name=f"neuronpy-engine-{self.name}")
+        self._tg.start_soon(self._warm_grammars, name=f"neuronpy-grammars-{self.name}")
         return self
+
+    async def _warm_grammars(self) -> None:
+        """The vocabulary indexed for constrained decoding (~0.2 s for 49k tokens), on a
+        thread, so that the first constrained request does not wait for it; a failure here
+        is the first constrained request's to report."""
+        try:
+            await anyio.to_thread.run_sync(self.grammars.warm)
+        except Exception:
+            log.warning("could not index %s's vocabulary for constraints", self.name, exc_info=True)
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self._healthy = False
@@ -284,7 +294,13 @@ class Engine:
         return out
 
     def stats(self) -> EngineStats:
-        return self._scheduler.stats(self.healthy)
+        g = self.grammars
+        return dataclasses.replace(
+            self._scheduler.stats(self.healthy),
+            grammars_compiled=g.compiled,
+            grammar_compile_seconds=g.compile_seconds,
+            grammar_cache_bytes=g.cache_bytes_used,
+        )
 
     def retry_after(self) -> float:
         """Seconds until a row is likely free: the queue ahead at the measured request time."""

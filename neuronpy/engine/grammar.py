@@ -63,7 +63,8 @@ class Grammars:
         self.cache_bytes = cache_bytes
         self._compiler: xgr.GrammarCompiler | None = None  # made on first use (~0.1-1 s)
         self._info: xgr.TokenizerInfo | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache's
+        self._init_lock = threading.Lock()  # the compiler's making (never held with the other)
         self._cache: OrderedDict[tuple[Constraint, Reasoning | None], xgr.CompiledGrammar] = (
             OrderedDict()
         )
@@ -78,8 +79,13 @@ class Grammars:
         assert self._info is not None
         return frozenset(self._info.stop_token_ids)
 
+    def warm(self) -> None:
+        """Indexes the vocabulary now (blocking: the engine runs it on a thread at start), so
+        that the first constrained request does not wait for it."""
+        self._ensure_compiler()
+
     def _ensure_compiler(self) -> xgr.GrammarCompiler:
-        with self._lock:
+        with self._init_lock:
             if self._compiler is None:
                 self._info = info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer,
@@ -90,6 +96,10 @@ class Grammars:
                     info, max_threads=COMPILE_THREADS, cache_enabled=False
                 )
             return self._compiler
+
+    @property
+    def cache_bytes_used(self) -> int:
+        return self._bytes
 
     def cached(self, constraint: Constraint, reasoning: Reasoning | None = None) -> bool:
         with self._lock:
@@ -107,7 +117,15 @@ class Grammars:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        compiler = self._ensure_compiler()
+        try:
+            compiler = self._ensure_compiler()
+        except Exception as exc:  # (xgrammar could not read this tokenizer's vocabulary)
+            log.warning("no constrained decoding for this tokenizer: %r", exc)
+            raise InvalidRequestError(
+                f"'{constraint.param}': this model's tokenizer does not support constrained "
+                f"decoding ({type(exc).__name__})",
+                constraint.param,
+            ) from None
         began = time.perf_counter()
         try:
             grammar = _grammar(constraint)
@@ -184,6 +202,18 @@ class Matcher:
                 logits[width:] = float("-inf")
         if not torch.isfinite(logits.max()):
             raise GrammarError("the reply's grammar allows no token the model can write next")
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next (a greedy row whose plain argmax it allows
+        needs no mask: the masked argmax is that token)."""
+        with self._lock:
+            if self._matcher.is_terminated():
+                return False
+            if not self._filled:
+                self._fill()
+            if not 0 <= token < self._vocab_size:
+                return False
+            return bool((int(self._bitmask[0, token >> 5]) >> (token & 31)) & 1)
 
     def accept(self, token: int) -> None:
         with self._lock:

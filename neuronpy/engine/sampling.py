@@ -62,16 +62,26 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no penalty and no constraint: the token is the row's argmax (rows can
-        share one argmax)."""
-        return self._greedy and not (
-            self._repetition or self._frequency or self._bias or self.matcher is not None
-        )
+        """Greedy with no penalty: the token is the row's argmax (rows can share one argmax),
+        unless the row's constraint forbids it (see `take_argmax`)."""
+        return self._greedy and not (self._repetition or self._frequency or self._bias)
+
+    def take_argmax(self, token: int) -> bool:
+        """For a plain greedy row whose raw argmax is `token`: records it and answers True
+        when the row's constraint (if any) allows it, which makes it the masked argmax too
+        (the first maximum among the allowed ids); False: the row needs its mask."""
+        if self.matcher is not None and not self.matcher.allows(token):
+            return False
+        self._record(token)
+        return True
 
     def sample(self, logits: torch.Tensor) -> int:
         """Choose the next token from `logits` ([vocab] CPU), record it and return it."""
         if self.plain_greedy:
             token = int(torch.argmax(self._check(logits)))
+            if self.take_argmax(token):
+                return token
+            token = int(torch.argmax(self.penalize(logits)))
         elif self._greedy:
             token = int(torch.argmax(self.penalize(logits)))
         else:
@@ -145,8 +155,7 @@ class Sampler:
         return logits
 
     def record(self, token: int) -> None:
-        """Note a token chosen for this request elsewhere (a batched argmax)."""
-        assert self.matcher is None, "a constrained row is never in a batched argmax"
+        """Note a token chosen for this request elsewhere."""
         self._record(token)
 
     def take_logprob(self) -> TokenLogprob | None:
@@ -205,11 +214,10 @@ def sample_rows(
             assert sampler is not None
             try:
                 sampler._check(logits[i])
+                if sampler.take_argmax(token):
+                    tokens[i] = token
             except Exception as exc:
                 failed(i, exc)
-                continue
-            sampler.record(token)
-            tokens[i] = token
     for i, sampler in enumerate(samplers):
         if sampler is not None and tokens[i] is None and live[i] is not None:
             try:

@@ -47,6 +47,11 @@ ENGINE_GAUGES = (
         "neuronpy_kv_budget_tokens",
         "Tokens of KV the running requests may hold (kv_budget_bytes); 0: no budget.",
     ),
+    (
+        "grammar_cache_bytes",
+        "neuronpy_grammar_cache_bytes",
+        "Bytes of compiled grammars (structured outputs) kept for reuse.",
+    ),
 )
 ENGINE_COUNTERS = (
     ("cancelled", "neuronpy_requests_cancelled", "Requests ended early by their client."),
@@ -54,6 +59,16 @@ ENGINE_COUNTERS = (
     ("prompt_tokens", "neuronpy_prompt_tokens", "Prompt tokens of admitted requests."),
     ("generated_tokens", "neuronpy_generation_tokens", "Tokens sampled, over every request."),
     ("decode_steps", "neuronpy_decode_steps", "Lockstep decode steps."),
+    (
+        "grammars_compiled",
+        "neuronpy_grammars_compiled",
+        "Constraints compiled into grammars (structured outputs; the cache's misses).",
+    ),
+    (
+        "grammar_compile_seconds",
+        "neuronpy_grammar_compile_seconds",
+        "Seconds spent compiling grammars, off the engine's loop.",
+    ),
     ("decoded_rows", "neuronpy_decoded_rows", "Rows decoded: the batch size summed over steps."),
     ("multi_row_steps", "neuronpy_multi_row_steps", "Decode steps with more than one row."),
     ("rebatches", "neuronpy_rebatches", "Rebatches: rows joined or left the live batch."),
