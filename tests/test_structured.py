@@ -252,6 +252,13 @@ def test_bad_constraints_are_refused_naming_their_field() -> None:
         (Constraint("json_schema", json.dumps(deep), param="guided_json"), "deeper than 32"),
         (Constraint("regex", "(ab", param="guided_regex"), "parenthesis"),
         (Constraint("grammar", "root ::= b", param="guided_grammar"), "not defined"),
+        # nested counted repetition: 75 s of compiling, refused at once
+        (Constraint("regex", "([a-z]{1,50}){1,50}", param="guided_regex"), "multiply past"),
+        (
+            json_constraint(obj({"s": {"type": "string", "pattern": "^([a-z]{1,50}){1,50}$"}})),
+            "multiply past",
+        ),
+        (Constraint("grammar", 'root ::= ("a"{1,50}){1,50}', param="guided_grammar"), "past"),
     ]
     for constraint, why in cases:
         with pytest.raises(ValueError, match=why) as info:

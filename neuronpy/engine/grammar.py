@@ -32,6 +32,11 @@ from neuronpy.errors import InvalidRequestError
 log = logging.getLogger(__name__)
 
 MAX_SCHEMA_DEPTH = 32  # nesting of a JSON Schema's objects and arrays
+# Counted repetition nested in counted repetition, (x{1,50}){1,50}, compiles in time that grows
+# far faster than the product of the counts (that one: 75 s on this 2-core machine, 16x16:
+# 0.04 s). A product above this is refused.
+MAX_NESTED_REPETITION = 1024
+_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
 COMPILE_THREADS = 2
 # xgrammar's errors start "[13:03:32] /project/cpp/json_schema_converter.cc:5082: "
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -229,17 +234,85 @@ class Matcher:
 # ---- constraint -> grammar ----------------------------------------------------------------------
 
 
+def _nested_repetition(text: str, quoted: bool = False) -> int:
+    """The largest product of counted repetitions nested in one another in a regex (or, with
+    `quoted`, an EBNF grammar, whose "..." literals are skipped)."""
+    stack, last, worst, i = [1], 1, 1, 0
+    while i < len(text):
+        c = text[i]
+        count = _COUNT.match(text, i)
+        if count is not None:
+            bound = max(1, int(count.group(2) or count.group(1)))
+            if last > 1:  # a counted group holding counted repetition
+                worst = max(worst, last * bound)
+            stack[-1] = max(stack[-1], last * bound)
+            last, i = 1, count.end()
+            continue
+        if c == "\\":
+            i += 2
+        elif c == "[":
+            i += 1
+            while i < len(text) and text[i] != "]":
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+        elif quoted and c == '"':
+            i += 1
+            while i < len(text) and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+            i += 1
+        elif c == "(":
+            stack.append(1)
+            i += 1
+            continue
+        elif c == ")" and len(stack) > 1:
+            last = stack.pop()
+            i += 1
+            continue
+        else:
+            i += 1
+        last = 1
+    return worst
+
+
+def _check_repetition(text: str, param: str, quoted: bool = False) -> None:
+    if _nested_repetition(text, quoted) > MAX_NESTED_REPETITION:
+        raise InvalidRequestError(
+            f"'{param}' nests counted repetitions whose counts multiply past "
+            f"{MAX_NESTED_REPETITION} (such as (x{{1,50}}){{1,50}}): it would take too long to "
+            "compile",
+            param,
+        )
+
+
+def _patterns(schema: Any) -> list[str]:
+    """Every regex in a JSON Schema: `pattern` values and `patternProperties` keys."""
+    found, stack = [], [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("pattern"), str):
+                found.append(item["pattern"])
+            if isinstance(item.get("patternProperties"), dict):
+                found.extend(item["patternProperties"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
 def _grammar(c: Constraint) -> xgr.Grammar:
     if c.kind == "json_object":
         return _json_grammar('{"type": "object"}', strict=False)
     if c.kind == "json_schema":
         return _json_grammar(_schema(c.spec, c.param))
     if c.kind == "regex":
+        _check_repetition(c.spec, c.param)
         return xgr.Grammar.from_regex(c.spec)
     if c.kind == "choice":
         literals = " | ".join(_literal(choice) for choice in c.choices)
         return xgr.Grammar.from_ebnf(f"root ::= {literals}")
     if c.kind == "grammar":
+        _check_repetition(c.spec, c.param, quoted=True)
         return xgr.Grammar.from_ebnf(c.spec)
     assert c.kind == "tools"
     return _tool_calls(c)
@@ -263,7 +336,8 @@ def _json_grammar(schema: str, strict: bool = True) -> xgr.Grammar:
 
 
 def _schema(text: str, param: str) -> str:
-    """A JSON Schema's text, checked: valid JSON, an object (or a boolean), not too deep."""
+    """A JSON Schema's text, checked: valid JSON, an object (or a boolean), not too deep, no
+    regex in it too slow to compile."""
     try:
         schema = json.loads(text)
     except (ValueError, RecursionError):
@@ -272,6 +346,8 @@ def _schema(text: str, param: str) -> str:
         raise InvalidRequestError(f"'{param}' must be a JSON Schema object", param)
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise InvalidRequestError(f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
+    for pattern in _patterns(schema):
+        _check_repetition(pattern, param)
     return text
 
 
