@@ -333,14 +333,18 @@ async def ask(api: openai.AsyncOpenAI, stream: bool, **kwargs: Any) -> Reply:
         assert all(
             c.id.startswith("call_") and c.type == "function" for c in message.tool_calls or ()
         )
-        reasoning = (message.model_extra or {}).get("reasoning_content") or ""
+        extra = message.model_extra or {}
+        reasoning = extra.get("reasoning_content") or ""
+        assert (extra.get("reasoning") or "") == reasoning  # vLLM's name for the same text
         return Reply(reasoning, message.content or "", calls, choice.finish_reason)
     reasoning, content, finish = "", "", None
     calls: dict[int, dict[str, Any]] = {}
     async for chunk in await api.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             delta = choice.delta
-            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            extra = delta.model_extra or {}
+            reasoning += extra.get("reasoning_content") or ""
+            assert extra.get("reasoning") == extra.get("reasoning_content")
             content += delta.content or ""
             for call in delta.tool_calls or ():
                 if call.index not in calls:  # the first chunk of a call: id and name

@@ -264,7 +264,6 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
     ("no-prompt", TEXT, {}, 400, "prompt"),
     ("empty-prompt", TEXT, {"prompt": ""}, 400, "prompt"),
     ("empty-id-list", TEXT, {"prompt": []}, 400, "prompt"),
-    ("batched-prompts", TEXT, {"prompt": ["a", "b"]}, 400, "prompt"),
     ("negative-id", TEXT, {"prompt": [5, -1]}, 400, "prompt"),
     ("out-of-vocab-id", TEXT, {"prompt": [5, 360]}, 400, "prompt"),
     ("float-id", TEXT, {"prompt": [5, 1.5]}, 400, "prompt"),

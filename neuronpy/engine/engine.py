@@ -225,6 +225,11 @@ class Engine:
         self._wake.set()
         return streams
 
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """What `submit` checks of a prompt and its parameters, without admitting anything:
+        InvalidRequestError (too long for the context, ids outside the vocabulary, ...)."""
+        self._scheduler.validate(prompt_ids, params)
+
     def _reasoning(self, prompt_ids: Sequence[int], params: SamplingParams) -> Reasoning | None:
         """The reply's reasoning block before its constraint, if it has both."""
         parser = params.output.reasoning

@@ -30,9 +30,11 @@ from neuronpy.server.models import (
     log_batches,
     serve_model,
 )
+from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
 from neuronpy.server.stream import EventStreamResponse
+from neuronpy.server.tokenize import detokenize, tokenize
 
 
 def create_app(
@@ -67,7 +69,9 @@ def create_app(
     store = SessionStore(sessions_dir) if sessions_dir is not None else None
     metrics = ServerMetrics(state)
     limits = BodyLimits(max_body_bytes, body_timeout)
-    middleware = security_middleware(api_key, cors_allow_origins, cors_allow_credentials)
+    # outermost: every response carries its x-request-id, a 401 or a CORS refusal too
+    middleware = [Middleware(RequestIdMiddleware)]
+    middleware += security_middleware(api_key, cors_allow_origins, cors_allow_credentials)
     if limit_concurrency:  # inside the key check: a client without the key holds nothing
         middleware.append(
             Middleware(ConcurrencyLimit, limit=limit_concurrency, on_refused=metrics.refuse_unread)
@@ -148,6 +152,12 @@ def create_app(
     async def completions(request: Request) -> Response | EventStreamResponse:
         return await generate(request, state, "text", limits, metrics, store)
 
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(request, state, limits)
+
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(request, state, limits)
+
     async def sessions_route(request: Request) -> Response:
         """/v1/sessions lists them; /v1/sessions/NAME shows (GET) or deletes (DELETE) one."""
         if store is None:
@@ -165,6 +175,8 @@ def create_app(
         Route("/v1/models/{model:path}", models_route, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize_route, methods=["POST"]),
+        Route("/detokenize", detokenize_route, methods=["POST"]),
         Route("/v1/sessions", sessions_route, methods=["GET"]),
         Route("/v1/sessions/{name}", sessions_route, methods=["GET", "DELETE"]),
         Route("/stats", stats, methods=["GET"]),

@@ -17,7 +17,7 @@ from neuronpy.server.errors import ApiError
 OPEN_PATHS = frozenset({"/health"})
 # Headers a browser may send on a cross-origin request, and those its script may read.
 CORS_METHODS = ("GET", "POST")
-CORS_EXPOSE_HEADERS = ("Retry-After",)
+CORS_EXPOSE_HEADERS = ("Retry-After", "x-request-id")
 
 
 def _digest(value: bytes) -> bytes:

@@ -25,6 +25,13 @@ class Copy:
     reply: Reply
     observe: Callable[[GenerationEvent], None]
     last: GenerationEvent | None = None  # the latest of its events taken so far
+    counts_prompt: bool = True  # the first copy of its prompt: the usage counts the prompt
+
+
+def prompt_totals(copies: Sequence[Copy]) -> tuple[int, int]:
+    """The usage's prompt tokens and cached tokens: each prompt once, however many copies."""
+    firsts = [c.stream for c in copies if c.counts_prompt]
+    return sum(s.prompt_tokens for s in firsts), sum(s.cached_tokens for s in firsts)
 
 
 class Events:

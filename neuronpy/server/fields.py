@@ -167,26 +167,28 @@ def logit_bias(found: object) -> tuple[tuple[int, float], ...]:
     return tuple(bias.items())
 
 
-def prompt(found: object) -> str | list[int]:
-    """A completions prompt: a string or a list of token ids; a list holding one of those is
-    that one."""
-    if isinstance(found, list) and len(found) == 1 and isinstance(found[0], (str, list)):
-        found = found[0]
+MAX_PROMPTS = 256  # prompts in one completions request
+
+
+def prompts(found: object) -> tuple[str | list[int], ...]:
+    """A completions prompt, or several: a non-empty string, a non-empty list of token ids, or
+    a list of those (each its own request in the batch, one choice each)."""
+    if isinstance(found, list) and found and all(isinstance(p, (str, list)) for p in found):
+        if len(found) > MAX_PROMPTS:
+            raise InvalidRequestError(
+                f"'prompt' takes at most {MAX_PROMPTS} prompts, got {len(found)}", "prompt"
+            )
+        return tuple(_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(found))
+    return (_one_prompt(found, "prompt"),)
+
+
+def _one_prompt(found: object, where: str) -> str | list[int]:
     if isinstance(found, str):
         if not found:
-            raise InvalidRequestError("'prompt' is empty", "prompt")
+            raise InvalidRequestError(f"'{where}' is empty", "prompt")
         return found
     if isinstance(found, list) and found and all(is_int(t) for t in found):
         return found
-    if (
-        isinstance(found, list)
-        and len(found) > 1
-        and all(isinstance(p, (str, list)) for p in found)
-    ):
-        raise InvalidRequestError(
-            f"'prompt' holds {len(found)} prompts; this server takes one prompt per request",
-            "prompt",
-        )
     raise InvalidRequestError(
-        "'prompt' must be a non-empty string or a non-empty list of token ids", "prompt"
+        f"'{where}' must be a non-empty string or a non-empty list of token ids", "prompt"
     )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+import uuid
 from collections.abc import Sequence
 
 import anyio
@@ -13,13 +15,15 @@ from starlette.responses import JSONResponse, Response
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.sessions import SessionStore
-from neuronpy.engine.types import GenerationEvent
+from neuronpy.engine.stream import RequestStream
+from neuronpy.engine.types import GenerationEvent, SamplingParams, SessionRequest
 from neuronpy.errors import NeuronError
-from neuronpy.server.copies import Copy, cancel_on_disconnect, merged
+from neuronpy.server.copies import Copy, cancel_on_disconnect, merged, prompt_totals
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.logprobs import token_texts
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
+from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import (
     BodyLimits,
     Kind,
@@ -30,6 +34,8 @@ from neuronpy.server.requests import (
 from neuronpy.server.responses import SESSION_ERROR_HEADER, Reply, header_text, usage
 from neuronpy.server.sessions import session_request
 from neuronpy.server.stream import EventStreamResponse
+
+log = logging.getLogger(__name__)
 
 
 async def generate(
@@ -43,28 +49,65 @@ async def generate(
     """Validate, tokenize and admit the request's n copies (any failure is an error response
     and admits nothing), then stream or gather them; a client that disconnects cancels them."""
     started = time.perf_counter()
+    completion_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = name_request(request, completion_id)
     model: ServedModel | None = None
     try:
         body = await read_json(request, limits)
         model = state.find(requested_model(body))
         engine = model.ready_engine()
         req = parse_request(kind, body)
-        prompt_ids = await anyio.to_thread.run_sync(req.prompt_ids, engine.tokenizer)
+        if req.tools.tools and req.params.constraint is None and not model.renders_tools:
+            raise ApiError(
+                400,
+                f"the chat template of model '{model.name}' does not show the model its tools, "
+                "so it cannot call them of its own accord; give tool_choice 'required' or a "
+                "named function (enforced by constrained decoding), or use a model whose "
+                "template renders tools",
+                param="tools",
+            )
         reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
-        params = req.sampling_params(len(prompt_ids), engine.context_len, reasoning)
+        prompts = [
+            await anyio.to_thread.run_sync(req.prompt_ids, engine.tokenizer, i)
+            for i in range(len(req.prompts) if kind == "text" else 1)
+        ]
+        if len(prompts) * req.n > engine.max_running + engine.config.max_queue:
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts x n = {req.n} completions can never be admitted "
+                f"together: model '{model.name}' runs {engine.max_running} and queues "
+                f"{engine.config.max_queue}",
+                param="prompt",
+            )
+        plans = [
+            (ids, req.sampling_params(len(ids), engine.context_len, reasoning)) for ids in prompts
+        ]
         session = await session_request(store, engine, req)
-        try:
-            await engine.prepare(prompt_ids, params)  # a constraint's grammar, on a thread
-            streams = engine.submit_many(prompt_ids, params, req.n, session)
-        except NeuronError as exc:
-            raise api_error(exc, req.param_names) from None
+        groups = await _admit(engine, plans, req.n, session, req.param_names)
     except ApiError as exc:
         metrics.reject(model, exc)
+        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
         raise
+    log.info(
+        "request %s: model %s, %s prompt tokens, n=%d%s",
+        rid,
+        model.name,
+        "+".join(str(len(ids)) for ids in prompts),
+        req.n,
+        ", streamed" if req.stream else "",
+    )
+    params = plans[0][1]
     texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
-    reply = Reply(kind, model.name, include_usage=req.include_usage, texts=texts)
-    copies = [  # copy i renders choice i; each copy counts as an admitted request
-        Copy(stream, dataclasses.replace(reply, index=i), metrics.admit(model.name, started))
+    reply = Reply(kind, model.name, include_usage=req.include_usage, id=completion_id, texts=texts)
+    # choice prompt * n + copy; each copy counts as an admitted request, its prompt once
+    copies = [
+        Copy(
+            stream,
+            dataclasses.replace(reply, index=p * req.n + i),
+            metrics.admit(model.name, started),
+            counts_prompt=i == 0,
+        )
+        for p, streams in enumerate(groups)
         for i, stream in enumerate(streams)
     ]
     if req.stream:
@@ -72,8 +115,31 @@ async def generate(
     return await _gather(request, copies, engine)
 
 
+async def _admit(
+    engine: Engine,
+    plans: Sequence[tuple[list[int], SamplingParams]],
+    n: int,
+    session: SessionRequest | None,
+    names: dict[str, str],
+) -> list[list[RequestStream]]:
+    """Each prompt's n copies admitted, or none of them: every prompt is checked first, and a
+    refusal at admission (a full queue) cancels those admitted before it."""
+    groups: list[list[RequestStream]] = []
+    try:
+        for ids, params in plans:
+            engine.validate(ids, params)
+        for ids, params in plans:
+            await engine.prepare(ids, params)  # a constraint's grammar, on a thread
+            groups.append(engine.submit_many(ids, params, n, session))
+    except NeuronError as exc:
+        for stream in (s for group in groups for s in group):
+            stream.cancel()
+        raise api_error(exc, names) from None
+    return groups
+
+
 async def _gather(request: Request, copies: Sequence[Copy], engine: Engine) -> Response:
-    """A non-streamed request: every copy gathered, one choice each; the usage counts the
+    """A non-streamed request: every copy gathered, one choice each; the usage counts each
     prompt once and every copy's tokens. A disconnect cancels every copy."""
     events: list[list[GenerationEvent]] = [[] for _ in copies]
 
@@ -91,8 +157,8 @@ async def _gather(request: Request, copies: Sequence[Copy], engine: Engine) -> R
             raise error
     choices = [copy.reply.choice(evs) for copy, evs in zip(copies, events, strict=True)]
     completion = sum(copy.last.completion_tokens for copy in copies if copy.last is not None)
-    first = copies[0].stream
-    totals = usage(first.prompt_tokens, completion, first.cached_tokens)
+    prompt, cached = prompt_totals(copies)
+    totals = usage(prompt, completion, cached)
     # a session that could not be saved does not discard the reply: it is said beside it
     lost = [c.last.session_error for c in copies if c.last is not None and c.last.session_error]
     session_error = lost[0] if lost else None

@@ -15,6 +15,7 @@ from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import FinishReason, SamplingParams
 from neuronpy.errors import ModelLoadError, NeuronError
 from neuronpy.server.errors import ApiError, unavailable
+from neuronpy.server.prompts import template_renders_tools
 from neuronpy.threads import run_in_own_thread
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class ServedModel:
     status: str = "loading"  # loading -> ready -> stopping; or failed
     engine: Engine | None = None
     error: str | None = None  # why it failed, for the log and the operator (never for clients)
+    renders_tools: bool = True  # whether its chat template writes tools into the prompt
 
     @property
     def state(self) -> str:
@@ -131,6 +133,9 @@ async def serve_model(
             return  # the server is stopping: no need to start it
         async with engine:
             await _warm_up(engine)
+            model.renders_tools = await anyio.to_thread.run_sync(
+                template_renders_tools, engine.tokenizer
+            )
             model.engine = engine
             if model.status != "loading":  # the server began to stop while it warmed up
                 engine.stop_admitting(SHUTTING_DOWN)

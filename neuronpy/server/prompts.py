@@ -157,13 +157,14 @@ def parse_messages(value: object) -> list[dict[str, Any]]:
             calls = _tool_calls(message.get("tool_calls"), i)
             if calls:
                 item["tool_calls"] = calls
-            reasoning = message.get("reasoning_content")
-            if reasoning is not None:
+            for key in ("reasoning_content", "reasoning"):  # either name, as replies give both
+                reasoning = message.get(key)
+                if reasoning is None:
+                    continue
                 if not isinstance(reasoning, str):
-                    raise InvalidRequestError(
-                        f"{where}.reasoning_content must be a string", f"{where}.reasoning_content"
-                    )
+                    raise InvalidRequestError(f"{where}.{key} must be a string", f"{where}.{key}")
                 item["reasoning_content"] = reasoning
+                break
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str) or not call_id:
@@ -278,3 +279,23 @@ def render_chat(
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
     """A completions prompt as token ids: a string through the tokenizer, ids as given."""
     return list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
+
+
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "A probe.",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+
+
+def template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the model's chat template writes the tools it is given into the prompt (some
+    drop them silently: SmolLM2's). Blocking: run it in a thread."""
+    messages = [{"role": "user", "content": "Hi"}]
+    try:
+        return render_chat(tokenizer, messages) != render_chat(tokenizer, messages, [PROBE_TOOL])
+    except InvalidRequestError:
+        return False

@@ -56,7 +56,8 @@ class ParsedRequest:
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat
     # chat: the tools the template sees, and whether tool-call markup becomes tool calls
     tools: ChatTools = field(default_factory=ChatTools)
-    prompt: str | list[int] = ""  # completions
+    # completions: the prompts (a list of several: one choice per prompt and copy)
+    prompts: tuple[str | list[int], ...] = ("",)
     n: int = 1  # completions of the prompt to return (choices)
     session: str | None = None  # continue from this session, if saved (neuronpy's extension)
     session_save: bool = True  # and save the conversation into it at the end
@@ -69,12 +70,13 @@ class ParsedRequest:
             names["prompt"] = "messages"
         return names
 
-    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """The prompt's token ids (blocking: run it in a thread); 400 if it cannot be encoded."""
+    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
+        """Prompt `index`'s token ids (blocking: run it in a thread); 400 if it cannot be
+        encoded."""
         try:
             if self.kind == "chat":
                 return render_chat(tokenizer, self.messages, self.tools.tools)
-            return encode_prompt(tokenizer, self.prompt)
+            return encode_prompt(tokenizer, self.prompts[index])
         except InvalidRequestError as exc:
             raise api_error(exc) from None
 
@@ -211,4 +213,7 @@ def _parse(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
     )
     if kind == "chat":
         return ParsedRequest(**common, messages=messages, tools=tools)
-    return ParsedRequest(**common, prompt=fields.prompt(body.get("prompt")))
+    prompts = fields.prompts(body.get("prompt"))
+    if session is not None and len(prompts) > 1:
+        raise InvalidRequestError("a request with a 'session' takes one prompt", "prompt")
+    return ParsedRequest(**common, prompts=prompts)

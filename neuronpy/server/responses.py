@@ -125,7 +125,8 @@ class Reply:
             return [self._chunk({"text": event.text}, logprobs)]
         deltas: list[dict[str, Any]] = []
         if event.reasoning:
-            deltas.append({"reasoning_content": event.reasoning})
+            # both names: vLLM's current `reasoning`, llama.cpp's and DeepSeek's
+            deltas.append({"reasoning": event.reasoning, "reasoning_content": event.reasoning})
         if event.text:
             deltas.append({"content": event.text})
         for call in event.tool_calls:
@@ -177,7 +178,7 @@ class Reply:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             reasoning = "".join(e.reasoning for e in events)
             if reasoning:
-                message["reasoning_content"] = reasoning
+                message["reasoning"] = message["reasoning_content"] = reasoning
             calls = [call for e in events for call in e.tool_calls]
             if calls:
                 message["content"] = text or None

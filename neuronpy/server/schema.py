@@ -61,6 +61,7 @@ class _Message(_Model):
     tool_calls: list[_ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _Function(_Model):
@@ -86,7 +87,7 @@ class _ToolChoice(_Model):
 
 ToolChoice = _either(("a string", str), ("an object", _ToolChoice))
 Stop = _either(("a string", str), ("an array", list[str]))
-# a string, or token ids, or a list of one of those: fields.prompt words each case
+# a string, or token ids, or a list of those: fields.prompts words each case
 Prompt = _either(("a string", str), ("an array", list[Any]))
 
 

@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import GenerationEvent
-from neuronpy.server.copies import Copy, Events, cancel_on_disconnect, merged
+from neuronpy.server.copies import Copy, Events, cancel_on_disconnect, merged, prompt_totals
 from neuronpy.server.errors import ApiError, failure
 
 HEADERS = [
@@ -86,7 +86,7 @@ class EventStreamResponse:
         if any(c.last is None or failure(c.last, self.engine) is not None for c in self.copies):
             return []
         completion = sum(c.last.completion_tokens for c in self.copies if c.last is not None)
-        prompt, cached = first.stream.prompt_tokens, first.stream.cached_tokens
+        prompt, cached = prompt_totals(self.copies)
         return [first.reply.usage_chunk(prompt, completion, cached)]
 
 

@@ -1,0 +1,68 @@
+"""/tokenize and /detokenize, in vLLM's shapes: a prompt (or chat messages, through the
+model's template) as token ids, and token ids as text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from neuronpy.errors import InvalidRequestError
+from neuronpy.server import fields
+from neuronpy.server.errors import ApiError, api_error
+from neuronpy.server.models import ServerState
+from neuronpy.server.prompts import parse_messages, parse_tools, render_chat
+from neuronpy.server.requests import BodyLimits, read_json, requested_model
+
+MAX_DETOKENIZE = 1 << 20  # token ids one request may send
+
+
+async def tokenize(request: Request, state: ServerState, limits: BodyLimits) -> JSONResponse:
+    """{"model", "prompt", "add_special_tokens"} or {"model", "messages", "tools"} ->
+    {"tokens", "count", "max_model_len"} (chat messages: exactly the prompt a chat request
+    with them would prefill)."""
+    body = await read_json(request, limits)
+    engine = state.find(requested_model(body)).ready_engine()
+    assert isinstance(body, dict)
+    tokenizer = engine.tokenizer
+    try:
+        if body.get("messages") is not None:
+            messages, tools = parse_messages(body["messages"]), parse_tools(body)
+            ids = await anyio.to_thread.run_sync(render_chat, tokenizer, messages, tools.tools)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise InvalidRequestError(
+                    "'prompt' must be a string (or give 'messages')", "prompt"
+                )
+            special = fields.optional(body, "add_special_tokens", bool, True)
+            ids = await anyio.to_thread.run_sync(
+                lambda: tokenizer.encode(prompt, add_special_tokens=special)
+            )
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
+    out = {"tokens": list(ids), "count": len(ids), "max_model_len": engine.context_len}
+    return JSONResponse(out)
+
+
+async def detokenize(request: Request, state: ServerState, limits: BodyLimits) -> JSONResponse:
+    """{"model", "tokens": [ids]} -> {"prompt": text}; ids outside the vocabulary are a 400."""
+    body = await read_json(request, limits)
+    engine = state.find(requested_model(body)).ready_engine()
+    assert isinstance(body, dict)
+    tokens: Any = body.get("tokens")
+    if not isinstance(tokens, list) or not all(fields.is_int(t) for t in tokens):
+        raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
+    if len(tokens) > MAX_DETOKENIZE:
+        raise ApiError(400, f"'tokens' takes at most {MAX_DETOKENIZE} ids", param="tokens")
+    bad = [t for t in tokens if not 0 <= t < engine.vocab_size]
+    if bad:
+        raise ApiError(
+            400,
+            f"'tokens' holds ids outside the vocabulary (0 to {engine.vocab_size - 1}): {bad[:10]}",
+            param="tokens",
+        )
+    text = await anyio.to_thread.run_sync(lambda: engine.tokenizer.decode(tokens))
+    return JSONResponse({"prompt": text})
