@@ -225,3 +225,39 @@ def test_rejection_reasons() -> None:
     assert rejection_reason(ApiError(500, "oops"), model) == "error"
     model.status = "stopping"
     assert rejection_reason(ApiError(503, "stopping"), model) == "shutting_down"
+
+
+def test_per_request_histograms_for_vllm_style_dashboards(server: RunningServer) -> None:
+    """Queue, prefill and decode time, time per output token, prompt and generated tokens per
+    request: each moves by one observation per request, with the sums a request's figures
+    make; the KV usage ratio stays within [0, 1]."""
+    names = (
+        "neuronpy_request_queue_time_seconds",
+        "neuronpy_request_prefill_time_seconds",
+        "neuronpy_request_decode_time_seconds",
+        "neuronpy_request_time_per_output_token_seconds",
+        "neuronpy_request_prompt_tokens",
+        "neuronpy_request_generation_tokens",
+    )
+    before = scrape(server)
+    api = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+    outs = [completion(api, f"Hello number {i}") for i in range(3)]
+    after = scrape(server)
+    for name in names:
+        assert value(after, f"{name}_count") - value(before, f"{name}_count") == 3, name
+    generated = value(after, "neuronpy_request_generation_tokens_sum") - value(
+        before, "neuronpy_request_generation_tokens_sum"
+    )
+    assert generated == 3 * TOKENS
+    prompts = value(after, "neuronpy_request_prompt_tokens_sum") - value(
+        before, "neuronpy_request_prompt_tokens_sum"
+    )
+    assert prompts == sum(o.usage.prompt_tokens for o in outs)
+    assert 0.0 <= value(after, "neuronpy_kv_cache_usage_ratio") <= 1.0
+    decode = value(after, "neuronpy_request_decode_time_seconds_sum") - value(
+        before, "neuronpy_request_decode_time_seconds_sum"
+    )
+    tpot = value(after, "neuronpy_request_time_per_output_token_seconds_sum") - value(
+        before, "neuronpy_request_time_per_output_token_seconds_sum"
+    )
+    assert tpot == pytest.approx(decode / (TOKENS - 1), rel=1e-6)

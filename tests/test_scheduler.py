@@ -487,3 +487,21 @@ assert request.output_ids == [5, 6, 6], request.output_ids
 assert not {{"torch", "anyio", "transformers"}} & set(sys.modules)
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
+
+
+def test_retry_after_is_when_a_row_frees_at_the_measured_step_time() -> None:
+    s = make_scheduler(max_running=2, max_queue=1)
+    assert s.retry_after() == 1.0  # nothing measured yet
+    admit(s, max_tokens=40), admit(s, max_tokens=100)
+    schedule(s)
+    for _ in range(10):
+        step(s)
+        s.add_time("forward", 0.25)  # each step took a quarter of a second
+    # 11 tokens each (the prefill's and 10 steps'): 29 and 89 to go. A refused request waits
+    # behind the queue (empty): the first row frees in 29 steps
+    assert s.retry_after() == pytest.approx(29 * 0.25)
+    admit(s, max_tokens=40)  # the queue's one place: now the second row is the one to wait for
+    assert s.retry_after() == pytest.approx(89 * 0.25)
+    # what requests have been writing bounds what a row is likely to still write
+    s._output_tokens = 20.0
+    assert s.retry_after() == pytest.approx(9 * 0.25)

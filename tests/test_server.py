@@ -528,7 +528,9 @@ def test_health_is_503_until_loaded_and_warm() -> None:
         assert health.status_code == 503
         assert health.json() == {"status": "loading", "models": {"tiny-llama": "loading"}}
         check_error(httpx.post(f"{server.v1}{CHAT}", json=MSG), 503, None)
-        check_error(httpx.get(f"{server.v1}/models"), 503, None)
+        models = httpx.get(f"{server.v1}/models")
+        check_error(models, 503, None)
+        assert models.headers["retry-after"] == "5"  # as the inference routes say
         release.set()
         deadline = time.monotonic() + 60
         while httpx.get(f"{server.url}/health").status_code != 200:

@@ -115,6 +115,7 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the snapshot
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache or a session
     preemptions: int = 0  # times it left the live batch to keep within the KV budget
+    scheduled_at: float | None = None  # when it first left the queue for a row (monotonic)
 
     @property
     def done(self) -> bool:

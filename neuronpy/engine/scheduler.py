@@ -9,6 +9,7 @@ which the loop empties after each call.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -91,6 +92,7 @@ class Scheduler:
         self._riding: list[Request] = []  # joiners whose next chunks ride the next step
         self._padding_columns = 0  # of the live batch
         self._request_seconds = 0.0  # moving average of a request's time, for Retry-After
+        self._output_tokens = 0.0  # moving average of a finished request's tokens (the same)
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -144,9 +146,27 @@ class Scheduler:
         return group
 
     def retry_after(self) -> float:
-        """Seconds until a row is likely free: the queue ahead at the measured request time."""
-        per_request = self._request_seconds or 1.0
-        return max(1.0, per_request * (len(self.waiting) + 1) / self.max_running)
+        """Seconds until a row is likely free for a request refused now: the running rows'
+        remaining tokens (each at most what requests have been writing, on average) at the
+        measured decode step time, then the queue ahead at the measured request time. At least
+        one second; one second when nothing has been measured yet."""
+        c = self.counters
+        if not c.decode_steps:
+            return 1.0
+        step = c.timing.get("forward", 0.0) / c.decode_steps
+        typical = self._output_tokens or math.inf
+        remaining = sorted(
+            max(0.0, min(r.params.max_tokens, typical) - len(r.output_ids))
+            for r in self.running
+            if not r.done
+        )
+        ahead = len(self.waiting) + 1  # the refused request would wait behind the queue
+        if ahead <= len(remaining):
+            return max(1.0, remaining[ahead - 1] * step)
+        last = remaining[-1] * step if remaining else 0.0
+        per_request = self._request_seconds or last or 1.0
+        later = math.ceil((ahead - len(remaining)) / self.max_running) * per_request
+        return max(1.0, last + later)
 
     def cancel(self, request: Request) -> None:
         """The client went away: a running row leaves at the next rebatch, a queued one never
@@ -210,8 +230,11 @@ class Scheduler:
             preempt, joining = fit(live, joining, self.kv_budget_tokens)
             for request in preempt:
                 self._preempt(request)
+        now = time.monotonic()
         for request in joining:
             self.waiting.remove(request)
+            if request.scheduled_at is None:
+                request.scheduled_at = now
             request.status = RequestStatus.PREFILLING
             self.joining.append(request)
         self.joining = [r for r in self.joining if not self._leave_if_done(r)]
@@ -440,6 +463,7 @@ class Scheduler:
             self.counters.finished += 1
             elapsed = time.monotonic() - request.arrived_at
             self._request_seconds = ema(self._request_seconds, elapsed)
+            self._output_tokens = ema(self._output_tokens, len(request.output_ids))
 
     def end_all(self, cause: Cause, error: str | None = None) -> None:
         """Ends every admitted request now with `cause` (shutdown, drain, a fault), whatever

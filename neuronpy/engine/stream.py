@@ -41,6 +41,12 @@ class RequestStream:
         first event has arrived; for n > 1, the prefill all the copies share)."""
         return self._request.cached_tokens
 
+    @property
+    def queue_seconds(self) -> float | None:
+        """How long it waited in the queue for a row (None: it has not left the queue)."""
+        r = self._request
+        return None if r.scheduled_at is None else r.scheduled_at - r.arrived_at
+
     def cancel(self) -> None:
         """Idempotent. A running row leaves within one decode step; a queued one never runs."""
         if not self._done:

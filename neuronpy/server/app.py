@@ -131,6 +131,9 @@ def create_app(
             if m.state == "ready" and m.engine is not None
         ]
         if not cards:
+            loading = any(m.status == "loading" for m in state.models.values())
+            if loading:  # as the inference routes answer while a model loads
+                raise unavailable("no model is ready yet: loading; retry shortly", retry_after=5)
             raise unavailable("no model is ready to serve requests")
         return JSONResponse({"object": "list", "data": cards})
 

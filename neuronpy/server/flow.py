@@ -104,7 +104,7 @@ async def generate(
         Copy(
             stream,
             dataclasses.replace(reply, index=p * req.n + i),
-            metrics.admit(model.name, started),
+            metrics.admit(model.name, started, stream),
             counts_prompt=i == 0,
         )
         for p, streams in enumerate(groups)

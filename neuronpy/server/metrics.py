@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.utils import floatToGoString
 
 from neuronpy.engine.engine import EngineStats
+from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.types import FinishReason, GenerationEvent
 from neuronpy.server.errors import REJECT_REASONS, ApiError, rejection_reason
 from neuronpy.server.models import ServedModel, ServerState
@@ -26,6 +27,7 @@ FINISH_REASONS = tuple(reason.value for reason in FinishReason)
 # Seconds; from a few milliseconds (a tiny model on a GPU) to minutes (a long CPU generation).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 131072)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, 240, 480, 960)
 
 # EngineStats fields exposed as they are: (field, metric name, help)
@@ -156,9 +158,53 @@ class ServerMetrics:
             buckets=E2E_BUCKETS,
             registry=self.registry,
         )
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=buckets, registry=self.registry)
+
+        self.tpot = histogram(
+            "neuronpy_request_time_per_output_token_seconds",
+            "A request's mean time per output token after its first (its decode time over its "
+            "tokens but one), for requests that ran to an end with two tokens or more.",
+            ITL_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "neuronpy_request_queue_time_seconds",
+            "From the request's admission to when it got a row (left the queue).",
+            TTFT_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "neuronpy_request_prefill_time_seconds",
+            "From when the request got a row to its first token (its prompt's prefill).",
+            TTFT_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "neuronpy_request_decode_time_seconds",
+            "From the request's first token to its last event.",
+            E2E_BUCKETS,
+        )
+        self.prompt_tokens = histogram(
+            "neuronpy_request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS
+        )
+        self.generation_tokens = histogram(
+            "neuronpy_request_generation_tokens",
+            "Generated tokens per finished request.",
+            TOKEN_BUCKETS,
+        )
+        self._histograms = (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.tpot,
+            self.queue_time,
+            self.prefill_time,
+            self.decode_time,
+            self.prompt_tokens,
+            self.generation_tokens,
+        )
         for name in names:  # every series exists from the start, at zero
-            for histogram in (self.ttft, self.itl, self.e2e):
-                histogram.labels(name)
+            for each in self._histograms:
+                each.labels(name)
         self.registry.register(_Collector(self))
 
     def reject(self, model: ServedModel | None, error: ApiError) -> None:
@@ -170,19 +216,24 @@ class ServerMetrics:
         """Counts a request refused by the concurrency limit, before it was read."""
         self.rejected[NO_MODEL, "concurrency_limit"] += 1
 
-    def admit(self, model: str, started: float) -> Callable[[GenerationEvent], None]:
+    def admit(
+        self, model: str, started: float, stream: RequestStream | None = None
+    ) -> Callable[[GenerationEvent], None]:
         """What to call with each event of an admitted request that arrived at `started`
         (time.perf_counter()): it times the first token, the gaps, and the whole request, and
-        counts how it ended."""
+        counts how it ended; with its `stream`, also its time in the queue, and from there the
+        prefill's."""
         self.admitted[model] = self.admitted.get(model, 0) + 1
         ttft, itl, e2e = (h.labels(model) for h in (self.ttft, self.itl, self.e2e))
+        first: float | None = None
         last: float | None = None
 
         def observe(event: GenerationEvent) -> None:
-            nonlocal last
+            nonlocal first, last
             now = time.perf_counter()
             if event.token_ids:
                 if last is None:
+                    first = now
                     ttft.observe(now - started)
                 else:
                     itl.observe(now - last)
@@ -191,8 +242,32 @@ class ServerMetrics:
                 e2e.observe(now - started)
                 key = (model, event.finish_reason.value)
                 self.finished[key] = self.finished.get(key, 0) + 1
+                self._finished(model, event, started, first, now, stream)
 
         return observe
+
+    def _finished(
+        self,
+        model: str,
+        event: GenerationEvent,
+        started: float,
+        first: float | None,
+        now: float,
+        stream: RequestStream | None,
+    ) -> None:
+        """A request's per-request figures, once it has ended."""
+        self.prompt_tokens.labels(model).observe(event.prompt_tokens)
+        self.generation_tokens.labels(model).observe(event.completion_tokens)
+        queued = stream.queue_seconds if stream is not None else None
+        if queued is not None:
+            self.queue_time.labels(model).observe(queued)
+        if first is None:
+            return
+        if queued is not None:
+            self.prefill_time.labels(model).observe(max(0.0, first - started - queued))
+        self.decode_time.labels(model).observe(now - first)
+        if event.completion_tokens > 1:
+            self.tpot.labels(model).observe((now - first) / (event.completion_tokens - 1))
 
     def exposition(self, accept: str | None) -> tuple[bytes, str]:
         """The metrics in the text format the scraper's Accept header asks for, and its
@@ -234,6 +309,17 @@ class _Collector:
         max_queue = GaugeMetricFamily(
             "neuronpy_max_queue", "Requests that may wait for a row (max_queue).", labels=["model"]
         )
+        kv_usage = GaugeMetricFamily(
+            "neuronpy_kv_cache_usage_ratio",
+            "KV the running requests hold, as a share of what they may hold: the KV budget, "
+            "or without one, max_in_flight rows of the whole context (0 to 1).",
+            labels=["model"],
+        )
+        for model, engine in engines.items():
+            s = stats[model]
+            capacity = s.kv_budget_tokens or engine.max_running * engine.context_len
+            kv_usage.add_metric([model], min(1.0, s.kv_tokens / capacity) if capacity else 0.0)
+        yield kv_usage
         for model, engine in engines.items():
             max_in_flight.add_metric([model], float(engine.max_running))
             max_queue.add_metric([model], float(engine.config.max_queue))
