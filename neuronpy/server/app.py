@@ -32,6 +32,12 @@ from neuronpy.server.models import (
 )
 from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
+from neuronpy.server.responses_api import (
+    ResponseStore,
+    create_response,
+    delete_response,
+    get_response,
+)
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
 from neuronpy.server.stream import EventStreamResponse
 from neuronpy.server.tokenize import detokenize, tokenize
@@ -68,6 +74,7 @@ def create_app(
     state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
     store = SessionStore(sessions_dir) if sessions_dir is not None else None
     metrics = ServerMetrics(state)
+    responses = ResponseStore()  # stored responses (the Responses API), in memory
     limits = BodyLimits(max_body_bytes, body_timeout)
     # outermost: every response carries its x-request-id, a 401 or a CORS refusal too
     middleware = [Middleware(RequestIdMiddleware)]
@@ -155,6 +162,14 @@ def create_app(
     async def completions(request: Request) -> Response | EventStreamResponse:
         return await generate(request, state, "text", limits, metrics, store)
 
+    async def responses_route(request: Request) -> Response:
+        rid = request.path_params.get("rid")
+        if rid is None:
+            return await create_response(request, state, limits, metrics, responses)
+        if request.method == "DELETE":
+            return await delete_response(responses, rid)
+        return await get_response(responses, rid)
+
     async def tokenize_route(request: Request) -> Response:
         return await tokenize(request, state, limits)
 
@@ -178,6 +193,8 @@ def create_app(
         Route("/v1/models/{model:path}", models_route, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses_route, methods=["POST"]),
+        Route("/v1/responses/{rid}", responses_route, methods=["GET", "DELETE"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
         Route("/v1/sessions", sessions_route, methods=["GET"]),

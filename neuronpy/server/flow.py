@@ -71,7 +71,8 @@ async def generate(
             await anyio.to_thread.run_sync(req.prompt_ids, engine.tokenizer, i)
             for i in range(len(req.prompts) if kind == "text" else 1)
         ]
-        if len(prompts) * req.n > engine.max_running + engine.config.max_queue:
+        # (one prompt: the engine's own check names n)
+        if len(prompts) > 1 and len(prompts) * req.n > engine.max_running + engine.config.max_queue:
             raise ApiError(
                 400,
                 f"{len(prompts)} prompts x n = {req.n} completions can never be admitted "

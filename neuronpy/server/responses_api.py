@@ -1,0 +1,679 @@
+"""OpenAI's Responses API: POST /v1/responses (streamed with its typed events, or whole), and
+stored responses (GET and DELETE /v1/responses/{id}, `previous_response_id`).
+
+A request is translated into the chat request it means (its input items as messages, its
+function tools as chat tools, `text.format` as a response_format) and validated and run by the
+same code as /v1/chat/completions; its events become Responses output items. A stored response
+keeps its conversation (input and reply, as chat messages); a follow-up naming it continues
+that conversation, and since the prefix cache holds the KV of its prompt and reply, only the
+new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from neuronpy.engine.engine import Engine
+from neuronpy.engine.reasoning import resolve_reasoning_parser
+from neuronpy.engine.types import FinishReason, GenerationEvent, ToolCall
+from neuronpy.errors import InvalidRequestError, NeuronError
+from neuronpy.server.copies import Copy, cancel_on_disconnect, merged
+from neuronpy.server.errors import ApiError, api_error, failure
+from neuronpy.server.metrics import ServerMetrics
+from neuronpy.server.models import ServedModel, ServerState
+from neuronpy.server.request_id import name_request
+from neuronpy.server.requests import BodyLimits, parse_request, read_json, requested_model
+from neuronpy.server.responses import Reply
+
+log = logging.getLogger(__name__)
+
+MAX_STORED_BYTES = 64 << 20  # stored responses' JSON, together; the oldest go first
+HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+# the chat request's parameter names -> the Responses request's, for errors
+PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "tools": "tools",
+}
+ROLES = ("user", "system", "developer", "assistant")
+
+
+# ---- the store ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Stored:
+    response: dict[str, Any]  # what GET returns
+    conversation: list[dict[str, Any]]  # chat messages: its input (no instructions), its reply
+    size: int = 0
+
+
+class ResponseStore:
+    """Stored responses in memory, the oldest dropped first past `max_bytes` of their JSON.
+    Thread-safe. A restart forgets them."""
+
+    def __init__(self, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, stored: Stored) -> None:
+        stored.size = len(json.dumps([stored.response, stored.conversation]))
+        with self._lock:
+            self._items[rid] = stored
+            self._bytes += stored.size
+            while self._bytes > self.max_bytes and len(self._items) > 1:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= old.size
+
+    def get(self, rid: str) -> Stored | None:
+        with self._lock:
+            return self._items.get(rid)
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            stored = self._items.pop(rid, None)
+            if stored is not None:
+                self._bytes -= stored.size
+            return stored is not None
+
+
+def _not_found(rid: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"no response with id {rid[:100]!r}", param=param, code="not_found")
+
+
+async def get_response(store: ResponseStore, rid: str) -> JSONResponse:
+    stored = store.get(rid)
+    if stored is None:
+        raise _not_found(rid)
+    return JSONResponse(stored.response)
+
+
+async def delete_response(store: ResponseStore, rid: str) -> JSONResponse:
+    if not store.delete(rid):
+        raise _not_found(rid)
+    return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+
+# ---- the request, as the chat request it means --------------------------------------------------
+
+
+def input_messages(value: object) -> list[dict[str, Any]]:
+    """`input` (a string, or a list of items: messages, function_call, function_call_output;
+    reasoning items are skipped) as chat messages in the wire format of /v1/chat/completions."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("'input' must be a string or a non-empty list of items", "input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequestError(f"'{where}' must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ROLES:
+                raise InvalidRequestError(
+                    f"'{where}.role' must be one of {', '.join(ROLES)}", f"{where}.role"
+                )
+            out.append({"role": role, "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _string(item, "name", where),
+                    "arguments": _string(item, "arguments", where),
+                },
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            content = output if isinstance(output, str) else _text(output, where)
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", where),
+                    "content": content,
+                }
+            )
+        elif kind == "reasoning":
+            continue  # the template is given no earlier reasoning
+        else:
+            raise InvalidRequestError(
+                f"'{where}.type' {str(kind)[:40]!r} is not supported; this server takes "
+                "message, function_call, function_call_output and reasoning items",
+                f"{where}.type",
+            )
+    return out
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"'{where}.{key}' must be a string", f"{where}.{key}")
+    return value
+
+
+def _text(content: object, where: str) -> str:
+    """A message's content: a string, or text parts (input_text, output_text, text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text") or not isinstance(
+                part.get("text"), str
+            ):
+                raise InvalidRequestError(
+                    f"'{where}.content' takes only text parts (input_text, output_text)",
+                    f"{where}.content",
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequestError(
+        f"'{where}.content' must be a string or a list of text parts", f"{where}.content"
+    )
+
+
+def chat_tools(value: object) -> list[dict[str, Any]] | None:
+    """Function tools ({"type": "function", "name", "description", "parameters"}) in chat's
+    shape; any other kind of tool is a 400."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidRequestError("'tools' must be a list of tools", "tools")
+    out = []
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise InvalidRequestError(
+                f"'tools[{i}]' must be a function tool; this server has no built-in tools",
+                f"tools[{i}].type",
+            )
+        spec = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": spec})
+    return out
+
+
+def chat_tool_choice(value: object) -> object:
+    if isinstance(value, dict) and value.get("type") == "function":
+        return {"type": "function", "function": {"name": value.get("name")}}
+    return value
+
+
+def chat_format(text: object) -> dict[str, Any] | None:
+    """`text.format` as a response_format: text, json_object, or json_schema (its name,
+    schema and strict at the top level, not under json_schema as chat has them)."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise InvalidRequestError("'text.format' must be an object", "text.format")
+    if fmt.get("type") == "json_schema":
+        inner = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": inner}
+    return fmt
+
+
+def chat_body(
+    body: dict[str, Any], history: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The /v1/chat/completions body a Responses request means, after `history` (a stored
+    response's conversation, when it continues one); and the conversation without its
+    instructions (which a follow-up does not inherit)."""
+    conversation = [*history, *input_messages(body.get("input"))]
+    messages = list(conversation)
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise InvalidRequestError("'instructions' must be a string", "instructions")
+        messages.insert(0, {"role": "system", "content": instructions})
+    out: dict[str, Any] = {"messages": messages}
+    for name in ("temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "stop"):
+        if body.get(name) is not None:
+            out[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    tools = chat_tools(body.get("tools"))
+    if tools:
+        out["tools"] = tools
+    if body.get("tool_choice") is not None:
+        out["tool_choice"] = chat_tool_choice(body["tool_choice"])
+    fmt = chat_format(body.get("text"))
+    if fmt is not None:
+        out["response_format"] = fmt
+    return out, conversation
+
+
+def _renamed(exc: ApiError) -> ApiError:
+    """A chat request's error, naming the Responses request's parameter."""
+    if exc.param is not None:
+        head, dot, rest = exc.param.partition(".")
+        base, bracket, index = head.partition("[")
+        if base in PARAMS:
+            exc.param = PARAMS[base] + bracket + index + dot + rest
+    return exc
+
+
+# ---- the response -------------------------------------------------------------------------------
+
+
+@dataclass
+class Builder:
+    """A response's output items, built from its events; `feed` also answers the stream's
+    events for them, in the order the Responses API sends them."""
+
+    rid: str
+    model: str
+    body: dict[str, Any]
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    output: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[ToolCall] = field(default_factory=list)
+    text: str = ""
+    _open: dict[str, Any] | None = None
+    _seq: int = 0
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._seq += 1
+        return {"type": kind, "sequence_number": self._seq - 1, **fields}
+
+    def snapshot(self, status: str, **extra: Any) -> dict[str, Any]:
+        b = self.body
+        fmt = chat_format(b.get("text")) or {"type": "text"}
+        if fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", **fmt["json_schema"]}
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.model,
+            "output": [dict(item) for item in self.output] if status != "in_progress" else [],
+            "error": None,
+            "incomplete_details": None,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True),
+            "previous_response_id": b.get("previous_response_id"),
+            "temperature": b.get("temperature", 1.0),
+            "top_p": b.get("top_p", 1.0),
+            "tool_choice": b.get("tool_choice", "auto"),
+            "tools": b.get("tools") or [],
+            "text": {"format": fmt},
+            "truncation": "disabled",
+            "store": b.get("store", True) is not False,
+            "metadata": b.get("metadata") or {},
+            "reasoning": {"effort": None, "summary": None},
+            "usage": None,
+            **extra,
+        }
+
+    def _close(self) -> list[dict[str, Any]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.output.index(item)
+        events = []
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(
+                self.event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                )
+            )
+            events.append(
+                self.event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=dict(part),
+                )
+            )
+        elif item["type"] == "reasoning":
+            events.append(
+                self.event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=item["content"][0]["text"],
+                )
+            )
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self._close()
+        self.output.append(item)
+        self._open = item
+        shown = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            shown["content"] = []
+        if item["type"] == "reasoning":
+            shown["content"] = []
+        events.append(
+            self.event("response.output_item.added", output_index=len(self.output) - 1, item=shown)
+        )
+        if item["type"] == "message":
+            events.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=len(self.output) - 1,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []},
+                )
+            )
+        return events
+
+    def feed(self, event: GenerationEvent) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if event.reasoning:
+            if self._open is None or self._open["type"] != "reasoning":
+                item = {
+                    "type": "reasoning",
+                    "id": f"rs_{uuid.uuid4().hex}",
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                }
+                events += self._start(item)
+            assert self._open is not None
+            self._open["content"][0]["text"] += event.reasoning
+            events.append(
+                self.event(
+                    "response.reasoning_text.delta",
+                    item_id=self._open["id"],
+                    output_index=len(self.output) - 1,
+                    content_index=0,
+                    delta=event.reasoning,
+                )
+            )
+        if event.text:
+            if self._open is None or self._open["type"] != "message":
+                item = {
+                    "type": "message",
+                    "id": f"msg_{uuid.uuid4().hex}",
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "", "annotations": []}],
+                }
+                events += self._start(item)
+            assert self._open is not None
+            self._open["content"][0]["text"] += event.text
+            self.text += event.text
+            events.append(
+                self.event(
+                    "response.output_text.delta",
+                    item_id=self._open["id"],
+                    output_index=len(self.output) - 1,
+                    content_index=0,
+                    delta=event.text,
+                    logprobs=[],
+                )
+            )
+        for call in event.tool_calls:
+            self.calls.append(call)
+            item = {
+                "type": "function_call",
+                "id": f"fc_{uuid.uuid4().hex}",
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": call.arguments,
+            }
+            events += self._start({**item, "arguments": ""})
+            self._open = item
+            self.output[-1] = item
+            index = len(self.output) - 1
+            for piece in call.pieces or (call.arguments,):
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=index,
+                        delta=piece,
+                    )
+                )
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=call.name,
+                    arguments=call.arguments,
+                )
+            )
+            events += self._close()
+        return events
+
+    def finish(
+        self, last: GenerationEvent | None, cached_tokens: int, error: ApiError | None
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The whole response, and the stream's closing events."""
+        events = self._close()
+        prompt = last.prompt_tokens if last is not None else 0
+        generated = last.completion_tokens if last is not None else 0
+        usage = {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": generated,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + generated,
+        }
+        if error is not None:
+            failed = {"code": "server_error", "message": error.message}
+            response = self.snapshot("failed", usage=usage, error=failed)
+            events.append(self.event("response.failed", response=response))
+        elif last is not None and last.finish_reason is FinishReason.LENGTH:
+            details = {"reason": "max_output_tokens"}
+            response = self.snapshot("incomplete", usage=usage, incomplete_details=details)
+            events.append(self.event("response.incomplete", response=response))
+        else:
+            response = self.snapshot("completed", usage=usage)
+            events.append(self.event("response.completed", response=response))
+        return response, events
+
+    def reply_message(self) -> dict[str, Any]:
+        """The reply as a chat message, for the conversation a follow-up continues."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in self.calls
+            ]
+        return message
+
+
+# ---- the route ----------------------------------------------------------------------------------
+
+
+async def create_response(
+    request: Request,
+    state: ServerState,
+    limits: BodyLimits,
+    metrics: ServerMetrics,
+    store: ResponseStore,
+) -> Response:
+    """POST /v1/responses: validate and admit as chat would, then stream the Responses events
+    or answer the whole response; store it unless `store` is false."""
+    started = time.perf_counter()
+    rid = f"resp_{uuid.uuid4().hex}"
+    name_request(request, rid)
+    model: ServedModel | None = None
+    try:
+        body = await read_json(request, limits)
+        model = state.find(requested_model(body))
+        engine = model.ready_engine()
+        assert isinstance(body, dict)
+        history, stream, keep = _options(body, store)
+        try:
+            chat, conversation = chat_body(body, history)
+        except InvalidRequestError as exc:
+            raise api_error(exc) from None
+        try:
+            req = parse_request("chat", chat)
+        except ApiError as exc:
+            raise _renamed(exc) from None
+        if req.tools.tools and req.params.constraint is None and not model.renders_tools:
+            raise ApiError(
+                400,
+                f"the chat template of model '{model.name}' does not show the model its tools; "
+                "give tool_choice 'required' or a named function (enforced by constrained "
+                "decoding), or use a model whose template renders tools",
+                param="tools",
+            )
+        prompt_ids = await anyio.to_thread.run_sync(req.prompt_ids, engine.tokenizer)
+        reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
+        params = req.sampling_params(len(prompt_ids), engine.context_len, reasoning)
+        try:
+            await engine.prepare(prompt_ids, params)
+            (stream_,) = engine.submit_many(prompt_ids, params, 1)
+        except NeuronError as exc:
+            raise _renamed(api_error(exc, req.param_names)) from None
+    except ApiError as exc:
+        metrics.reject(model, exc)
+        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
+        raise
+    log.info("request %s: model %s, %d prompt tokens (responses)", rid, model.name, len(prompt_ids))
+    copy = Copy(stream_, Reply("chat", model.name), metrics.admit(model.name, started, stream_))
+    builder = Builder(rid, model.name, body)
+
+    def stored(response: dict[str, Any]) -> None:
+        if keep and response["status"] != "failed":
+            store.put(rid, Stored(response, [*conversation, builder.reply_message()]))
+
+    if stream:
+        return _Streamed(copy, builder, engine, stored)  # type: ignore[return-value]
+    events: list[GenerationEvent] = []
+
+    async def collect() -> None:
+        async with merged([copy]) as merged_events:
+            async for _, event in merged_events:
+                if event is not None:
+                    events.append(event)
+
+    if not await cancel_on_disconnect(request.receive, collect):
+        return Response(status_code=499)
+    last = events[-1] if events else None
+    error = failure(last, engine)
+    if error is not None:
+        raise error
+    for event in events:
+        builder.feed(event)
+    response, _ = builder.finish(last, stream_.cached_tokens, None)
+    stored(response)
+    return JSONResponse(response)
+
+
+def _options(body: dict[str, Any], store: ResponseStore) -> tuple[list[dict[str, Any]], bool, bool]:
+    """The stored conversation it continues, whether it streams, whether it is stored."""
+    stream = body.get("stream", False)
+    keep = body.get("store", True)
+    for name, value in (("stream", stream), ("store", keep)):
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"'{name}' must be a boolean", param=name)
+    previous = body.get("previous_response_id")
+    history: list[dict[str, Any]] = []
+    if previous is not None:
+        if not isinstance(previous, str):
+            raise ApiError(
+                400, "'previous_response_id' must be a string", param="previous_response_id"
+            )
+        found = store.get(previous)
+        if found is None:
+            raise _not_found(previous, "previous_response_id")
+        history = [dict(m) for m in found.conversation]
+    if body.get("input") is None:
+        raise ApiError(400, "'input' is required", param="input")
+    return history, bool(stream), keep is not False
+
+
+class _Streamed:
+    """The Responses stream: `event: TYPE` / `data: JSON` pairs, from response.created to
+    response.completed (or .incomplete, .failed). A request that ends before any output (it
+    never ran) gets a real HTTP error instead; a client that leaves cancels it."""
+
+    def __init__(self, copy: Copy, builder: Builder, engine: Engine, stored: Any) -> None:
+        self.copy, self.builder, self.engine, self.stored = copy, builder, engine, stored
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def pump() -> None:
+            async with merged([self.copy]) as events:
+                try:
+                    await self._write(events, scope, receive, send)
+                except OSError:
+                    return
+
+        await cancel_on_disconnect(receive, pump)
+
+    async def _write(self, events: Any, scope: Scope, receive: Receive, send: Send) -> None:
+        b = self.builder
+        _, first = await anext(events)
+        if first is None or (first.finished and not first.text and not first.tool_calls):
+            error = failure(first, self.engine)
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+        opening = b.snapshot("in_progress")
+        await _send(send, b.event("response.created", response=opening))
+        await _send(send, b.event("response.in_progress", response=opening))
+        last, event = None, first
+        while True:
+            if event is not None:
+                last = event
+                for out in b.feed(event):
+                    await _send(send, out)
+                if event.finished:
+                    break
+            try:
+                _, event = await anext(events)
+            except StopAsyncIteration:
+                break
+        error = failure(last, self.engine)
+        response, closing = b.finish(last, self.copy.stream.cached_tokens, error)
+        for out in closing:
+            await _send(send, out)
+        self.stored(response)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _send(send: Send, event: dict[str, Any]) -> None:
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    body = f"event: {event['type']}\ndata: {data}\n\n".encode()
+    await send({"type": "http.response.body", "body": body, "more_body": True})
