@@ -12,10 +12,12 @@ import openai
 import pydantic
 import pytest
 
+from tests.scripted import Scripts
 from tests.servers import FIXTURES, RunningServer, engine_loader, fixture_model, run_server
 
 MODEL = "tiny-llama"
 TOOLS_MODEL = "tools-plain"  # tiny-qwen3-tools without its reasoning parser
+REASONING_MODEL = "tiny-qwen3-tools"  # its template writes <think>: the parser is on
 CHOICE = {
     "type": "object",
     "properties": {"answer": {"enum": ["yes", "no", "maybe"]}},
@@ -28,6 +30,7 @@ JSON_FORMAT = {"format": {"type": "json_schema", "name": "choice", "schema": CHO
 def server() -> Iterator[RunningServer]:
     models = {
         **fixture_model(MODEL),
+        **fixture_model(REASONING_MODEL),
         TOOLS_MODEL: engine_loader(FIXTURES / "tiny-qwen3-tools", reasoning_parser="none"),
     }
     with run_server(models) as running:
@@ -229,3 +232,30 @@ def test_bad_responses_requests_are_4xx(
     response = httpx.post(f"{server.v1}/responses", json={"model": MODEL, **extra}, timeout=30)
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reasoning_block_is_a_reasoning_item(
+    api: openai.OpenAI, server: RunningServer, stream: bool
+) -> None:
+    engine = server.state.models[REASONING_MODEL].engine
+    assert engine is not None
+    tok = engine.tokenizer
+    scripts = Scripts()
+    scripts.attach(engine)
+    reply = "<think>\nThe user greets.\n</think>\n\nHello!"
+    scripts.add(f"[think {stream}]", [*tok.encode(reply), tok.eos_token_id])
+    kwargs: dict[str, Any] = dict(
+        model=REASONING_MODEL, input=f"Hi [think {stream}]", max_output_tokens=60, temperature=0.0
+    )
+    if stream:
+        events = list(api.responses.create(stream=True, **kwargs))
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert thought == "The user greets."
+        out = events[-1].response
+    else:
+        out = api.responses.create(**kwargs)
+    reasoning, message = out.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "The user greets."
+    assert message.type == "message" and out.output_text == "Hello!"
+    assert out.status == "completed"
