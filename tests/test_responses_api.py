@@ -259,3 +259,36 @@ def test_a_reasoning_block_is_a_reasoning_item(
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "The user greets."
     assert message.type == "message" and out.output_text == "Hello!"
     assert out.status == "completed"
+
+
+def test_with_sessions_a_stored_response_and_its_kv_outlive_a_restart(tmp_path: Any) -> None:
+    """--sessions-dir: each stored response is a file, its KV a session named by its id; after
+    a restart (an empty prefix cache) a follow-up restores the KV from that session and writes
+    what a replay writes."""
+    kwargs: dict[str, Any] = dict(model=MODEL, max_output_tokens=12, temperature=0.0)
+    with run_server(fixture_model(MODEL), sessions_dir=tmp_path) as server:
+        api = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
+        first = api.responses.create(input="Tell me a story", **kwargs)
+        sessions = httpx.get(f"{server.v1}/sessions").json()["data"]
+        assert [s["id"] for s in sessions] == [first.id]
+    with run_server(fixture_model(MODEL), sessions_dir=tmp_path) as restarted:
+        api = openai.OpenAI(base_url=restarted.v1, api_key="unused", max_retries=0, timeout=60)
+        assert api.responses.retrieve(first.id).output_text == first.output_text
+        follow = api.responses.create(
+            input="And then?", previous_response_id=first.id, store=False, **kwargs
+        )
+        assert follow.usage.input_tokens_details.cached_tokens > 0  # from the session file
+        replay = api.responses.create(
+            input=[
+                {"role": "user", "content": "Tell me a story"},
+                *[item.model_dump(exclude_none=True) for item in first.output],
+                {"role": "user", "content": "And then?"},
+            ],
+            store=False,
+            **kwargs,
+        )
+        assert follow.output_text == replay.output_text
+        api.responses.delete(first.id)
+        assert httpx.get(f"{restarted.v1}/sessions").json()["data"] == []
+        with pytest.raises(openai.NotFoundError):
+            api.responses.retrieve(first.id)

@@ -149,6 +149,12 @@ class Engine:
         await anyio.to_thread.run_sync(self._worker.shutdown, 30.0)
 
     @property
+    def supports_sessions(self) -> bool:
+        """Whether requests may continue from and save into session files (not across
+        tensor-parallel ranks)."""
+        return self._worker.supports_sessions
+
+    @property
     def healthy(self) -> bool:
         """Whether the engine serves: started, not failed, its worker not broken (a lost
         tensor-parallel rank). Reading it changes nothing."""

@@ -496,7 +496,8 @@ class Scheduler:
         request.status = RequestStatus.SAVING
         request.snapshot_id = None
         self.saving.add(request)
-        return SaveSession(request, snapshot_id, request.session.path, drop)
+        session = request.session
+        return SaveSession(request, snapshot_id, session.save_path or session.path, drop)
 
     def book_saved(self, request: Request, error: str | None = None) -> None:
         """Its session file is on disk, or could not be written: the request still ends as it

@@ -289,9 +289,12 @@ class Completion:
 @dataclass(frozen=True)
 class SessionRequest:
     """What a request asks of a session: continue from it if it exists (`token_ids` is then
-    what it holds), and save the conversation into it at the end (`save`)."""
+    what it holds), and save the conversation into it at the end (`save`), or into another
+    session's file (`save_path`: a stored response continues its previous one's, and saves its
+    own)."""
 
     name: str
     path: Path
     save: bool = True
     token_ids: tuple[int, ...] | None = None  # None: no such session yet
+    save_path: Path | None = None  # where the save goes; None: `path`

@@ -74,7 +74,8 @@ def create_app(
     state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
     store = SessionStore(sessions_dir) if sessions_dir is not None else None
     metrics = ServerMetrics(state)
-    responses = ResponseStore()  # stored responses (the Responses API), in memory
+    # stored responses (the Responses API): in memory, and beside the sessions when they are on
+    responses = ResponseStore(store.directory if store is not None else None)
     limits = BodyLimits(max_body_bytes, body_timeout)
     # outermost: every response carries its x-request-id, a 401 or a CORS refusal too
     middleware = [Middleware(RequestIdMiddleware)]
@@ -165,9 +166,9 @@ def create_app(
     async def responses_route(request: Request) -> Response:
         rid = request.path_params.get("rid")
         if rid is None:
-            return await create_response(request, state, limits, metrics, responses)
+            return await create_response(request, state, limits, metrics, responses, store)
         if request.method == "DELETE":
-            return await delete_response(responses, rid)
+            return await delete_response(responses, rid, store)
         return await get_response(responses, rid)
 
     async def tokenize_route(request: Request) -> Response:

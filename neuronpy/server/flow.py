@@ -27,6 +27,7 @@ from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import (
     BodyLimits,
     Kind,
+    ParsedRequest,
     parse_request,
     read_json,
     requested_model,
@@ -57,15 +58,7 @@ async def generate(
         model = state.find(requested_model(body))
         engine = model.ready_engine()
         req = parse_request(kind, body)
-        if req.tools.tools and req.params.constraint is None and not model.renders_tools:
-            raise ApiError(
-                400,
-                f"the chat template of model '{model.name}' does not show the model its tools, "
-                "so it cannot call them of its own accord; give tool_choice 'required' or a "
-                "named function (enforced by constrained decoding), or use a model whose "
-                "template renders tools",
-                param="tools",
-            )
+        refuse_unshown_tools(model, req)
         reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
         prompts = [
             await anyio.to_thread.run_sync(req.prompt_ids, engine.tokenizer, i)
@@ -114,6 +107,20 @@ async def generate(
     if req.stream:
         return EventStreamResponse(copies, engine)
     return await _gather(request, copies, engine)
+
+
+def refuse_unshown_tools(model: ServedModel, req: ParsedRequest) -> None:
+    """A 400 for `tools` the model's chat template never shows it, unless constrained decoding
+    enforces the calls (tool_choice required or a named function)."""
+    if req.tools.tools and req.params.constraint is None and not model.renders_tools:
+        raise ApiError(
+            400,
+            f"the chat template of model '{model.name}' does not show the model its tools, "
+            "so it cannot call them of its own accord; give tool_choice 'required' or a "
+            "named function (enforced by constrained decoding), or use a model whose "
+            "template renders tools",
+            param="tools",
+        )
 
 
 async def _admit(

@@ -11,13 +11,18 @@ new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import re
+import stat
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,19 +32,24 @@ from starlette.types import Receive, Scope, Send
 
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
-from neuronpy.engine.types import FinishReason, GenerationEvent, ToolCall
+from neuronpy.engine.sessions import SessionStore
+from neuronpy.engine.types import FinishReason, GenerationEvent, SessionRequest, ToolCall
 from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.copies import Copy, cancel_on_disconnect, merged
 from neuronpy.server.errors import ApiError, api_error, failure
+from neuronpy.server.flow import refuse_unshown_tools
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import BodyLimits, parse_request, read_json, requested_model
 from neuronpy.server.responses import Reply
+from neuronpy.server.sessions import open_session
 
 log = logging.getLogger(__name__)
 
-MAX_STORED_BYTES = 64 << 20  # stored responses' JSON, together; the oldest go first
+MAX_STORED_BYTES = 64 << 20  # stored responses' JSON in memory, together; the oldest go first
+RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")  # what the server names a response
+RESPONSE_SUFFIX = ".response.json"  # beside the sessions (not named like one)
 HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -66,34 +76,100 @@ class Stored:
 
 
 class ResponseStore:
-    """Stored responses in memory, the oldest dropped first past `max_bytes` of their JSON.
-    Thread-safe. A restart forgets them."""
+    """Stored responses: in memory, the oldest dropped first past `max_bytes` of their JSON;
+    and with a `directory` (the sessions directory) also on disk, one JSON file each, so that
+    they outlive a restart (their KV is a session file beside them, see `create_response`).
+    A file read back is untrusted: one that is not a stored response is as good as absent."""
 
-    def __init__(self, max_bytes: int = MAX_STORED_BYTES) -> None:
+    def __init__(self, directory: Path | None = None, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.directory = directory
         self.max_bytes = max_bytes
         self._items: OrderedDict[str, Stored] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def put(self, rid: str, stored: Stored) -> None:
-        stored.size = len(json.dumps([stored.response, stored.conversation]))
+    def _file(self, rid: str) -> Path | None:
+        if self.directory is None or not RESPONSE_ID.match(rid):
+            return None
+        return self.directory / f"{rid}{RESPONSE_SUFFIX}"
+
+    def _remember(self, rid: str, stored: Stored) -> None:
         with self._lock:
+            old = self._items.pop(rid, None)
+            if old is not None:
+                self._bytes -= old.size
             self._items[rid] = stored
             self._bytes += stored.size
             while self._bytes > self.max_bytes and len(self._items) > 1:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= old.size
+                _, dropped = self._items.popitem(last=False)
+                self._bytes -= dropped.size
 
-    def get(self, rid: str) -> Stored | None:
+    async def put(self, rid: str, stored: Stored) -> None:
+        text = json.dumps({"response": stored.response, "conversation": stored.conversation})
+        stored.size = len(text)
+        self._remember(rid, stored)
+        path = self._file(rid)
+        if path is not None:
+            try:
+                await anyio.to_thread.run_sync(_write_atomically, path, text)
+            except OSError as exc:
+                log.warning("stored response %s not written to disk: %s", rid, exc.strerror)
+
+    async def get(self, rid: str) -> Stored | None:
         with self._lock:
-            return self._items.get(rid)
+            found = self._items.get(rid)
+        if found is not None:
+            return found
+        path = self._file(rid)
+        if path is None:
+            return None
+        found = await anyio.to_thread.run_sync(_read_stored, path)
+        if found is not None:
+            self._remember(rid, found)
+        return found
 
-    def delete(self, rid: str) -> bool:
+    async def delete(self, rid: str) -> bool:
         with self._lock:
             stored = self._items.pop(rid, None)
             if stored is not None:
                 self._bytes -= stored.size
-            return stored is not None
+        path = self._file(rid)
+        on_disk = False
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                await anyio.to_thread.run_sync(path.unlink)
+                on_disk = True
+        return stored is not None or on_disk
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _read_stored(path: Path) -> Stored | None:
+    """A stored response's file, or None when there is none or it is not one (a regular file
+    of at most MAX_STORED_BYTES holding a response and a conversation of messages)."""
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_STORED_BYTES:
+            return None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    response, conversation = data.get("response"), data.get("conversation")
+    if not isinstance(response, dict) or not isinstance(conversation, list):
+        return None
+    if not all(isinstance(m, dict) for m in conversation):
+        return None
+    return Stored(response, conversation, info.st_size)
 
 
 def _not_found(rid: str, param: str | None = None) -> ApiError:
@@ -101,15 +177,21 @@ def _not_found(rid: str, param: str | None = None) -> ApiError:
 
 
 async def get_response(store: ResponseStore, rid: str) -> JSONResponse:
-    stored = store.get(rid)
+    stored = await store.get(rid)
     if stored is None:
         raise _not_found(rid)
     return JSONResponse(stored.response)
 
 
-async def delete_response(store: ResponseStore, rid: str) -> JSONResponse:
-    if not store.delete(rid):
+async def delete_response(
+    store: ResponseStore, rid: str, sessions: SessionStore | None = None
+) -> JSONResponse:
+    """Deletes a stored response and, with sessions on, its KV's session file."""
+    if not await store.delete(rid):
         raise _not_found(rid)
+    if sessions is not None and RESPONSE_ID.match(rid):
+        with contextlib.suppress(InvalidRequestError):
+            await anyio.to_thread.run_sync(sessions.delete, rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
@@ -528,9 +610,12 @@ async def create_response(
     limits: BodyLimits,
     metrics: ServerMetrics,
     store: ResponseStore,
+    sessions: SessionStore | None = None,
 ) -> Response:
     """POST /v1/responses: validate and admit as chat would, then stream the Responses events
-    or answer the whole response; store it unless `store` is false."""
+    or answer the whole response; store it unless `store` is false. With `sessions` (the
+    sessions directory), a stored response's KV is saved there as a session named by its id,
+    and a follow-up continues from its previous response's."""
     started = time.perf_counter()
     rid = f"resp_{uuid.uuid4().hex}"
     name_request(request, rid)
@@ -540,7 +625,7 @@ async def create_response(
         model = state.find(requested_model(body))
         engine = model.ready_engine()
         assert isinstance(body, dict)
-        history, stream, keep = _options(body, store)
+        history, stream, keep = await _options(body, store)
         try:
             chat, conversation = chat_body(body, history)
         except InvalidRequestError as exc:
@@ -549,20 +634,14 @@ async def create_response(
             req = parse_request("chat", chat)
         except ApiError as exc:
             raise _renamed(exc) from None
-        if req.tools.tools and req.params.constraint is None and not model.renders_tools:
-            raise ApiError(
-                400,
-                f"the chat template of model '{model.name}' does not show the model its tools; "
-                "give tool_choice 'required' or a named function (enforced by constrained "
-                "decoding), or use a model whose template renders tools",
-                param="tools",
-            )
+        refuse_unshown_tools(model, req)
         prompt_ids = await anyio.to_thread.run_sync(req.prompt_ids, engine.tokenizer)
         reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
         params = req.sampling_params(len(prompt_ids), engine.context_len, reasoning)
+        session = await _session(sessions, engine, rid, body.get("previous_response_id"), keep)
         try:
             await engine.prepare(prompt_ids, params)
-            (stream_,) = engine.submit_many(prompt_ids, params, 1)
+            (stream_,) = engine.submit_many(prompt_ids, params, 1, session)
         except NeuronError as exc:
             raise _renamed(api_error(exc, req.param_names)) from None
     except ApiError as exc:
@@ -573,9 +652,9 @@ async def create_response(
     copy = Copy(stream_, Reply("chat", model.name), metrics.admit(model.name, started, stream_))
     builder = Builder(rid, model.name, body)
 
-    def stored(response: dict[str, Any]) -> None:
+    async def stored(response: dict[str, Any]) -> None:
         if keep and response["status"] != "failed":
-            store.put(rid, Stored(response, [*conversation, builder.reply_message()]))
+            await store.put(rid, Stored(response, [*conversation, builder.reply_message()]))
 
     if stream:
         return _Streamed(copy, builder, engine, stored)  # type: ignore[return-value]
@@ -596,11 +675,29 @@ async def create_response(
     for event in events:
         builder.feed(event)
     response, _ = builder.finish(last, stream_.cached_tokens, None)
-    stored(response)
+    await stored(response)
     return JSONResponse(response)
 
 
-def _options(body: dict[str, Any], store: ResponseStore) -> tuple[list[dict[str, Any]], bool, bool]:
+async def _session(
+    sessions: SessionStore | None, engine: Engine, rid: str, previous: str | None, keep: bool
+) -> SessionRequest | None:
+    """The response's session, with sessions on: continue from the previous response's KV
+    (when it has a session file), save its own under its id (when stored)."""
+    if sessions is None or not engine.supports_sessions or not (keep or previous):
+        return None
+    try:
+        return await open_session(
+            sessions, engine, previous or rid, save=keep, save_as=rid if keep else None
+        )
+    except ApiError as exc:  # the previous response's session: not for this model
+        exc.param = "previous_response_id"
+        raise
+
+
+async def _options(
+    body: dict[str, Any], store: ResponseStore
+) -> tuple[list[dict[str, Any]], bool, bool]:
     """The stored conversation it continues, whether it streams, whether it is stored."""
     stream = body.get("stream", False)
     keep = body.get("store", True)
@@ -614,7 +711,7 @@ def _options(body: dict[str, Any], store: ResponseStore) -> tuple[list[dict[str,
             raise ApiError(
                 400, "'previous_response_id' must be a string", param="previous_response_id"
             )
-        found = store.get(previous)
+        found = await store.get(previous)
         if found is None:
             raise _not_found(previous, "previous_response_id")
         history = [dict(m) for m in found.conversation]
@@ -669,7 +766,7 @@ class _Streamed:
         response, closing = b.finish(last, self.copy.stream.cached_tokens, error)
         for out in closing:
             await _send(send, out)
-        self.stored(response)
+        await self.stored(response)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

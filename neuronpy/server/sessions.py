@@ -38,7 +38,19 @@ async def session_request(
         return None
     if store is None:
         raise ApiError(400, SESSIONS_OFF, param="session")
-    info = await _in_thread(store.info, req.session)
+    return await open_session(store, engine, req.session, req.session_save)
+
+
+async def open_session(
+    store: SessionStore,
+    engine: Engine,
+    name: str,
+    save: bool,
+    save_as: str | None = None,
+) -> SessionRequest:
+    """Session `name` checked against the model (see session_request); `save_as`: save into
+    that session instead."""
+    info = await _in_thread(store.info, name)
     try:
         if info is not None:
             c = engine.model.config
@@ -50,11 +62,12 @@ async def session_request(
                 layout=(c.num_layers, c.num_kv_heads, c.head_dim),
                 context_len=engine.context_len,
             )
-        path = store.path(req.session)
+        path = store.path(name)
+        save_path = store.path(save_as) if save_as is not None else None
     except InvalidRequestError as exc:
         raise api_error(exc) from None
     tokens = info.token_ids if info is not None else None
-    return SessionRequest(req.session, path, req.session_save, tokens)
+    return SessionRequest(name, path, save, tokens, save_path)
 
 
 async def list_sessions(store: SessionStore) -> dict[str, Any]:
