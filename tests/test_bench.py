@@ -8,6 +8,7 @@ import math
 import sys
 
 import pytest
+import torch
 
 from neuronpy.bench import cli, metrics, report
 from neuronpy.bench.metrics import RequestRecord
@@ -306,3 +307,19 @@ def test_w5_runs_w1s_streams_constrained_beside_w1(drive: str) -> None:
     assert point["parity"]["identical"] == point["parity"]["total"] == 2
     assert point["ratios"]["W5/W1"] > 0
     assert "constrained / unconstrained (W5 / W1)" in report.format_report(results)
+
+
+def test_gpu_bench_runs_its_code_on_a_tiny_random_llama_on_the_cpu(tmp_path, capsys) -> None:
+    """`python -m neuronpy.bench.gpu` measures on a GPU; `--shape tiny --device cpu` runs the
+    same code: a random Llama, the roofline, W1 against generate_batch, the JSON."""
+    from neuronpy.bench import gpu
+
+    out = tmp_path / "gpu.json"
+    argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--k", "1,2"]
+    assert gpu.main([*argv, "--prompt-len", "8", "--output-len", "4", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["roofline_tok_s"] > 0 and summary["k1_roofline_share"] > 0
+    printed = capsys.readouterr().out
+    assert "of the roofline" in printed and "generate_batch" in printed
+    if not torch.cuda.is_available():
+        assert gpu.main(["--device", "cuda"]) == 2  # says so, measures nothing
