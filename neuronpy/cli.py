@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         "where they stopped (default: no budget)",
     )
     serve.add_argument(
+        "--no-web",
+        dest="web",
+        action="store_const",
+        const=False,
+        help="serve no web page (the chat at / and the batch view at /batch; default: on)",
+    )
+    serve.add_argument(
         "--sessions-dir",
         metavar="DIR",
         help="enable sessions: requests with a `session` name save their conversation's KV "
@@ -173,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "api_key": args.api_key,
             "cors_allow_origins": args.cors_allow_origin,
             "sessions_dir": args.sessions_dir,
+            "web": args.web,
         },
         "model": {
             "dtype": args.dtype,
@@ -266,6 +274,7 @@ def serve(config: Config) -> int:
         cors_allow_origins=config.server.cors_allow_origins,
         cors_allow_credentials=config.server.cors_allow_credentials,
         sessions_dir=config.server.sessions_dir,
+        web=config.server.web,
         body_timeout=config.server.body_timeout,
         limit_concurrency=config.server.limit_concurrency,
     )

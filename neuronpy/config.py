@@ -164,6 +164,7 @@ class ServerConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT  # ...and a request's body (else 408)
     # requests handled at once, /health and /metrics aside; more get 503 at once
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
+    web: bool = True  # the chat page at / and the batch view at /batch
 
     def __post_init__(self) -> None:
         try:
@@ -180,6 +181,7 @@ class ServerConfig:
             check_seconds("header_timeout", self.header_timeout)
             check_seconds("body_timeout", self.body_timeout)
             check_int("limit_concurrency", self.limit_concurrency, 0, 1_000_000)
+            check_bool("web", self.web)
         except FieldError as exc:
             raise ValueError(f"[server] {exc}") from None
         if self.api_key is not None and (

@@ -313,6 +313,10 @@ class Engine:
             grammar_cache_bytes=g.cache_bytes_used,
         )
 
+    def rows(self) -> list[dict[str, object]]:
+        """Each admitted request: id, state, prompt tokens, tokens so far (the batch view)."""
+        return self._scheduler.rows()
+
     def retry_after(self) -> float:
         """Seconds until a row is likely free: the queue ahead at the measured request time."""
         return self._scheduler.retry_after()

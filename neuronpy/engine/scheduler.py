@@ -104,6 +104,28 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.active() and not self.saving
 
+    def rows(self) -> list[dict[str, object]]:
+        """Each admitted request as the batch view shows it: its id, state (queued,
+        prefilling, decoding, preempted), prompt tokens, tokens so far and max_tokens."""
+        out: list[dict[str, object]] = []
+        for r in self.active():
+            if r.status is RequestStatus.WAITING:
+                state = "preempted" if r.preemptions else "queued"
+            elif r.status is RequestStatus.PREFILLING:
+                state = "prefilling"
+            else:
+                state = "decoding"
+            out.append(
+                {
+                    "id": r.id,
+                    "state": state,
+                    "prompt_tokens": len(r.prompt_ids),
+                    "output_tokens": len(r.output_ids),
+                    "max_tokens": r.params.max_tokens,
+                }
+            )
+        return out
+
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
         """The prompt as a tuple, or InvalidRequestError naming what does not fit the model."""
         return check_prompt(

@@ -41,6 +41,7 @@ from neuronpy.server.responses_api import (
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
 from neuronpy.server.stream import EventStreamResponse
 from neuronpy.server.tokenize import detokenize, tokenize
+from neuronpy.server.web import batch, page, static
 
 
 def create_app(
@@ -57,6 +58,7 @@ def create_app(
     cors_allow_origins: Sequence[str] = (),
     cors_allow_credentials: bool = False,
     sessions_dir: str | Path | None = None,
+    web: bool = True,
 ) -> Starlette:
     """The HTTP app serving `models`: {name: a blocking function that loads the model and builds
     its engine}. Once the server is up, each model loads in a thread of its own and serves as
@@ -68,7 +70,8 @@ def create_app(
     A body must arrive within `body_timeout` seconds (else 408); at most `limit_concurrency`
     requests are handled at once, /health and /metrics aside (else 503); 0 turns either off.
     `sessions_dir` turns sessions on: conversations' KV saved there by name (see
-    engine/sessions.py), listed and deleted under /v1/sessions."""
+    engine/sessions.py), listed and deleted under /v1/sessions. `web`: the chat page at / and
+    the batch view at /batch (their static files need no key; what they fetch does)."""
     if not models:
         raise ValueError("create_app needs at least one model")
     state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
@@ -79,7 +82,7 @@ def create_app(
     limits = BodyLimits(max_body_bytes, body_timeout)
     # outermost: every response carries its x-request-id, a 401 or a CORS refusal too
     middleware = [Middleware(RequestIdMiddleware)]
-    middleware += security_middleware(api_key, cors_allow_origins, cors_allow_credentials)
+    middleware += security_middleware(api_key, cors_allow_origins, cors_allow_credentials, web=web)
     if limit_concurrency:  # inside the key check: a client without the key holds nothing
         middleware.append(
             Middleware(ConcurrencyLimit, limit=limit_concurrency, on_refused=metrics.refuse_unread)
@@ -188,8 +191,12 @@ def create_app(
             return JSONResponse(await delete_session(store, name))
         return JSONResponse(await show_session(store, name))
 
+    async def batch_route(request: Request) -> Response:
+        return await batch(state)
+
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/v1/batch", batch_route, methods=["GET"]),
         Route("/v1/models", models_route, methods=["GET"]),
         Route("/v1/models/{model:path}", models_route, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -203,6 +210,12 @@ def create_app(
         Route("/stats", stats, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
     ]
+    if web:
+        routes += [
+            Route("/", page, methods=["GET"]),
+            Route("/batch", page, methods=["GET"]),
+            Route("/static/{name}", static, methods=["GET"]),
+        ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,

@@ -15,6 +15,9 @@ from neuronpy.server.errors import ApiError
 
 # Routes that answer without the key: a load balancer's health probe carries no secret.
 OPEN_PATHS = frozenset({"/health"})
+# the web page's static files (they hold no data: the page asks for the key to fetch any)
+WEB_PATHS = frozenset({"/", "/batch"})
+WEB_PREFIX = "/static/"
 # Headers a browser may send on a cross-origin request, and those its script may read.
 CORS_METHODS = ("GET", "POST")
 CORS_EXPOSE_HEADERS = ("Retry-After", "x-request-id")
@@ -33,16 +36,25 @@ class ApiKeyMiddleware:
     nor what a client sent is ever logged or echoed."""
 
     def __init__(
-        self, app: ASGIApp, api_key: str, open_paths: Collection[str] = OPEN_PATHS
+        self,
+        app: ASGIApp,
+        api_key: str,
+        open_paths: Collection[str] = OPEN_PATHS,
+        open_prefix: str | None = None,
     ) -> None:
         if not api_key:
             raise ValueError("the API key must not be empty")
         self.app = app
         self._digest = _digest(api_key.encode())
         self._open_paths = frozenset(open_paths)
+        self._open_prefix = open_prefix
+
+    def _open(self, path: str) -> bool:
+        prefix = self._open_prefix
+        return path in self._open_paths or (prefix is not None and path.startswith(prefix))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in self._open_paths:
+        if scope["type"] not in ("http", "websocket") or self._open(scope["path"]):
             await self.app(scope, receive, send)
             return
         sent = _presented_keys(scope.get("headers", ()))
@@ -90,6 +102,7 @@ def security_middleware(
     api_key: str | None,
     cors_allow_origins: Collection[str] = (),
     cors_allow_credentials: bool = False,
+    web: bool = False,
 ) -> list[Middleware]:
     """The middleware stack, outermost first: CORS (only when origins are configured) around
     the API-key check, so a browser's preflight (OPTIONS, which carries no credentials) is
@@ -109,5 +122,9 @@ def security_middleware(
             )
         )
     if api_key:
-        stack.append(Middleware(ApiKeyMiddleware, api_key=api_key))
+        open_paths = OPEN_PATHS | WEB_PATHS if web else OPEN_PATHS
+        prefix = WEB_PREFIX if web else None
+        stack.append(
+            Middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths, open_prefix=prefix)
+        )
     return stack

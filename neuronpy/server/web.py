@@ -1,0 +1,79 @@
+"""The web page: a chat (GET /) and a live view of the batch (GET /batch), static files shipped
+in the package (neuronpy/server/web/), and /v1/batch, the JSON the batch view polls."""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from neuronpy.server.errors import ApiError
+from neuronpy.server.models import ServerState
+
+# name -> content type: nothing else is served
+FILES = {
+    "index.html": "text/html; charset=utf-8",
+    "batch.html": "text/html; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+    "common.js": "text/javascript; charset=utf-8",
+    "chat.js": "text/javascript; charset=utf-8",
+    "batch.js": "text/javascript; charset=utf-8",
+}
+# The pages run no inline script and fetch nothing from elsewhere; this says so to the browser
+# (an operator's own CSP, set by a proxy, may be stricter).
+HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+def _file(name: str) -> Response:
+    if name not in FILES:
+        raise ApiError(404, "no such file", code="not_found")
+    body = resources.files("neuronpy.server").joinpath("web", name).read_bytes()
+    return Response(body, headers={**HEADERS, "Content-Type": FILES[name]})
+
+
+async def page(request: Request) -> Response:
+    """/ (the chat) and /batch."""
+    return _file("batch.html" if request.url.path == "/batch" else "index.html")
+
+
+async def static(request: Request) -> Response:
+    return _file(request.path_params["name"])
+
+
+def batch_state(state: ServerState) -> dict[str, Any]:
+    """Each model's live batch: its figures and its admitted requests, row by row."""
+    models: dict[str, Any] = {}
+    for model in state.models.values():
+        engine = model.engine
+        entry: dict[str, Any] = {"status": model.state}
+        if engine is not None:
+            s = engine.stats()
+            capacity = s.kv_budget_tokens or engine.max_running * engine.context_len
+            entry |= {
+                "live_batch_size": s.live_batch_size,
+                "max_in_flight": engine.max_running,
+                "running": s.running,
+                "queued": s.queued,
+                "decode_steps": s.decode_steps,
+                "kv_tokens": s.kv_tokens,
+                "kv_capacity": capacity,
+                "prefix_cache_hits": s.prefix_cache_hits,
+                "prefix_cache_misses": s.prefix_cache_misses,
+                "requests": engine.rows(),
+            }
+        models[model.name] = entry
+    return {"models": models}
+
+
+async def batch(state: ServerState) -> JSONResponse:
+    return JSONResponse(batch_state(state))

@@ -1,0 +1,195 @@
+"""The web page in a real headless browser: Debian's chromium, driven by playwright through
+`executable_path` (nothing is downloaded), against a real server on the tiny fixtures. The
+models' replies are scripted (tests/scripted.py) so that the page's rendering can be checked
+exactly. NEURONPY_SCREENSHOTS=DIR saves the README's screenshots there."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.scripted import Scripts
+from tests.servers import RunningServer, fixture_model, run_server
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip(
+        "no chromium here: the browser tests need Debian's (apt-get install chromium)",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+
+MODELS = ("tiny-llama", "tiny-mistral")
+KEY = "web-test-key-0123456789"
+SCREENSHOTS = os.environ.get("NEURONPY_SCREENSHOTS")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as playwright:
+        # (--no-sandbox: the tests may run as root, where chromium's sandbox cannot start)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[RunningServer, dict[str, Scripts]]]:
+    models = {name: loader for m in MODELS for name, loader in fixture_model(m).items()}
+    with run_server(models) as server:
+        scripts = {}
+        for name in MODELS:
+            engine = server.state.models[name].engine
+            assert engine is not None
+            scripts[name] = Scripts()
+            scripts[name].attach(engine)
+        yield server, scripts
+
+
+def script(scripts: Scripts, server: RunningServer, model: str, key: str, text: str) -> None:
+    engine = server.state.models[model].engine
+    assert engine is not None
+    tok = engine.tokenizer
+    scripts.add(key, [*tok.encode(text), tok.eos_token_id])
+
+
+@pytest.fixture
+def page(browser: Any, served: tuple[RunningServer, dict[str, Scripts]]) -> Iterator[Any]:
+    server, _ = served
+    context = browser.new_context(viewport={"width": 1200, "height": 800})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option", state="attached")
+    yield page
+    context.close()
+    assert not errors, errors  # the page's scripts never threw
+
+
+def ask(page: Any, text: str, *, max_tokens: int = 64) -> Any:
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", str(max_tokens))
+    page.fill("#prompt", text)
+    page.click("#send")
+    return page.locator(".message.assistant").last
+
+
+def test_a_message_gets_a_streamed_reply_rendered_safely(page: Any, served: Any) -> None:
+    server, scripts = served
+    script(scripts["tiny-llama"], server, "tiny-llama", "[hello]", "Hello from **neuronpy**!")
+    reply = ask(page, "Say hi [hello]")
+    reply.locator(".meta .stats").wait_for()  # the reply has ended: TTFT and tokens/s shown
+    assert reply.locator(".content").inner_text().strip() == "Hello from neuronpy!"
+    assert reply.locator(".content strong").inner_text() == "neuronpy"
+    assert "TTFT" in reply.locator(".stats").inner_text()
+    assert page.locator(".message.user").last.inner_text().endswith("Say hi [hello]")
+    # the conversation is kept in the browser: a reload shows it again
+    page.reload()
+    page.wait_for_selector(".message.assistant")
+    assert "Hello from" in page.locator(".message.assistant").last.inner_text()
+    if SCREENSHOTS:
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(SCREENSHOTS) / "chat.png"))
+
+
+def test_markup_in_a_reply_is_shown_never_run(page: Any, served: Any) -> None:
+    server, scripts = served
+    evil = '<script>window.pwned = 1</script><img src=x onerror="window.pwned = 2">'
+    script(scripts["tiny-llama"], server, "tiny-llama", "[evil]", evil)
+    reply = ask(page, "Be evil [evil]")
+    reply.locator(".meta .stats").wait_for()
+    assert reply.locator(".content").inner_text().strip() == evil
+    assert reply.locator(".content script, .content img").count() == 0
+    assert page.evaluate("window.pwned") is None
+
+
+def test_stop_cancels_the_request_on_the_server(page: Any, served: Any) -> None:
+    server, scripts = served
+    script(scripts["tiny-llama"], server, "tiny-llama", "[long]", "na " * 200)  # 400 tokens
+    reply = ask(page, "Go on [long]", max_tokens=440)
+    started = "() => document.querySelector('.message.assistant:last-child .content').innerText"
+    page.wait_for_function(f"{started}.length > 0")
+    page.click("#stop")
+    reply.locator(".error").wait_for()
+    assert reply.locator(".error").inner_text() == "stopped"
+    server.wait_for(lambda s: s["running"] == 0, model="tiny-llama")
+    assert reply.locator(".content").inner_text().count("na") < 200  # it was cut short
+
+
+def test_the_model_picker_switches_models(page: Any, served: Any) -> None:
+    server, scripts = served
+    options = page.locator("#model option").all_inner_texts()
+    assert options == list(MODELS)
+    script(scripts["tiny-mistral"], server, "tiny-mistral", "[which]", "I am mistral.")
+    page.select_option("#model", "tiny-mistral")
+    before = server.stats("tiny-mistral")["admitted"]
+    reply = ask(page, "Who are you? [which]")
+    reply.locator(".meta .stats").wait_for()
+    assert reply.locator(".content").inner_text().strip() == "I am mistral."
+    assert server.stats("tiny-mistral")["admitted"] == before + 1
+
+
+def test_the_batch_view_shows_a_running_request(browser: Any, served: Any) -> None:
+    server, scripts = served
+    script(scripts["tiny-llama"], server, "tiny-llama", "[watch]", "la " * 200)
+    context = browser.new_context(viewport={"width": 1200, "height": 800})
+    page = context.new_page()
+    page.goto(server.url + "/batch")
+    page.wait_for_selector("section.card[data-model='tiny-llama']")
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "[watch]"}],
+        "max_tokens": 440,
+        "stream": True,
+    }
+    with contextlib.ExitStack() as streams:
+        readers = []  # (kept: a reader let go closes its stream, which cancels the request)
+        for i in range(3):  # three rows in the batch
+            sent = {**body, "messages": [{"role": "user", "content": f"{i} [watch]"}]}
+            stream = streams.enter_context(
+                httpx.stream("POST", f"{server.v1}/chat/completions", json=sent, timeout=60)
+            )
+            readers.append(stream.iter_lines())
+            next(readers[-1])  # it runs
+        rows = page.locator("section.card[data-model='tiny-llama'] tr.request")
+        page.wait_for_function(
+            "() => document.querySelectorAll(\"section.card[data-model='tiny-llama'] "
+            'tr.request").length === 3'
+        )
+        states = {rows.nth(i).locator("td").nth(1).inner_text() for i in range(3)}
+        assert states <= {"prefilling", "decoding"}
+        if SCREENSHOTS:
+            time.sleep(1.5)  # a few polls: the batch size over time
+            page.screenshot(path=str(Path(SCREENSHOTS) / "batch.png"))
+    context.close()
+
+
+def test_the_page_asks_for_the_api_key(browser: Any) -> None:
+    with run_server(fixture_model("tiny-llama"), api_key=KEY) as server:
+        assert httpx.get(server.url + "/").status_code == 200  # the page itself needs no key
+        assert httpx.get(server.url + "/v1/batch").status_code == 401
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_selector("#key-dialog[open]")
+        page.fill("#key", KEY)
+        page.click("#key-form button")
+        page.wait_for_selector("#model option", state="attached")
+        assert page.locator("#model option").all_inner_texts() == ["tiny-llama"]
+        context.close()
+
+
+def test_no_web_serves_no_page() -> None:
+    with run_server(fixture_model("tiny-llama"), web=False) as server:
+        assert httpx.get(server.url + "/").status_code == 404
+        assert httpx.get(server.url + "/static/chat.js").status_code == 404
+        assert httpx.get(server.url + "/health").status_code == 200
