@@ -6,6 +6,7 @@ exactly. NEURONPY_SCREENSHOTS=DIR saves the README's screenshots there."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -27,7 +28,7 @@ if CHROMIUM is None:
     )
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
 
-MODELS = ("tiny-llama", "tiny-mistral")
+MODELS = ("tiny-llama", "tiny-mistral", "tiny-qwen3-tools")  # the last reasons and calls tools
 KEY = "web-test-key-0123456789"
 SCREENSHOTS = os.environ.get("NEURONPY_SCREENSHOTS")
 
@@ -193,3 +194,26 @@ def test_no_web_serves_no_page() -> None:
         assert httpx.get(server.url + "/").status_code == 404
         assert httpx.get(server.url + "/static/chat.js").status_code == 404
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def test_reasoning_folds_code_renders_and_tool_calls_show(page: Any, served: Any) -> None:
+    server, scripts = served
+    model = "tiny-qwen3-tools"
+    reply = (
+        "<think>\nThe user wants code.\n</think>\n\nSee `x`:\n```\nx = 1 < 2\n```\n"
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+    )
+    script(scripts[model], server, model, "[rich]", reply)
+    page.select_option("#model", model)
+    page.fill("#tools", json.dumps([TOOL]))
+    answer = ask(page, "Show me [rich]")
+    answer.locator(".meta .stats").wait_for()
+    details = answer.locator("details.reasoning")
+    assert details.get_attribute("open") is None  # folded
+    assert "The user wants code." in (details.text_content() or "")
+    assert answer.locator(".content code").first.inner_text() == "x"
+    assert answer.locator(".content pre code").inner_text().strip() == "x = 1 < 2"
+    assert answer.locator(".tool-call").inner_text() == 'get_time({"tz": "CET"})'

@@ -139,6 +139,8 @@ function requestBody() {
     max_tokens: Number($("max_tokens").value),
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  const tools = $("tools").value.trim();
+  if (tools) body.tools = JSON.parse(tools);  // (a bad list: the error is shown in the reply)
   return body;
 }
 
