@@ -313,6 +313,12 @@ class Engine:
             grammar_cache_bytes=g.cache_bytes_used,
         )
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The KV the running requests may hold, in tokens: the KV budget, or without one
+        max_in_flight rows of the whole context."""
+        return self.kv_budget_tokens or self.max_running * self.context_len
+
     def rows(self) -> list[dict[str, object]]:
         """Each admitted request: id, state, prompt tokens, tokens so far (the batch view)."""
         return self._scheduler.rows()

@@ -316,9 +316,9 @@ class _Collector:
             labels=["model"],
         )
         for model, engine in engines.items():
-            s = stats[model]
-            capacity = s.kv_budget_tokens or engine.max_running * engine.context_len
-            kv_usage.add_metric([model], min(1.0, s.kv_tokens / capacity) if capacity else 0.0)
+            capacity = engine.kv_capacity_tokens
+            held = stats[model].kv_tokens
+            kv_usage.add_metric([model], min(1.0, held / capacity) if capacity else 0.0)
         yield kv_usage
         for model, engine in engines.items():
             max_in_flight.add_metric([model], float(engine.max_running))

@@ -58,7 +58,6 @@ def batch_state(state: ServerState) -> dict[str, Any]:
         entry: dict[str, Any] = {"status": model.state}
         if engine is not None:
             s = engine.stats()
-            capacity = s.kv_budget_tokens or engine.max_running * engine.context_len
             entry |= {
                 "live_batch_size": s.live_batch_size,
                 "max_in_flight": engine.max_running,
@@ -66,7 +65,7 @@ def batch_state(state: ServerState) -> dict[str, Any]:
                 "queued": s.queued,
                 "decode_steps": s.decode_steps,
                 "kv_tokens": s.kv_tokens,
-                "kv_capacity": capacity,
+                "kv_capacity": engine.kv_capacity_tokens,
                 "prefix_cache_hits": s.prefix_cache_hits,
                 "prefix_cache_misses": s.prefix_cache_misses,
                 "requests": engine.rows(),

@@ -5,13 +5,6 @@ const history = {};  // model -> recent live batch sizes
 const steps = {};  // model -> [decode steps, time] of the previous poll
 const KEEP = 120;
 
-function el(tag, cls, text) {
-  const node = document.createElement(tag);
-  if (cls) node.className = cls;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
 function sparkline(values, most) {
   const ns = "http://www.w3.org/2000/svg";
   const svg = document.createElementNS(ns, "svg");

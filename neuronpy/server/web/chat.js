@@ -12,13 +12,6 @@ function save() {
   localStorage.setItem(STORE, JSON.stringify(conversation));
 }
 
-function el(tag, cls, text) {
-  const node = document.createElement(tag);
-  if (cls) node.className = cls;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
-
 // A small, safe markdown: ``` fences, `code`, **bold**, *italics*, paragraphs, line breaks.
 function renderInline(parent, text) {
   const pattern = /(`[^`\n]+`|\*\*[^*\n]+\*\*|\*[^*\n]+\*)/g;

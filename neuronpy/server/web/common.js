@@ -41,3 +41,11 @@ async function errorText(response) {
     return response.statusText;
   }
 }
+
+// an element holding `text` as text (never as HTML)
+function el(tag, cls, text) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
