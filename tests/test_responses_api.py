@@ -292,3 +292,13 @@ def test_with_sessions_a_stored_response_and_its_kv_outlive_a_restart(tmp_path: 
         assert httpx.get(f"{restarted.v1}/sessions").json()["data"] == []
         with pytest.raises(openai.NotFoundError):
             api.responses.retrieve(first.id)
+
+
+def test_a_client_leaving_a_stream_cancels_its_response(server: RunningServer) -> None:
+    body = {"model": MODEL, "input": "Go on and on", "max_output_tokens": 400, "stream": True}
+    before = server.stats(MODEL)["cancelled"]
+    with httpx.stream("POST", f"{server.v1}/responses", json=body, timeout=30) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "event: response.created"
+    server.wait_for(lambda s: s["running"] == 0 and s["queued"] == 0, model=MODEL)
+    assert server.stats(MODEL)["cancelled"] == before + 1
