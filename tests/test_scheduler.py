@@ -505,3 +505,7 @@ def test_retry_after_is_when_a_row_frees_at_the_measured_step_time() -> None:
     # what requests have been writing bounds what a row is likely to still write
     s._output_tokens = 20.0
     assert s.retry_after() == pytest.approx(9 * 0.25)
+    # never past a minute, however long the rows may still write
+    s._output_tokens = 0.0
+    s.add_time("forward", 1000.0)  # (steps of a second each, say)
+    assert s.retry_after() == 60.0

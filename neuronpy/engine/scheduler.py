@@ -46,6 +46,10 @@ from neuronpy.engine.request import (
 from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import QueueFullError
 
+# the most Retry-After says: past it a client is better off with its own backoff (and a row
+# whose max_tokens is the whole context, before any reply has been measured, is no estimate)
+MAX_RETRY_AFTER = 60.0
+
 
 class Scheduler:
     """Admission, queue deadlines, the KV budget, prefill and rebatch plans, the prefix index."""
@@ -170,8 +174,8 @@ class Scheduler:
     def retry_after(self) -> float:
         """Seconds until a row is likely free for a request refused now: the running rows'
         remaining tokens (each at most what requests have been writing, on average) at the
-        measured decode step time, then the queue ahead at the measured request time. At least
-        one second; one second when nothing has been measured yet."""
+        measured decode step time, then the queue ahead at the measured request time. From one
+        second to MAX_RETRY_AFTER; one second when nothing has been measured yet."""
         c = self.counters
         if not c.decode_steps:
             return 1.0
@@ -184,11 +188,12 @@ class Scheduler:
         )
         ahead = len(self.waiting) + 1  # the refused request would wait behind the queue
         if ahead <= len(remaining):
-            return max(1.0, remaining[ahead - 1] * step)
-        last = remaining[-1] * step if remaining else 0.0
-        per_request = self._request_seconds or last or 1.0
-        later = math.ceil((ahead - len(remaining)) / self.max_running) * per_request
-        return max(1.0, last + later)
+            estimate = remaining[ahead - 1] * step
+        else:
+            last = remaining[-1] * step if remaining else 0.0
+            per_request = self._request_seconds or last or 1.0
+            estimate = last + math.ceil((ahead - len(remaining)) / self.max_running) * per_request
+        return min(MAX_RETRY_AFTER, max(1.0, estimate))
 
     def cancel(self, request: Request) -> None:
         """The client went away: a running row leaves at the next rebatch, a queued one never
