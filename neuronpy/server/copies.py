@@ -109,3 +109,35 @@ async def cancel_on_disconnect(receive: Receive, work: Callable[[], Awaitable[No
         finished = True
         tg.cancel_scope.cancel()
     return finished
+
+
+async def gather(receive: Receive, copies: Sequence[Copy]) -> list[list[GenerationEvent]] | None:
+    """Every copy's events, by its place in `copies`, once all have ended; None when the
+    client disconnected first (every copy is then cancelled). The request body must have been
+    read already (see cancel_on_disconnect)."""
+    events: list[list[GenerationEvent]] = [[] for _ in copies]
+    place = {id(copy): i for i, copy in enumerate(copies)}
+
+    async def collect() -> None:
+        async with merged(copies) as merged_events:
+            async for copy, event in merged_events:
+                if event is not None:
+                    events[place[id(copy)]].append(event)
+
+    return events if await cancel_on_disconnect(receive, collect) else None
+
+
+async def stream(
+    receive: Receive, copies: Sequence[Copy], write: Callable[[Events], Awaitable[None]]
+) -> None:
+    """`write` the copies' merged events to a streamed response until they end or the client
+    disconnects (which cancels every copy), a client gone mid-write included."""
+
+    async def pump() -> None:
+        async with merged(copies) as events:
+            try:
+                await write(events)
+            except OSError:  # the client went away while we wrote (ASGI spec 2.4)
+                return
+
+    await cancel_on_disconnect(receive, pump)

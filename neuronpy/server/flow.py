@@ -16,9 +16,9 @@ from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.stream import RequestStream
-from neuronpy.engine.types import GenerationEvent, SamplingParams, SessionRequest
+from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import NeuronError
-from neuronpy.server.copies import Copy, cancel_on_disconnect, merged, prompt_totals
+from neuronpy.server.copies import Copy, gather, prompt_totals
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.logprobs import token_texts
 from neuronpy.server.metrics import ServerMetrics
@@ -149,15 +149,8 @@ async def _admit(
 async def _gather(request: Request, copies: Sequence[Copy], engine: Engine) -> Response:
     """A non-streamed request: every copy gathered, one choice each; the usage counts each
     prompt once and every copy's tokens. A disconnect cancels every copy."""
-    events: list[list[GenerationEvent]] = [[] for _ in copies]
-
-    async def collect() -> None:
-        async with merged(copies) as merged_events:
-            async for copy, event in merged_events:
-                if event is not None:
-                    events[copy.reply.index].append(event)
-
-    if not await cancel_on_disconnect(request.receive, collect):
+    events = await gather(request.receive, copies)
+    if events is None:
         return Response(status_code=499)  # nobody is listening
     for copy in copies:  # the first copy that did not finish answers for the request
         error = failure(copy.last, engine)

@@ -35,7 +35,7 @@ from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.types import FinishReason, GenerationEvent, SessionRequest, ToolCall
 from neuronpy.errors import InvalidRequestError, NeuronError
-from neuronpy.server.copies import Copy, cancel_on_disconnect, merged
+from neuronpy.server.copies import Copy, Events, gather, stream
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import refuse_unshown_tools
 from neuronpy.server.metrics import ServerMetrics
@@ -658,16 +658,10 @@ async def create_response(
 
     if stream:
         return _Streamed(copy, builder, engine, stored)  # type: ignore[return-value]
-    events: list[GenerationEvent] = []
-
-    async def collect() -> None:
-        async with merged([copy]) as merged_events:
-            async for _, event in merged_events:
-                if event is not None:
-                    events.append(event)
-
-    if not await cancel_on_disconnect(request.receive, collect):
-        return Response(status_code=499)
+    gathered = await gather(request.receive, [copy])
+    if gathered is None:
+        return Response(status_code=499)  # nobody is listening
+    (events,) = gathered
     last = events[-1] if events else None
     error = failure(last, engine)
     if error is not None:
@@ -729,16 +723,9 @@ class _Streamed:
         self.copy, self.builder, self.engine, self.stored = copy, builder, engine, stored
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def pump() -> None:
-            async with merged([self.copy]) as events:
-                try:
-                    await self._write(events, scope, receive, send)
-                except OSError:
-                    return
+        await stream(receive, [self.copy], lambda events: self._write(events, scope, receive, send))
 
-        await cancel_on_disconnect(receive, pump)
-
-    async def _write(self, events: Any, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _write(self, events: Events, scope: Scope, receive: Receive, send: Send) -> None:
         b = self.builder
         _, first = await anext(events)
         if first is None or (first.finished and not first.text and not first.tool_calls):

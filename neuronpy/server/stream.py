@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import GenerationEvent
-from neuronpy.server.copies import Copy, Events, cancel_on_disconnect, merged, prompt_totals
+from neuronpy.server.copies import Copy, Events, prompt_totals, stream
 from neuronpy.server.errors import ApiError, failure
 
 HEADERS = [
@@ -36,14 +36,7 @@ class EventStreamResponse:
         self.engine = engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def pump() -> None:
-            async with merged(self.copies) as events:
-                try:
-                    await self._write(events, scope, receive, send)
-                except OSError:  # the client went away while we wrote (ASGI spec 2.4)
-                    return
-
-        await cancel_on_disconnect(receive, pump)
+        await stream(receive, self.copies, lambda events: self._write(events, scope, receive, send))
 
     async def _write(self, events: Events, scope: Scope, receive: Receive, send: Send) -> None:
         copy, first = await anext(events)
