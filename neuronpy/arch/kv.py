@@ -1,7 +1,9 @@
 """KV snapshots, the live batch, and the assemble / extract / mask primitives of rebatching.
 
 Keys are stored after RoPE, so what lies in a padding column (and at which position) never
-matters: only the mask does (padding columns hold zeros, so that masked scores stay finite).
+matters: only the mask does. Padding columns and headroom hold zeros until written: a verify
+step's queries attend over columns up to its longest row's, and a masked column must hold finite
+values (a NaN left in memory would reach the output through its zero attention weight).
 The live batch is one or more groups; within a group every row has exactly one padding gap.
 """
 
@@ -83,6 +85,9 @@ class KvGroup:
     prefix_lens: list[int]
     padded_len: int
     steps: int = 0
+    # per row: how many of the last `steps` decode columns are not its own (drafts a verify
+    # step rejected, dropped by `trim`); None: every row holds all `steps`
+    lags: list[int] | None = None
     _prefix_lens_t: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -101,7 +106,19 @@ class KvGroup:
     @property
     def row_lengths(self) -> list[int]:
         """Each row's real sequence length (the padding gap not counted)."""
-        return [p + self.steps for p in self.prefix_lens]
+        return [p + s for p, s in zip(self.prefix_lens, self.row_steps, strict=True)]
+
+    @property
+    def row_steps(self) -> list[int]:
+        """Each row's decode columns: [padded_len, padded_len + row_steps[b]) are its own."""
+        if self.lags is None:
+            return [self.steps] * self.batch_size
+        return [self.steps - lag for lag in self.lags]
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every row holds all `steps` decode columns (one write column for all)."""
+        return self.lags is None
 
     @property
     def padding_columns(self) -> int:
@@ -116,17 +133,45 @@ class KvGroup:
         return self._prefix_lens_t
 
     def positions(self) -> torch.Tensor:
-        """RoPE position of each row's next token: [B_g] = P_b + steps."""
-        return self.prefix_lens_tensor() + self.steps
+        """RoPE position of each row's next token: [B_g] = P_b + its decode steps."""
+        if self.lags is None:
+            return self.prefix_lens_tensor() + self.steps
+        return self.prefix_lens_tensor() + torch.tensor(self.row_steps, device=self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device if self.keys else torch.device("cpu")
 
     def decode_mask(self) -> torch.Tensor | None:
-        """The attention mask of the next step (see batch_decode_mask)."""
+        """The attention mask of the next step (see batch_decode_mask); uniform groups only."""
+        assert self.lags is None, "a group whose rows lag decodes through ragged_step"
         return batch_decode_mask(self.prefix_lens_tensor(), self.padded_len, self.used + 1)
 
     def spans(self, row: int) -> tuple[tuple[int, int], ...]:
         """Row `row`'s valid column ranges, in order."""
         prefix = self.prefix_lens[row]
-        return ((0, prefix), (self.padded_len, self.used)) if self.steps else ((0, prefix),)
+        steps = self.steps - (self.lags[row] if self.lags is not None else 0)
+        if not steps:
+            return ((0, prefix),)
+        return ((0, prefix), (self.padded_len, self.padded_len + steps))
+
+    def advance(self, counts: Sequence[int]) -> None:
+        """Each row has written counts[b] more decode columns, from its own next column."""
+        steps = [s + n for s, n in zip(self.row_steps, counts, strict=True)]
+        self._set_steps(steps)
+
+    def trim(self, drops: Sequence[int]) -> None:
+        """Each row gives back its last drops[b] decode columns (rejected drafts): they are
+        masked from now on and rewritten by its next steps, not copied out."""
+        steps = self.row_steps
+        if any(not 0 <= d <= s for d, s in zip(drops, steps, strict=True)):
+            raise ValueError(f"cannot drop {list(drops)} of decode columns {steps}")
+        self._set_steps([s - d for s, d in zip(steps, drops, strict=True)])
+
+    def _set_steps(self, steps: Sequence[int]) -> None:
+        self.steps = max(steps, default=0)
+        lags = [self.steps - s for s in steps]
+        self.lags = lags if any(lags) else None
 
     def ensure_headroom(self, columns: int = 1) -> None:
         """Grows every layer's buffer so `columns` more decode steps fit (amortised doubling)."""
@@ -136,22 +181,25 @@ class KvGroup:
         new_cap = max(need, self.capacity + max(DEFAULT_HEADROOM, self.capacity // 2))
         for cache in (self.keys, self.values):
             for i, t in enumerate(cache):
-                # columns past `used` are written by a step before any step reads them
                 grown = t.new_empty(t.shape[0], t.shape[1], new_cap, t.shape[3])
                 grown[:, :, : self.used] = t[:, :, : self.used]
+                grown[:, :, self.used :].zero_()  # (see the module's docstring)
                 cache[i] = grown
 
     def take_rows(self, rows: Sequence[int]) -> KvGroup:
         """A group of these rows only, in this order, laid out as they are (one copy of each)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.keys[0].device)
         cap = min(self.capacity, self.used + DEFAULT_HEADROOM)
-        return KvGroup(
+        group = KvGroup(
             keys=[t[:, :, :cap].index_select(0, index) for t in self.keys],
             values=[t[:, :, :cap].index_select(0, index) for t in self.values],
             prefix_lens=[self.prefix_lens[r] for r in rows],
             padded_len=self.padded_len,
             steps=self.steps,
         )
+        if self.lags is not None:
+            group._set_steps([self.row_steps[r] for r in rows])
+        return group
 
 
 @dataclass(frozen=True)
@@ -167,7 +215,7 @@ class BatchRow:
 
     @property
     def length(self) -> int:
-        return self.group.prefix_lens[self.row] + self.group.steps
+        return self.group.row_lengths[self.row]
 
     @property
     def num_layers(self) -> int:
@@ -254,6 +302,20 @@ class LiveBatch:
         group, index = self.locate(row)
         return BatchRow(group, index, self.token_ids[row])
 
+    def trim(self, drops: Sequence[int]) -> None:
+        """Row b drops its last drops[b] tokens' KV (drafts a verify step rejected)."""
+        if len(drops) != self.batch_size:
+            raise ValueError(f"{len(drops)} drops for a batch of {self.batch_size}")
+        at = 0
+        for group in self.groups:
+            part = drops[at : at + group.batch_size]
+            at += group.batch_size
+            if any(part):
+                group.trim(part)
+        for row, drop in zip(self.token_ids, drops, strict=True):
+            if drop:
+                del row[len(row) - drop :]
+
 
 def assemble_batch(
     sources: Sequence[KvSource],
@@ -317,8 +379,7 @@ def _merged_padding(a: KvGroup, b: KvGroup) -> int:
 
 def _assemble_group(sources: Sequence[KvSource], headroom: int) -> KvGroup:
     """Right-pads each source to the longest and stacks them on dim 0. Every column a source
-    holds is copied once; only the padding gaps are zeroed (headroom columns are written by a
-    decode step before any step reads them)."""
+    holds is copied once; the padding gaps and the headroom are zeroed."""
     prefix_lens = [s.length for s in sources]
     padded_len = max(prefix_lens)
     keys: list[torch.Tensor] = []
@@ -340,6 +401,7 @@ def _assemble_group(sources: Sequence[KvSource], headroom: int) -> KvGroup:
                     at += hi - lo
                 if at < padded_len:
                     out[b, :, at:padded_len].zero_()
+            out[:, :, padded_len:].zero_()
             dst.append(out)
     return KvGroup(keys=keys, values=values, prefix_lens=prefix_lens, padded_len=padded_len)
 

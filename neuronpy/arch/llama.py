@@ -3,6 +3,7 @@ snapshot, and the lockstep (B, 1) decode step over a live batch."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronpy.arch.config import ArchConfig
-from neuronpy.arch.kv import KvSnapshot, LiveBatch
+from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.arch.weights import AnyLinear, LayerWeights, ModelWeights, take_weights
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
@@ -213,6 +214,9 @@ class LlamaModel:
             for _ in range(c.num_layers)
         ]
         values = [torch.empty_like(k) for k in keys]
+        if capacity > total:  # room to grow into: zeroed, as a live batch's headroom is
+            for t in (*keys, *values):
+                t[:, :, total:].zero_()
         if past is not None:
             start = past.length
             for layer in range(c.num_layers):
@@ -233,32 +237,48 @@ class LlamaModel:
         batch: LiveBatch,
         tokens: torch.Tensor,
         chunks: Sequence[PrefillChunk] = (),
+        counts: Sequence[int] | None = None,
     ) -> StepOutput:
         """One lockstep decode step over the live batch, and optionally prefill chunks of
         joining sequences riding along in the same forward.
 
-        Every linear layer runs once over all B decode rows and every chunk's tokens together,
+        `tokens`: [B, 1], one per row; or, with `counts`, [N] flat: row b's counts[b] >= 1
+        tokens one after another (its next token, then drafts to verify), at its own next
+        positions, each seeing its row's columns and the row's tokens before it. The hidden
+        states are then [N, hidden], in that order, and row b advances by counts[b] columns
+        (`LiveBatch.trim` gives back those a verification rejects).
+
+        Every linear layer runs once over all decode tokens and every chunk's tokens together,
         so a chunk does not read the weights a second time. Attention runs per KV group for
-        the decode rows (each group writes its rows' new K/V into its column `used`, in place,
+        the decode rows (each group writes its rows' new K/V into its next columns, in place,
         and attends with its own padding mask) and causally over each chunk's own snapshot for
-        that chunk. Every group then advances by one step.
+        that chunk.
         """
         c = self.config
         b = batch.batch_size
-        if tokens.shape != (b, 1):
-            raise ValueError(f"tokens must be [{b}, 1], got {list(tokens.shape)}")
-        if max(batch.row_lengths) >= c.context_len:
+        if counts is None:
+            if tokens.shape != (b, 1):
+                raise ValueError(f"tokens must be [{b}, 1], got {list(tokens.shape)}")
+            counts = [1] * b
+            flat_tokens = tokens[:, 0]
+        else:
+            if len(counts) != b or min(counts, default=1) < 1 or tokens.shape != (sum(counts),):
+                raise ValueError(f"tokens must be [{sum(counts)}] for {b} rows' {list(counts)}")
+            flat_tokens = tokens
+        if max(n + k for n, k in zip(batch.row_lengths, counts, strict=True)) > c.context_len:
             raise ValueError(f"a row would exceed the context of {c.context_len} tokens")
-        groups = batch.groups
-        bounds, at = [], 0
-        for group in groups:
-            group.ensure_headroom(1)
-            bounds.append((at, at + group.batch_size))
-            at += group.batch_size
-        masks = [group.decode_mask() for group in groups]
-        positions = [group.positions() for group in groups]
-        ids = [tokens[:, 0]]
+        n_dec = int(flat_tokens.shape[0])
+        steps, at, first = [], 0, 0  # first: the group's first token in the forward
+        for group in batch.groups:
+            part = counts[at : at + group.batch_size]
+            steps.append(self._group_step(group, part, first))
+            at += len(part)
+            first += sum(part)
+        # RoPE positions and token ids of every token of the forward: decode rows, then chunks
+        positions = [s.positions for s in steps]
+        ids = [flat_tokens]
         riders = []  # per chunk: (its rows in the forward, K/V buffers, columns, mask)
+        at = n_dec
         for chunk in chunks:
             new = list(chunk.token_ids)
             start = chunk.past.length if chunk.past is not None else 0
@@ -275,26 +295,16 @@ class LlamaModel:
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, rows[None], self.dtype)
         flat = torch.cat(ids) if len(ids) > 1 else ids[0]
-        x = F.embedding(flat, self.embed)[None]  # [1, B + n, hidden]: every token a row
+        x = F.embedding(flat, self.embed)[None]  # [1, N + n, hidden]: every token a row
+        plain = all(s.uniform for s in steps)
         for layer, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x, cos, sin)  # q [1, H, B + n, D]; k, v [1, KVH, B + n, D]
-            q_dec = self._group_queries(q[0, :, :b].transpose(0, 1)[:, :, None])
-            k_dec, v_dec = k[0, :, :b].transpose(0, 1), v[0, :, :b].transpose(0, 1)
-            outs = []
-            for group, (lo, hi), mask in zip(groups, bounds, masks, strict=True):
-                k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
-                k_cache[:, :, col] = k_dec[lo:hi]
-                v_cache[:, :, col] = v_dec[lo:hi]
-                outs.append(
-                    F.scaled_dot_product_attention(
-                        q_dec[lo:hi],
-                        k_cache[:, :, : col + 1],
-                        v_cache[:, :, : col + 1],
-                        attn_mask=mask,
-                    )
-                )  # [B_g, KVH, G, D]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            parts = [self._ungroup(out, 1).transpose(0, 1)]  # [1, B, H * D]
+            q, k, v = self._qkv(lw, x, cos, sin)  # q [1, H, N + n, D]; k, v [1, KVH, N + n, D]
+            if plain:
+                attn_dec = self._plain_attention(steps, layer, q[:, :, :b], k, v)
+            else:
+                outs = [s.attend(self, layer, q, k, v) for s in steps]  # each [n_g, H * D]
+                attn_dec = (outs[0] if len(outs) == 1 else torch.cat(outs))[None]
+            parts = [attn_dec]  # [1, N, H * D]
             for (lo, hi), keys, values, (start, total), mask in riders:
                 k_cache, v_cache = keys[layer], values[layer]
                 k_cache[:, :, start:total] = k[:, :, lo:hi]
@@ -308,11 +318,17 @@ class LlamaModel:
                 parts.append(self._ungroup(chunk_out, hi - lo))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             x = self._finish_layer(lw, x, attn)
-        for group in groups:
-            group.steps += 1
-        for row, tok in zip(batch.token_ids, tokens[:, 0].tolist(), strict=True):
-            row.append(tok)
-        hidden = rms_norm(x[0, :b], self.norm, c.rms_norm_eps)
+        at = 0
+        for group, step in zip(batch.groups, steps, strict=True):
+            if step.uniform:
+                group.steps += 1
+            else:
+                group.advance(step.counts)
+        fed = flat_tokens.tolist()
+        for row, n in zip(batch.token_ids, counts, strict=True):
+            row.extend(fed[at : at + n])
+            at += n
+        hidden = rms_norm(x[0, :n_dec], self.norm, c.rms_norm_eps)
         if not chunks:
             return StepOutput(hidden)
         lasts = torch.tensor([hi - 1 for (_, hi), *_ in riders], device=self.device)
@@ -322,6 +338,46 @@ class LlamaModel:
             for chunk, (_, keys, values, _, _) in zip(chunks, riders, strict=True)
         )
         return StepOutput(hidden, snapshots, tuple(last))
+
+    def _group_step(self, group: KvGroup, counts: Sequence[int], first: int) -> _GroupStep:
+        """What one step does in one group, whose rows' tokens start at `first` of the
+        forward: one column per row in place when every row feeds one token and holds all the
+        group's steps (the lockstep case), else a ragged write and mask (_RaggedStep)."""
+        if group.uniform and all(n == 1 for n in counts):
+            group.ensure_headroom(1)
+            return _UniformStep(group, first, group.decode_mask(), group.positions())
+        return _RaggedStep.plan(self, group, counts, first)
+
+    def _plain_attention(
+        self,
+        steps: Sequence[_GroupStep],
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention of B decode rows, one token each, every group uniform: q [1, H, B, D] ->
+        [1, B, H * D]."""
+        b = q.shape[2]
+        q_dec = self._group_queries(q[0].transpose(0, 1)[:, :, None])
+        k_dec, v_dec = k[0, :, :b].transpose(0, 1), v[0, :, :b].transpose(0, 1)
+        outs = []
+        for step in steps:
+            assert isinstance(step, _UniformStep)
+            group, lo, hi = step.group, step.first, step.first + step.group.batch_size
+            k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
+            k_cache[:, :, col] = k_dec[lo:hi]
+            v_cache[:, :, col] = v_dec[lo:hi]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q_dec[lo:hi],
+                    k_cache[:, :, : col + 1],
+                    v_cache[:, :, : col + 1],
+                    attn_mask=step.mask,
+                )
+            )  # [B_g, KVH, G, D]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self._ungroup(out, 1).transpose(0, 1)  # [1, B, H * D]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
@@ -366,3 +422,102 @@ def _snapshot(
         token_ids=token_ids,
         buffers=(keys, values),
     )
+
+
+@dataclass(frozen=True)
+class _UniformStep:
+    """A group whose rows each feed one token into the same column (`used`)."""
+
+    group: KvGroup
+    first: int  # the group's first row among the forward's tokens
+    mask: torch.Tensor | None
+    positions: torch.Tensor  # [B_g]
+    uniform: bool = True
+
+    @property
+    def counts(self) -> list[int]:
+        return [1] * self.group.batch_size
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Beside ragged groups: this group's rows' attention, [B_g, H * D]."""
+        group, lo = self.group, self.first
+        hi = lo + group.batch_size
+        q_g = model._group_queries(q[0, :, lo:hi].transpose(0, 1)[:, :, None])
+        k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
+        k_cache[:, :, col] = k[0, :, lo:hi].transpose(0, 1)
+        v_cache[:, :, col] = v[0, :, lo:hi].transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], attn_mask=self.mask
+        )
+        return model._ungroup(out, 1)[:, 0]
+
+
+@dataclass(frozen=True)
+class _RaggedStep:
+    """A group whose rows feed counts[b] tokens each (a verify step), or whose rows hold
+    different numbers of decode columns (after one): row b's tokens go to its own next columns
+    [base_b, base_b + counts[b]), each query seeing the row's prefix, its decode columns and
+    the row's tokens before it. The rows are padded to T = max(counts) queries; a padding
+    query repeats its row's last token, writes past the row's columns (never read: masked,
+    and rewritten later) and its output is dropped."""
+
+    group: KvGroup
+    counts: list[int]
+    take: torch.Tensor  # [B_g, T]: which of the forward's tokens each (row, query) is
+    cols: torch.Tensor  # [B_g, T]: the KV column each (row, query) writes
+    rows: torch.Tensor  # [B_g, 1]: the row index, for the writes
+    keep: torch.Tensor  # [n_g]: the real queries of the [B_g * T] outputs, in order
+    mask: torch.Tensor  # [B_g, 1, G * T, columns]
+    columns: int  # KV columns attended
+    positions: torch.Tensor  # [n_g]: the RoPE position of each token, in the forward's order
+    uniform: bool = False
+
+    @classmethod
+    def plan(
+        cls, model: LlamaModel, group: KvGroup, counts: Sequence[int], first: int
+    ) -> _RaggedStep:
+        dev = group.device
+        t = max(counts)
+        base = [group.padded_len + s for s in group.row_steps]
+        group.ensure_headroom(max(base) + t - group.used)
+        columns = max(base) + t
+        starts = list(itertools.accumulate(counts, initial=first))[:-1]
+        j = torch.arange(t, device=dev)
+        n = torch.tensor(counts, device=dev)
+        take = torch.tensor(starts, device=dev)[:, None] + torch.minimum(j[None], n[:, None] - 1)
+        base_t = torch.tensor(base, device=dev)
+        cols = base_t[:, None] + j[None]  # [B_g, T]
+        real = j[None] < n[:, None]  # [B_g, T]
+        keep = torch.nonzero(real.reshape(-1)).squeeze(1)
+        col = torch.arange(columns, device=dev)
+        prefix = group.prefix_lens_tensor()
+        valid = (col[None, None] < prefix[:, None, None]) | (
+            (col[None, None] >= group.padded_len) & (col[None, None] <= cols[:, :, None])
+        )  # [B_g, T, columns]
+        mask = valid.repeat(1, model.config.group_size, 1)[:, None]
+        lens = torch.tensor(group.row_lengths, device=dev)
+        positions = (lens[:, None] + j[None])[real]
+        rows = torch.arange(group.batch_size, device=dev)[:, None]
+        return cls(group, list(counts), take, cols, rows, keep, mask, columns, positions)
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """This group's tokens' attention, [n_g, H * D] in the forward's order."""
+        b, t = self.take.shape
+        q_g = model._group_queries(q[0][:, self.take].permute(1, 0, 2, 3))  # [B_g, KVH, G*T, D]
+        k_cache, v_cache = self.group.keys[layer], self.group.values[layer]
+        k_cache[self.rows, :, self.cols] = k[0][:, self.take].permute(1, 2, 0, 3)
+        v_cache[self.rows, :, self.cols] = v[0][:, self.take].permute(1, 2, 0, 3)
+        out = F.scaled_dot_product_attention(
+            q_g,
+            k_cache[:, :, : self.columns],
+            v_cache[:, :, : self.columns],
+            attn_mask=self.mask,
+        )
+        return model._ungroup(out, t).reshape(b * t, -1)[self.keep]
+
+
+_GroupStep = _UniformStep | _RaggedStep
