@@ -15,7 +15,7 @@ import uvicorn
 from neuronpy.bench import cli as bench_cli
 from neuronpy.compose import load_engine
 from neuronpy.config import Config, load_config
-from neuronpy.defaults import DTYPES, QUANTIZE_MODES
+from neuronpy.defaults import DTYPES, QUANTIZE_MODES, SPECULATIVE_METHODS
 from neuronpy.engine.engine import Engine
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import resolve_spec
@@ -150,6 +150,24 @@ def build_parser() -> argparse.ArgumentParser:
         choices=QUANTIZE_MODES,
         help="int8: int8 weights and per-row int8 activations, faster on CPU (default none)",
     )
+    serve.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt and "
+        "the reply so far) or draft (--draft-model drafts); a request may ask otherwise "
+        "(default off)",
+    )
+    serve.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="the most tokens a row drafts per step (default 4)",
+    )
+    serve.add_argument(
+        "--draft-model",
+        metavar="PATH_OR_ID",
+        help="a smaller model of the same tokenizer that drafts (with --speculative draft)",
+    )
     follower = commands.add_parser(
         "tp-follower",
         help="run one rank (> 0) of a tensor-parallel model served from another machine",
@@ -188,6 +206,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "quantize": args.quantize,
             "kv_budget": args.kv_budget,
             "tensor_parallel": args.tensor_parallel,
+            "speculative": args.speculative,
+            "num_speculative_tokens": args.num_speculative_tokens,
+            "draft_model": args.draft_model,
         },
         "admission": {
             "max_in_flight": args.max_in_flight,

@@ -18,25 +18,48 @@ from neuronpy.worker.tp import (
     ShardSpec,
     start_tensor_parallel_worker,
 )
+from neuronpy.worker.worker import DeviceWorker
 
 log = logging.getLogger("neuronpy")
 
 
 def engine_from_hf(
-    hf_model: Any, tokenizer: Any, *, name: str, config: EngineConfig | None = None
+    hf_model: Any,
+    tokenizer: Any,
+    *,
+    name: str,
+    config: EngineConfig | None = None,
+    draft: tuple[Any, Any] | None = None,
 ) -> Engine:
     """An engine over a loaded transformers model: its native model (quantized as `config`
-    says), EOS ids from both sources, and the checkpoint's fingerprint for saved sessions."""
+    says), EOS ids from both sources, and the checkpoint's fingerprint for saved sessions.
+    `draft`: a draft model for speculative decoding and its tokenizer (transformers'), which
+    must be the model's own."""
     config = config or EngineConfig()
     calibration = calibration_ids(hf_model, tokenizer, config.quantize)
+    model = LlamaModel.from_hf(hf_model, quantize=config.quantize, calibration_ids=calibration)
+    draft_model = None
+    if draft is not None:
+        check_draft_tokenizer(tokenizer, draft[1])
+        draft_model = LlamaModel.from_hf(draft[0], quantize=config.quantize)
     return Engine(
-        LlamaModel.from_hf(hf_model, quantize=config.quantize, calibration_ids=calibration),
+        model,
         tokenizer,
         name=name,
         config=config,
         eos_token_ids=eos_token_ids(hf_model, tokenizer),
         fingerprint=model_fingerprint(hf_model.state_dict(), extra=(config.quantize,)),
+        worker=DeviceWorker(model, name, config.prefill_chunk, draft_model),
     )
+
+
+def check_draft_tokenizer(tokenizer: Any, draft_tokenizer: Any) -> None:
+    """ValueError unless the draft model writes the model's tokens: the same vocabulary."""
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            "the draft model's tokenizer is not the model's: speculative decoding needs a "
+            "draft model of the same vocabulary"
+        )
 
 
 def load_engine(name: str, spec: ModelSpec) -> Engine:
@@ -46,6 +69,8 @@ def load_engine(name: str, spec: ModelSpec) -> Engine:
     def progress(message: str) -> None:
         log.info("%s: %s", name, message)
 
+    if spec.tensor_parallel > 1 and spec.engine.draft_model:
+        raise ValueError("a draft model cannot draft for a tensor-parallel model (yet)")
     if spec.tensor_parallel > 1:
         world = os.environ.get("WORLD_SIZE")
         if world is not None and world != str(spec.tensor_parallel):
@@ -65,7 +90,15 @@ def load_engine(name: str, spec: ModelSpec) -> Engine:
             log_fn=progress,
         )
     weights = load_pretrained(spec.path, dtype=spec.dtype, device=spec.device, log=progress)
-    return engine_from_hf(weights.hf_model, weights.tokenizer, name=name, config=spec.engine)
+    draft = None
+    if spec.engine.draft_model:
+        loaded = load_pretrained(
+            spec.engine.draft_model, dtype=spec.dtype, device=spec.device, log=progress
+        )
+        draft = (loaded.hf_model, loaded.tokenizer)
+    return engine_from_hf(
+        weights.hf_model, weights.tokenizer, name=name, config=spec.engine, draft=draft
+    )
 
 
 def start_tensor_parallel(

@@ -28,6 +28,7 @@ from neuronpy.defaults import (
     DTYPES,
     QUANTIZE_MODES,
     REASONING_PARSERS,
+    SPECULATIVE_METHODS,
     FieldError,
     check_bool,
     check_choice,
@@ -81,6 +82,14 @@ class EngineConfig:
     # bytes of compiled grammars (structured outputs) kept for reuse; a constraint whose
     # grammar alone is larger is refused (400)
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    # speculative decoding: "off", "ngram" (prompt lookup: drafts copied from the context) or
+    # "draft" (`draft_model`, a smaller model of the same tokenizer, drafts); a request may
+    # ask for another ("speculative" in its body)
+    speculative: str = "off"
+    num_speculative_tokens: int = 4  # the most drafts a row verifies per step
+    prompt_lookup_min: int = 2  # the n-gram sizes prompt lookup matches, longest first
+    prompt_lookup_max: int = 4
+    draft_model: str = ""  # a path or hub id: the draft model ("draft"; loaded beside the model)
 
     def __post_init__(self) -> None:
         check_int("max_in_flight", self.max_in_flight, 1, 4096)
@@ -96,6 +105,14 @@ class EngineConfig:
         check_int("prefix_cache_bytes", self.prefix_cache_bytes, 0)
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         check_int("grammar_cache_bytes", self.grammar_cache_bytes, 1 << 16)
+        check_choice("speculative", self.speculative, SPECULATIVE_METHODS)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 32)
+        check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 16)
+        check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 16)
+        if not isinstance(self.draft_model, str):
+            raise ValueError(f"draft_model must be a path or a model id, got {self.draft_model!r}")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError('speculative = "draft" needs a draft_model')
         object.__setattr__(self, "kv_budget", parse_size("kv_budget", self.kv_budget))
         object.__setattr__(self, "queue_timeout", float(self.queue_timeout))
         object.__setattr__(self, "chunk_steps", float(self.chunk_steps))
@@ -112,6 +129,11 @@ MODEL_KEYS = (
     "kv_budget",
     "reasoning_parser",
     "grammar_cache_bytes",
+    "speculative",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "draft_model",
 )
 
 

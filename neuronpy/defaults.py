@@ -95,3 +95,7 @@ def parse_size(name: str, value: object) -> int:
     unit = (match.group(2) or "B").upper()
     base = 1024 if "I" in unit else 1000
     return int(float(match.group(1)) * base ** "BKMGT".index(unit[0]))
+
+
+# how a model speculates (speculative decoding): off, prompt lookup, or a draft model
+SPECULATIVE_METHODS = ("off", "ngram", "draft")

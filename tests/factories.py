@@ -31,6 +31,12 @@ def tokenizer(name: str = "tiny-llama") -> Any:
     return AutoTokenizer.from_pretrained(fixture_dir(name))
 
 
-def make_engine(name: str = "tiny-llama", **config: Any) -> Engine:
-    """An engine over a tiny fixture (enter it with `async with`)."""
-    return engine_from_hf(hf_model(name), tokenizer(name), name=name, config=EngineConfig(**config))
+def make_engine(name: str = "tiny-llama", draft: str | None = None, **config: Any) -> Engine:
+    """An engine over a tiny fixture (enter it with `async with`); `draft`: another fixture
+    drafting for it (speculative decoding)."""
+    drafting = (hf_model(draft), tokenizer(draft)) if draft is not None else None
+    if draft is not None:
+        config.setdefault("draft_model", draft)
+    return engine_from_hf(
+        hf_model(name), tokenizer(name), name=name, config=EngineConfig(**config), draft=drafting
+    )

@@ -36,9 +36,17 @@ class Counters:
     sessions_saved: int = 0
     sessions_restored: int = 0
     session_save_failures: int = 0  # finished requests whose session file could not be written
+    # speculative decoding: rows of decode steps that verified drafts, the drafts they fed,
+    # the drafts that stood, and the tokens those rows emitted (drafts that stood and one more)
+    spec_verify_rows: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
     # cumulative seconds
     timing: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("forward", "prefill", "rebatch", "sampling"), 0.0)
+        default_factory=lambda: dict.fromkeys(
+            ("forward", "prefill", "rebatch", "sampling", "draft"), 0.0
+        )
     )
     batch_size_steps: dict[int, int] = field(default_factory=dict)  # decode steps by batch size
     # one-row steps by why: no other request, the others still prefilling, or still queued
@@ -104,6 +112,20 @@ class EngineStats:
     grammars_compiled: int = 0  # constraints compiled (structured outputs; cache misses)
     grammar_compile_seconds: float = 0.0  # spent compiling them, on threads of their own
     grammar_cache_bytes: int = 0  # compiled grammars kept for reuse
+    spec_verify_rows: int = 0  # rows of decode steps that verified drafts
+    spec_draft_tokens: int = 0  # drafted tokens those rows fed
+    spec_accepted_tokens: int = 0  # of those, the ones that stood
+    spec_emitted_tokens: int = 0  # tokens those rows emitted: accepted drafts and one more each
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Drafted tokens that stood, of those verified (0 before any)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_tokens_per_row_step(self) -> float:
+        """Tokens a row emits per verify step, on average (1 would be no gain)."""
+        return self.spec_emitted_tokens / self.spec_verify_rows if self.spec_verify_rows else 0.0
 
 
 @dataclass(frozen=True)

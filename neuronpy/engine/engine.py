@@ -26,6 +26,7 @@ from neuronpy.engine.router import route
 from neuronpy.engine.runner import Runner
 from neuronpy.engine.sampling import Sampler
 from neuronpy.engine.scheduler import Scheduler
+from neuronpy.engine.speculative import SpeculativeConfig
 from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.types import Completion, GenerationEvent, SamplingParams, SessionRequest
 from neuronpy.errors import (
@@ -99,6 +100,12 @@ class Engine:
             prefix_cache_bytes=config.prefix_cache_bytes if config.prefix_cache else 0,
             chunk_steps=config.chunk_steps,
             prefill_chunk=config.prefill_chunk,
+            speculative=SpeculativeConfig(
+                config.speculative,
+                config.num_speculative_tokens,
+                config.prompt_lookup_min,
+                config.prompt_lookup_max,
+            ),
         )
         self._runner = Runner(
             self._worker,
@@ -147,6 +154,11 @@ class Engine:
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
         await anyio.to_thread.run_sync(self._worker.shutdown, 30.0)
+
+    @property
+    def drafts_with_model(self) -> bool:
+        """Whether a draft model drafts for this model (speculative "draft")."""
+        return self._worker.drafts is not None
 
     @property
     def supports_sessions(self) -> bool:
@@ -210,6 +222,11 @@ class Engine:
         if session is not None and not self._worker.supports_sessions:
             raise InvalidRequestError(
                 f"model {self.name!r} cannot save or restore sessions (tensor parallel)", "session"
+            )
+        if params.speculative == "draft" and not self.drafts_with_model:
+            raise InvalidRequestError(
+                f"model {self.name!r} has no draft model: 'speculative' may be off or ngram",
+                "speculative",
             )
         if not self.healthy:
             raise EngineUnhealthyError(self._unavailable())
@@ -450,6 +467,9 @@ class Engine:
                 chunks.append(chunk)
                 budget -= len(chunk.tokens)
         plan = s.plan_decode(chunks)
+        if plan.draft_lengths:
+            plan, seconds = await self._runner.draft(plan)
+            s.add_time("draft", seconds)
         s.book_decode(plan, await self._runner.decode(plan))
         await self._flush()
 

@@ -226,6 +226,19 @@ class Matcher:
             if not self._matcher.accept_token(token):
                 raise GrammarError(f"the reply's grammar refused token {token}")
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the first, the grammar allows in a row from here (the
+        matcher is left where it was)."""
+        with self._lock:
+            n = 0
+            for token in tokens:
+                if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                    break
+                n += 1
+            if n:
+                self._matcher.rollback(n)
+            return n
+
     @property
     def complete(self) -> bool:
         return self._matcher.is_terminated()

@@ -102,6 +102,15 @@ class Sampled:
     token: int | None
     logprob: TokenLogprob | None = None
     error: str | None = None  # why this row's sampling failed: it fails that request alone
+    # a verify step's drafts that stood, before `token`, each with its log-probabilities
+    accepted: tuple[tuple[int, TokenLogprob | None], ...] = ()
+
+    @property
+    def tokens(self) -> tuple[tuple[int, TokenLogprob | None], ...]:
+        """Every token the row emits this step, in order, with its log-probabilities."""
+        if self.token is None:
+            return ()
+        return (*self.accepted, (self.token, self.logprob))
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,13 @@ class DecodePlan:
     rows: tuple[Request, ...]
     tokens: tuple[int, ...]
     rides: tuple[PrefillPlan, ...] = ()
+    # per row: drafted tokens to verify after tokens[b] (speculative decoding); empty: none
+    drafts: tuple[tuple[int, ...], ...] = ()
+    # per row: decode columns to give back first (the last verify step's rejected drafts)
+    trim: tuple[int, ...] = ()
+    # per row: how many tokens the draft model drafts for it (rows drafting with it; the
+    # runner fills `drafts` with them before the step); empty: none
+    draft_lengths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,6 +143,8 @@ class DecodeOutcome:
     rides: tuple[PrefillOutcome, ...] = ()  # one per DecodePlan.rides
     seconds: float = 0.0  # the forward's time, sampling aside
     sampling_seconds: float = 0.0
+    # per row: the drafts verified (the plan's, cut where a row's grammar refused one)
+    drafted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -143,6 +161,7 @@ class RebatchPlan:
     leaving: tuple[Request, ...]
     order: tuple[Request, ...]  # survivors, then joiners
     extract: bool = True  # False: there is no live batch yet to take rows from
+    trim: tuple[int, ...] = ()  # per row of the live batch: as DecodePlan.trim, before extracting
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from neuronpy.engine.speculative import Speculation
 from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest, TokenLogprob
 
 
@@ -116,6 +117,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache or a session
     preemptions: int = 0  # times it left the live batch to keep within the KV budget
     scheduled_at: float | None = None  # when it first left the queue for a row (monotonic)
+    # its drafter and draft length, when it speculates (engine/speculative.py)
+    speculation: Speculation | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:

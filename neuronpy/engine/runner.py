@@ -32,13 +32,18 @@ from neuronpy.engine.plans import (
     SaveSession,
 )
 from neuronpy.engine.request import Request
-from neuronpy.engine.sampling import Sampler, sample_rows
+from neuronpy.engine.sampling import Sampler, sample_rows, verify_rows
+from neuronpy.engine.speculative import cut_at_stop
+from neuronpy.engine.types import TokenLogprob
 from neuronpy.errors import WorkerError
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
     AssembleResult,
     CacheKvSnapshots,
     CacheResult,
+    DraftResult,
+    DraftSampler,
+    DraftTokens,
     DropCachedKv,
     DropKvSnapshot,
     ExtractKvRows,
@@ -51,6 +56,7 @@ from neuronpy.worker.jobs import (
     Prefill,
     PrefillResult,
     RowSampler,
+    RowVerifier,
     SaveKvSnapshot,
     SaveResult,
     WorkerStats,
@@ -229,21 +235,124 @@ class Runner:
         return dataclasses.replace(outcome, seconds=seconds, sampling_seconds=sampling)
 
     async def decode(self, plan: DecodePlan) -> DecodeOutcome:
-        """One lockstep step, and the chunks riding it."""
+        """One lockstep step, and the chunks riding it; with drafts, a verify step."""
+        drafts = self._within_grammar(plan.rows, plan.drafts) if plan.drafts else ()
         job = ForwardLogitsBatch(
             plan.tokens,
-            sample=self.sampling(plan.rows),
+            sample=None if drafts else self.sampling(plan.rows),
             prefills=tuple(self._prefill_job(ride) for ride in plan.rides),
+            drafts=drafts,
+            verify=self.verifying(plan.rows, drafts) if drafts else None,
+            trim=plan.trim,
         )
         riding = [r for ride in plan.rides if ride.last for r in ride.sampled]
         result, seconds, sampling = await self._timed(job, [*plan.rows, *riding])
-        assert isinstance(result, ForwardResult) and result.tokens is not None
+        assert isinstance(result, ForwardResult)
         rides = tuple(
             self._prefill_outcome(ride, done)
             for ride, done in zip(plan.rides, result.prefills, strict=True)
         )
-        tokens = self._sampled(plan.rows, result.tokens)
-        return DecodeOutcome(tokens, rides, seconds, sampling)
+        if not drafts:
+            assert result.tokens is not None
+            return DecodeOutcome(self._sampled(plan.rows, result.tokens), rides, seconds, sampling)
+        assert result.verified is not None
+        tokens = self._verified(plan.rows, result.verified)
+        drafted = tuple(len(d) for d in drafts)
+        return DecodeOutcome(tokens, rides, seconds, sampling, drafted)
+
+    async def draft(self, plan: DecodePlan) -> tuple[DecodePlan, float]:
+        """The plan with the draft model's drafts for the rows drafting with it, and the
+        seconds it took. Every such row rides the draft job (its draft KV kept up to date),
+        those with no draft this step too."""
+        rows = [
+            i
+            for i, r in enumerate(plan.rows)
+            if r.speculation is not None and r.speculation.method == "draft" and not r.done
+        ]
+        if not plan.draft_lengths or not rows:
+            return plan, 0.0
+        requests = [plan.rows[i] for i in rows]
+        job = DraftTokens(
+            tuple(r.id for r in requests),
+            tuple((*r.prompt_ids, *r.output_ids) for r in requests),
+            tuple(plan.draft_lengths[i] for i in rows),
+            sample=self.draft_sampling(requests),
+        )
+        began = time.perf_counter()
+        result: DraftResult = await self.call(job)
+        seconds = time.perf_counter() - began
+        drafts = list(plan.drafts or ((),) * len(plan.rows))
+        for i, row in zip(rows, result.drafts, strict=True):
+            drafts[i] = cut_at_stop(row, plan.rows[i].stop_ids)
+        return dataclasses.replace(plan, drafts=tuple(drafts)), seconds
+
+    def draft_sampling(self, requests: Sequence[Request]) -> DraftSampler:
+        """Draft tokens from the draft model's logits, each row by its own sampler (see
+        Sampler.draft), on the worker thread."""
+        samplers = [self.samplers.get(r.id) for r in requests]
+
+        def sample(logits: torch.Tensor, step: int) -> list[int]:
+            if step == 0:
+                for s in samplers:
+                    if s is not None:
+                        s.end_verify()
+            return [
+                s.draft(logits[i]) if s is not None else int(torch.argmax(logits[i]))
+                for i, s in enumerate(samplers)
+            ]
+
+        return sample
+
+    def _within_grammar(
+        self, requests: Sequence[Request], drafts: Sequence[tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], ...]:
+        """The drafts, each row's cut before the first its grammar refuses (constrained rows):
+        no step verifies a token it could never emit."""
+        out = []
+        for request, row in zip(requests, drafts, strict=True):
+            matcher = self._matcher(request) if row else None
+            out.append(row if matcher is None else row[: matcher.valid_prefix(row)])
+        return tuple(out)
+
+    def verifying(
+        self, requests: Sequence[Request], drafts: Sequence[tuple[int, ...]]
+    ) -> RowVerifier:
+        """Verifies the requests' drafts on the worker thread (as `sampling` samples)."""
+        samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
+
+        def verify(logits: torch.Tensor) -> list[tuple[int, ...] | None]:
+            began = time.perf_counter()
+            errors: dict[int, Exception] = {}
+            try:
+                return verify_rows(samplers, logits, drafts, errors)
+            finally:
+                for row, exc in errors.items():
+                    self._errors[requests[row].id] = exc
+                self._sampling_seconds += time.perf_counter() - began
+
+        return verify
+
+    def _verified(
+        self, requests: Sequence[Request], rows: Sequence[tuple[int, ...] | None]
+    ) -> tuple[Sampled, ...]:
+        """Each row's emitted tokens with their log-probabilities, or its sampler's error."""
+        out = []
+        for request, tokens in zip(requests, rows, strict=True):
+            exc = self._errors.pop(request.id, None)
+            if exc is not None:
+                log.warning("sampling failed for request %d: %r", request.id, exc)
+                out.append(Sampled(None, error=f"sampling failed ({type(exc).__name__}: {exc})"))
+            elif not tokens:
+                out.append(Sampled(None))
+            else:
+                logprobs: list[TokenLogprob | None] = list(
+                    self.samplers[request.id].take_logprobs()
+                )
+                if len(logprobs) != len(tokens):
+                    logprobs = [None] * len(tokens)
+                pairs = tuple(zip(tokens, logprobs, strict=True))
+                out.append(Sampled(tokens[-1], logprobs[-1], accepted=pairs[:-1]))
+        return tuple(out)
 
     # ---- rebatch ------------------------------------------------------------------------------
 
@@ -251,7 +360,7 @@ class Runner:
         """Extracts the rows kept, runs the plan's offloads and saves, caches what the prefix
         cache keeps."""
         if plan.extract:
-            await self.call(ExtractKvRows(plan.rows, plan.ids))
+            await self.call(ExtractKvRows(plan.rows, plan.ids, plan.trim))
         await self.run_ops(plan.ops)
         if not plan.cache:
             return None

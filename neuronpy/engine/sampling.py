@@ -45,7 +45,10 @@ class Sampler:
         self._bias = bool(params.logit_bias)
         self._bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
         self._bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
-        self._logprob: TokenLogprob | None = None  # the last token's, when params.logprobs
+        # the last step's tokens', when params.logprobs (one, or a verify step's several)
+        self._logprobs: list[TokenLogprob] = []
+        # a draft model's distributions of the drafts of the next verify step, in order
+        self._draft_probs: list[torch.Tensor] = []
         self._min_vocab = max(vocab_size, max(prompt, default=-1) + 1)
         # Incremental state, so that a step costs O(distinct ids seen), not O(history). The
         # sets answer "new id?" without reading a tensor; the id tensors index the logits.
@@ -111,7 +114,21 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The [vocab] distribution `sample` draws from (one-hot at the argmax when greedy)."""
-        x = self.penalize(logits)
+        return self._distribution(self.penalize(logits))
+
+    def draft(self, logits: torch.Tensor) -> int:
+        """A draft token from a draft model's logits ([vocab] CPU), drawn with this request's
+        temperature and truncation (no penalty, bias or grammar: the verify step applies them
+        to the target's logits) from its own generator; the draft distribution is kept for
+        the verify step (`verify`). Greedy: the argmax."""
+        if self._greedy:
+            return int(torch.argmax(logits))
+        q = self._distribution(logits.to(torch.float32, copy=True))
+        self._draft_probs.append(q)
+        return self._draw(q)
+
+    def _distribution(self, x: torch.Tensor) -> torch.Tensor:
+        """x: a float32 copy of penalized logits, changed in place."""
         p = self.params
         if self._greedy:
             return torch.zeros_like(x).scatter_(0, torch.argmax(x).view(1), 1.0)
@@ -133,6 +150,42 @@ class Sampler:
             probs.masked_fill_(probs < p.min_p * probs.max(), 0.0)
             truncated = True
         return probs / probs.sum() if truncated else probs
+
+    def verify(self, logits: torch.Tensor, draft: int) -> int:
+        """The token at a position whose drafted token is `draft` ([vocab] logits of the
+        target there), recorded: `draft` itself when it stands, else the target's own choice.
+        Greedy: the token this sampler would choose (so the draft stands exactly when it is
+        that token). Sampled, with a draft that had all its drafter's probability: it stands
+        with the target's probability p(draft); else the token is drawn from p without it,
+        renormalized (speculative sampling's rule for a one-hot draft distribution), so the
+        token is distributed exactly as `sample` draws it."""
+        if self._greedy:
+            return self.sample(logits)
+        probs = self.probs(logits)
+        q = self._draft_probs.pop(0) if self._draft_probs else None
+        if not 0 <= draft < probs.shape[0]:
+            return self._chosen(self._draw(probs))
+        u = float(torch.rand(1, generator=self._generator, dtype=torch.float64))
+        if q is None:  # the drafter's whole probability on the draft (prompt lookup)
+            if u < float(probs[draft]):
+                return self._chosen(draft)
+            probs[draft] = 0.0
+        else:  # a draft model's distribution q: it stands with probability min(1, p/q)
+            q = _fit(q, probs.shape[0])
+            if u * float(q[draft]) < float(probs[draft]):
+                return self._chosen(draft)
+            probs = (probs - q).clamp_(min=0.0)  # the rest is drawn from max(0, p - q)
+        if not float(probs.sum()) > 0.0:  # (p was all where q is: u < 1 accepted it)
+            return self._chosen(draft)
+        return self._chosen(self._draw(probs))
+
+    def end_verify(self) -> None:
+        """Forgets draft distributions a verify step did not reach (a draft rejected)."""
+        self._draft_probs.clear()
+
+    def _chosen(self, token: int) -> int:
+        self._record(token)
+        return token
 
     def _draw(self, probs: torch.Tensor) -> int:
         """Inverse-CDF draw: one uniform from the request's generator (torch.multinomial
@@ -160,8 +213,13 @@ class Sampler:
 
     def take_logprob(self) -> TokenLogprob | None:
         """The log-probabilities of the token chosen last (once), when the request asked."""
-        logprob, self._logprob = self._logprob, None
-        return logprob
+        logprobs = self.take_logprobs()
+        return logprobs[-1] if logprobs else None
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The log-probabilities of the last step's tokens (once), when the request asked."""
+        logprobs, self._logprobs = self._logprobs, []
+        return logprobs
 
     def _record(self, token: int) -> None:
         if self.matcher is not None:
@@ -228,6 +286,102 @@ def sample_rows(
     return tokens
 
 
+def verify_rows(
+    samplers: Sequence[Sampler | None],
+    logits: torch.Tensor,
+    drafts: Sequence[Sequence[int]],
+    errors: dict[int, Exception] | None = None,
+) -> list[tuple[int, ...] | None]:
+    """Each row's tokens from a verify step: `logits` [N, vocab] holds row b's 1 + len(
+    drafts[b]) rows one after another (after its fed token, after each draft). A row emits
+    its drafts while they stand, then the token the target chose where one did not (or one
+    more after the last): 1 to 1 + len(drafts[b]) tokens, each chosen by the row's sampler
+    exactly as one-token steps would (greedy: the same tokens; sampled: the same distribution).
+    Rows without drafts are sampled as `sample_rows` does. `errors`: as `sample_rows`."""
+    counts = [1 + len(d) for d in drafts]
+    if logits.dim() != 2 or logits.shape[0] != sum(counts) or len(samplers) != len(drafts):
+        raise ValueError(f"{len(samplers)} rows' {counts} tokens for logits {tuple(logits.shape)}")
+    greedy = any(s is not None and s.plain_greedy for s in samplers)
+    argmax = logits.argmax(dim=-1).tolist() if greedy else []
+    out: list[tuple[int, ...] | None] = []
+    positions: list[int] = []  # the logits row of each token emitted, for log-probabilities
+    at = 0
+    for i, (sampler, row_drafts) in enumerate(zip(samplers, drafts, strict=True)):
+        n = 1 + len(row_drafts)
+        if sampler is None:
+            out.append(None)
+            at += n
+            continue
+        try:
+            sampler._check(logits[at])
+            tokens: list[int] = []
+            for j in range(n):
+                row = logits[at + j]
+                if sampler.plain_greedy and sampler.take_argmax(argmax[at + j]):
+                    token = argmax[at + j]
+                elif j < len(row_drafts):
+                    token = sampler.verify(row, row_drafts[j])
+                else:
+                    token = sampler.sample(row)
+                tokens.append(token)
+                if j == len(row_drafts) or token != row_drafts[j]:
+                    break
+        except Exception as exc:
+            if errors is None:
+                raise
+            errors[i] = exc
+            out.append(None)
+        else:
+            out.append(tuple(tokens))
+        finally:
+            sampler.end_verify()
+            if sampler.params.logprobs is not None:
+                positions.extend(range(at, at + len(tokens)))
+        at += n
+    if positions:
+        _record_verified_logprobs(samplers, logits, out, positions)
+    return out
+
+
+def _record_verified_logprobs(
+    samplers: Sequence[Sampler | None],
+    logits: torch.Tensor,
+    rows: Sequence[tuple[int, ...] | None],
+    positions: Sequence[int],
+) -> None:
+    """Each emitted token's log-probabilities (as _record_logprobs), from its own logits row."""
+    owners = [
+        (s, token)
+        for s, tokens in zip(samplers, rows, strict=True)
+        if s is not None and tokens is not None and s.params.logprobs is not None
+        for token in tokens
+    ]
+    flat = [s for s, _ in owners]
+    found = _logprobs(flat, logits[list(positions)], [t for _, t in owners])
+    for sampler in dict.fromkeys(flat):
+        sampler._logprobs = [lp for s, lp in zip(flat, found, strict=True) if s is sampler]
+
+
+def _logprobs(
+    samplers: Sequence[Sampler], logits: torch.Tensor, tokens: Sequence[int]
+) -> list[TokenLogprob]:
+    """The TokenLogprob of tokens[i] from logits row i, with samplers[i]'s count of top ids."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [W, vocab]
+    chosen = torch.tensor([[t] for t in tokens], dtype=torch.long)
+    picked = logp.gather(1, chosen)[:, 0].tolist()
+    counts = [s.params.logprobs or 0 for s in samplers]
+    k = min(max(counts), logp.shape[1])
+    top_values, top_ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], chosen[:, :0])
+    return [
+        TokenLogprob(
+            int(chosen[row, 0]),
+            picked[row],
+            tuple(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True)),
+        )
+        for row, n in enumerate(counts)
+    ]
+
+
 def _record_logprobs(
     samplers: Sequence[Sampler | None], logits: torch.Tensor, tokens: Sequence[int | None]
 ) -> None:
@@ -237,17 +391,23 @@ def _record_logprobs(
     rows = [i for i, s in enumerate(samplers) if s is not None and s.params.logprobs is not None]
     if not rows:
         return
-    logp = torch.log_softmax(logits[rows].to(torch.float32), dim=-1)  # [W, vocab]
-    chosen = torch.tensor([[tokens[i]] for i in rows], dtype=torch.long)
-    picked = logp.gather(1, chosen)[:, 0].tolist()
-    counts = [samplers[i].params.logprobs or 0 for i in rows]  # type: ignore[union-attr]
-    k = min(max(counts), logp.shape[1])
-    top_values, top_ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], chosen[:, :0])
-    for row, (i, n) in enumerate(zip(rows, counts, strict=True)):
-        sampler = samplers[i]
-        assert sampler is not None
-        top = tuple(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist(), strict=True))
-        sampler._logprob = TokenLogprob(int(chosen[row, 0]), picked[row], top)
+    found = _logprobs(
+        [samplers[i] for i in rows],  # type: ignore[misc]
+        logits[rows],
+        [tokens[i] for i in rows],  # type: ignore[misc]
+    )
+    for i, logprob in zip(rows, found, strict=True):
+        samplers[i]._logprobs = [logprob]  # type: ignore[union-attr]
+
+
+def _fit(q: torch.Tensor, size: int) -> torch.Tensor:
+    """A draft distribution over the target's vocabulary (a draft model's may be padded
+    differently: ids past either's have no probability)."""
+    if q.shape[0] == size:
+        return q
+    if q.shape[0] > size:
+        return q[:size]
+    return torch.cat([q, q.new_zeros(size - q.shape[0])])
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -43,7 +43,8 @@ from neuronpy.engine.request import (
     RequestStatus,
     RouterMessage,
 )
-from neuronpy.engine.types import SamplingParams, SessionRequest
+from neuronpy.engine.speculative import Speculation, SpeculativeConfig, cut_at_stop
+from neuronpy.engine.types import SamplingParams, SessionRequest, TokenLogprob
 from neuronpy.errors import QueueFullError
 
 # the most Retry-After says: past it a client is better off with its own backoff (and a row
@@ -67,6 +68,7 @@ class Scheduler:
         prefix_cache_bytes: int = 0,
         chunk_steps: float = 0.5,
         prefill_chunk: int = 512,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """`queue_timeout` 0: no deadline; `kv_budget_tokens` 0: no budget;
         `prefix_cache_bytes` 0: no prefix cache."""
@@ -97,6 +99,10 @@ class Scheduler:
         self._padding_columns = 0  # of the live batch
         self._request_seconds = 0.0  # moving average of a request's time, for Retry-After
         self._output_tokens = 0.0  # moving average of a finished request's tokens (the same)
+        # per row of the live batch: decode columns the last verify step gave back, for the
+        # next job that reads the batch (decode or extract) to trim first
+        self._trim: tuple[int, ...] = ()
+        self.speculative = speculative or SpeculativeConfig()
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -165,11 +171,19 @@ class Scheduler:
             request = Request(
                 next(self._request_ids), prompt, params, stop_ids, arrived, index, group, session
             )
+            method = self.speculation_method(params)
+            if method != "off":
+                request.speculation = Speculation(self.speculative, method)
             group.append(request)
             self.waiting.append(request)
             self.counters.admitted += 1
             self.counters.prompt_tokens += len(prompt)
         return group
+
+    def speculation_method(self, params: SamplingParams) -> str:
+        """How a request speculates: as it asks, else as the model does ("off" when the model
+        does not)."""
+        return params.speculative or self.speculative.method
 
     def retry_after(self) -> float:
         """Seconds until a row is likely free for a request refused now: the running rows'
@@ -372,6 +386,7 @@ class Scheduler:
                 ops.append(self._save(request, sid, drop=request not in kept))
             for request, _ in cache:
                 request.snapshot_id = None  # it moves into the prefix cache
+        trim, self._trim = self._trim, ()
         return RebatchPlan(
             tuple(self.running.index(r) for r in extracted),
             ids,
@@ -380,6 +395,7 @@ class Scheduler:
             leaving,
             (*survivors, *joined),
             extract=self.has_batch,
+            trim=trim if self.has_batch else (),
         )
 
     def book_rebatch(self, plan: RebatchPlan, cached: CacheOutcome | None) -> AssemblePlan | None:
@@ -416,8 +432,48 @@ class Scheduler:
     # ---- decode -------------------------------------------------------------------------------
 
     def plan_decode(self, rides: Sequence[PrefillPlan] = ()) -> DecodePlan:
+        """The next step: every row's token, the drafts of rows that speculate (within what
+        max_tokens and the context leave), the columns the last verify step gave back."""
         rows = tuple(self.running)
-        return DecodePlan(rows, tuple(r.next_token for r in rows), tuple(rides))  # type: ignore[misc]
+        tokens = tuple(r.next_token for r in rows)
+        lengths = tuple(self._draft_length(r) for r in rows)
+        drafts = tuple(
+            self._draft(r, k) if r.speculation and r.speculation.method == "ngram" else ()
+            for r, k in zip(rows, lengths, strict=True)
+        )
+        model_drafts = tuple(
+            k if r.speculation and r.speculation.method == "draft" else 0
+            for r, k in zip(rows, lengths, strict=True)
+        )
+        trim, self._trim = self._trim, ()
+        return DecodePlan(
+            rows,
+            tokens,  # type: ignore[arg-type]
+            tuple(rides),
+            drafts if any(drafts) else (),
+            trim,
+            model_drafts if any(model_drafts) else (),
+        )
+
+    def _draft_length(self, request: Request) -> int:
+        """How many tokens the request drafts for its next step: none once it is done, never
+        past max_tokens or the context (the step emits one token of its own besides)."""
+        spec = request.speculation
+        if spec is None or request.done:
+            return 0
+        room = min(
+            request.params.max_tokens - len(request.output_ids),
+            self.context_len - request.total_tokens,
+        )
+        return spec.length.next(room - 1)
+
+    def _draft(self, request: Request, k: int) -> tuple[int, ...]:
+        """Prompt-lookup drafts for the request's next step."""
+        if not k:
+            return ()
+        assert request.speculation is not None
+        drafts = request.speculation.propose(request.prompt_ids, request.output_ids, k)
+        return cut_at_stop(drafts, request.stop_ids)
 
     def book_decode(self, plan: DecodePlan, outcome: DecodeOutcome) -> None:
         """One step's tokens, and the riding chunks' results."""
@@ -441,20 +497,44 @@ class Scheduler:
                 alone = "peer_prefilling" if self.joining else "peer_queued"
         kv = sum(r.total_tokens for r in rows)  # fed tokens, this step's included
         c.count_step(len(rows), self._padding_columns, kv, self.kv_held(), alone)
-        for request, sampled in zip(rows, outcome.tokens, strict=True):
-            self._accept(request, sampled)
+        if not outcome.drafted:
+            for request, sampled in zip(rows, outcome.tokens, strict=True):
+                self._accept(request, sampled)
+            return
+        trim = []
+        for request, sampled, drafted in zip(rows, outcome.tokens, outcome.drafted, strict=True):
+            taken = self._accept(request, sampled)
+            # the row's KV keeps its fed token and the drafts before its last emitted token
+            trim.append(drafted + 1 - max(1, taken))
+            if drafted:
+                accepted = len(sampled.accepted)
+                c.spec_verify_rows += 1
+                c.spec_draft_tokens += drafted
+                c.spec_accepted_tokens += accepted
+                c.spec_emitted_tokens += taken
+                if request.speculation is not None:
+                    request.speculation.length.observe(drafted, accepted)
+        self._trim = tuple(trim) if any(trim) else ()
 
-    def _accept(self, request: Request, sampled: Sampled) -> None:
-        """Records a sampled token, hands it to the router, and decides EOS / length."""
+    def _accept(self, request: Request, sampled: Sampled) -> int:
+        """Records a row's tokens (a verify step's several, else one) in order until one ends
+        the request; answers how many it took."""
         if sampled.error is not None:
             request.end(Cause.FAILED, sampled.error)  # this request alone: it leaves
-        if request.done or sampled.token is None:
-            return
-        token = sampled.token
+        taken = 0
+        for token, logprob in sampled.tokens:
+            if request.done:
+                break
+            self._accept_one(request, token, logprob)
+            taken += 1
+        return taken
+
+    def _accept_one(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
+        """Records a sampled token, hands it to the router, and decides EOS / length."""
         request.output_ids.append(token)
         request.next_token = token
         self.counters.generated_tokens += 1
-        self.outbox.append((request, token if sampled.logprob is None else sampled.logprob))
+        self.outbox.append((request, token if logprob is None else logprob))
         if token in request.stop_ids:
             request.end(Cause.STOP)
         elif (
@@ -511,6 +591,7 @@ class Scheduler:
         self.waiting.clear()
         self.ops.clear()
         self.has_batch = False
+        self._trim = ()
 
     def _saves_session(self, request: Request) -> bool:
         """Whether an ended request's KV goes to its session: it ended on its own and asked."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neuronpy.engine.reasoning import REASONING_MARKERS
+from neuronpy.engine.speculative import SPECULATIVE_METHODS
 from neuronpy.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
@@ -125,6 +126,9 @@ class SamplingParams:
     output: OutputFormat = OutputFormat()
     # what the output must match (constrained decoding); None: anything
     constraint: Constraint | None = None
+    # speculative decoding for this request: "off", "ngram" (prompt lookup) or "draft" (the
+    # model's draft model); None: as the model is configured
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         mt = self.max_tokens
@@ -183,6 +187,12 @@ class SamplingParams:
             raise InvalidRequestError("'output' must be an OutputFormat")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InvalidRequestError("'constraint' must be a Constraint")
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(
+                f"'speculative' must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.speculative!r}",
+                "speculative",
+            )
 
     @property
     def greedy(self) -> bool:

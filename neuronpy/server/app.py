@@ -232,7 +232,11 @@ def _stats(model: ServedModel) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model.name, "status": model.state}
     if model.engine is not None:
         out["max_running"] = model.engine.max_running
-        out |= dataclasses.asdict(model.engine.stats())
+        out["speculative"] = model.engine.config.speculative
+        stats = model.engine.stats()
+        out |= dataclasses.asdict(stats)
+        out["spec_acceptance_rate"] = stats.spec_acceptance_rate
+        out["spec_tokens_per_row_step"] = stats.spec_tokens_per_row_step
     return out
 
 

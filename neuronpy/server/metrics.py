@@ -54,6 +54,11 @@ ENGINE_GAUGES = (
         "neuronpy_grammar_cache_bytes",
         "Bytes of compiled grammars (structured outputs) kept for reuse.",
     ),
+    (
+        "spec_acceptance_rate",
+        "neuronpy_spec_decode_acceptance_rate",
+        "Drafted tokens that stood, of those verified, since the start (0 before any).",
+    ),
 )
 ENGINE_COUNTERS = (
     ("cancelled", "neuronpy_requests_cancelled", "Requests ended early by their client."),
@@ -117,6 +122,27 @@ ENGINE_COUNTERS = (
         "sessions_restored",
         "neuronpy_sessions_restored",
         "Prompts that continued from a session file.",
+    ),
+    (
+        "spec_verify_rows",
+        "neuronpy_spec_decode_verify_rows",
+        "Rows of decode steps that verified drafted tokens (speculative decoding).",
+    ),
+    (
+        "spec_draft_tokens",
+        "neuronpy_spec_decode_draft_tokens",
+        "Drafted tokens verified (speculative decoding).",
+    ),
+    (
+        "spec_accepted_tokens",
+        "neuronpy_spec_decode_accepted_tokens",
+        "Drafted tokens that stood: the target model would have chosen them (or, sampled, "
+        "the rejection rule kept them).",
+    ),
+    (
+        "spec_emitted_tokens",
+        "neuronpy_spec_decode_emitted_tokens",
+        "Tokens the verifying rows emitted: drafts that stood and one of the model's own each.",
     ),
 )
 

@@ -193,6 +193,7 @@ def _parse(kind: Kind, body: dict[str, Any]) -> ParsedRequest:
         logprobs=fields.logprobs(kind == "chat", body),
         logit_bias=fields.logit_bias(body.get("logit_bias")),
         constraint=constraint,
+        speculative=fields.optional(body, "speculative", str, None),
     )
     if kind == "chat":
         messages, tools = parse_messages(body.get("messages")), parse_tools(body)

@@ -117,6 +117,7 @@ class _Common(_Model):
     ignore_eos: bool | None = None
     logit_bias: dict[str, Any] | None = None  # fields.logit_bias lists the bad entries
     response_format: dict[str, Any] | None = None
+    speculative: str | None = None  # "off", "ngram" or "draft": this request's speculation
     # session: fields.session explains every wrong shape; the unsupported fields take any value
     # that asks for nothing (fields.UNSUPPORTED)
 

@@ -12,6 +12,13 @@ import torch
 # Chooses tokens from a [B, vocab] logits tensor, one per row (None: no token wanted for that
 # row). Runs on the worker thread, so that every tensor operation of the engine runs there.
 RowSampler = Callable[[torch.Tensor], Sequence[int | None]]
+# Chooses each row's draft token from a draft model's [B, vocab] logits at draft step `step`
+# (0 first), on the worker thread.
+DraftSampler = Callable[[torch.Tensor, int], Sequence[int]]
+# Verifies each row's drafts (speculative decoding): given the [N, vocab] logits of every token
+# the step fed (row by row: its token, then its drafts), answers per row the tokens it emits
+# (the drafts that stand, then one of the target's own), or None for a row that wants none.
+RowVerifier = Callable[[torch.Tensor], Sequence[tuple[int, ...] | None]]
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,13 @@ class ForwardLogitsBatch:
     # weight reads (LlamaModel.forward_step); a chunk that ends its prompt samples with its
     # own `sample`
     prefills: tuple[Prefill, ...] = ()
+    # per row: tokens drafted to follow token_ids[b], verified in this step (row b feeds
+    # 1 + len(drafts[b]) tokens); `verify` then answers instead of `sample`. Empty: no drafts
+    drafts: tuple[tuple[int, ...], ...] = ()
+    verify: RowVerifier | None = None
+    # per row of the live batch: decode columns to give back before the step (the drafts the
+    # previous verify step rejected); empty: none
+    trim: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,28 @@ class ForwardResult:
     logits: torch.Tensor | None  # [B, vocab] float32, CPU; None when the job sampled
     tokens: tuple[int | None, ...] | None = None  # when the job had `sample`
     prefills: tuple[PrefillResult, ...] = ()  # the riding chunks', in order
+    verified: tuple[tuple[int, ...] | None, ...] | None = None  # when the job had `verify`
+
+
+@dataclass(frozen=True)
+class DraftTokens:
+    """The draft model drafts up to lengths[b] tokens to follow contexts[b] (row b's prompt and
+    output so far, its last token fed to neither model yet), for the target's next verify
+    step. Its KV of each row is kept between jobs under keys[b]: rolled back to what still
+    agrees with the context (drafts the target rejected) and caught up with what is new, in
+    one batched step of its own, then lengths' max (B, 1) steps draft. Rows not in the job
+    are released. `sample` chooses the tokens (None: each row's argmax)."""
+
+    keys: tuple[int, ...]
+    contexts: tuple[tuple[int, ...], ...]
+    lengths: tuple[int, ...]
+    sample: DraftSampler | None = None
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    drafts: tuple[tuple[int, ...], ...]  # per row: lengths[b] tokens
+    prefilled: int = 0  # context tokens the draft model prefilled for rows new to it
 
 
 @dataclass(frozen=True)
@@ -92,6 +128,7 @@ class ExtractKvRows:
 
     rows: tuple[int, ...]
     snapshot_ids: tuple[int, ...]
+    trim: tuple[int, ...] = ()  # per row of the batch: columns to give back first (see Forward)
 
 
 @dataclass(frozen=True)
@@ -223,6 +260,7 @@ Job = (
     | AssembleKvBatch
     | ForwardLogitsBatch
     | ExtractKvRows
+    | DraftTokens
     | DropKvSnapshot
     | CacheKvSnapshots
     | DropCachedKv

@@ -94,8 +94,9 @@ def _without_sampler(job: Any) -> Any:
     """The job as followers get it: samplers (closures over the engine) only run on rank 0,
     riding prefill chunks' included."""
     changes = {}
-    if getattr(job, "sample", None) is not None:
-        changes["sample"] = None
+    for name in ("sample", "verify"):
+        if getattr(job, name, None) is not None:
+            changes[name] = None
     if getattr(job, "prefills", ()):
         changes["prefills"] = tuple(_without_sampler(p) for p in job.prefills)
     return dataclasses.replace(job, **changes) if changes else job

@@ -16,11 +16,13 @@ from neuronpy.arch.llama import LlamaModel, PrefillChunk
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.errors import WorkerError
 from neuronpy.threads import start_in_own_thread
+from neuronpy.worker.drafting import DraftBatch
 from neuronpy.worker.jobs import (
     AssembleKvBatch,
     AssembleResult,
     CacheKvSnapshots,
     CacheResult,
+    DraftTokens,
     DropCachedKv,
     DropKvSnapshot,
     DropResult,
@@ -58,10 +60,17 @@ class DeviceWorker:
     supports_sessions = True
 
     def __init__(
-        self, model: LlamaModel, name: str = "model", prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+        self,
+        model: LlamaModel,
+        name: str = "model",
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        draft_model: LlamaModel | None = None,
     ) -> None:
+        """`draft_model`: a smaller model of the same tokenizer, drafting for speculative
+        decoding (DraftTokens) in a lockstep batch of its own on this thread."""
         self.model = model
         self.prefill_chunk = prefill_chunk
+        self.drafts = DraftBatch(draft_model, prefill_chunk) if draft_model is not None else None
         # a snapshot, or a row of the last live batch not copied out yet (see BatchRow)
         self._snapshots: dict[int, KvSource] = {}
         # the prefix cache's snapshots: read-only (a prefill copies them); a prompt's entry
@@ -123,6 +132,7 @@ class DeviceWorker:
                 self._snapshots.clear()
                 self._cache.clear()
                 self._batch = None
+                self.drafts = None
                 return
 
     def on_idle(self) -> None:
@@ -140,6 +150,10 @@ class DeviceWorker:
                 return self._forward(job)
             case ExtractKvRows():
                 return self._extract(job)
+            case DraftTokens():
+                if self.drafts is None:
+                    raise WorkerError("this model has no draft model")
+                return self.drafts.draft(job)
             case DropKvSnapshot():
                 dropped = sum(self._snapshots.pop(i, None) is not None for i in job.snapshot_ids)
                 return DropResult(dropped)
@@ -322,18 +336,34 @@ class DeviceWorker:
     def _forward(self, job: ForwardLogitsBatch) -> ForwardResult:
         if self._batch is None:
             raise WorkerError("no live batch to step")
-        tokens = torch.tensor(job.token_ids, dtype=torch.long, device=self.model.device)
+        if job.trim:
+            self._batch.trim(job.trim)
         if len({p.snapshot_id for p in job.prefills}) != len(job.prefills):
             raise WorkerError("riding chunks of one step must fill different snapshots")
+        dev = self.model.device
+        counts = None
+        if job.drafts:
+            if len(job.drafts) != len(job.token_ids):
+                raise WorkerError("a verify step needs one draft tuple per row")
+            fed = [
+                t for token, d in zip(job.token_ids, job.drafts, strict=True) for t in (token, *d)
+            ]
+            counts = [1 + len(d) for d in job.drafts]
+            tokens = torch.tensor(fed, dtype=torch.long, device=dev)
+        else:
+            tokens = torch.tensor(job.token_ids, dtype=torch.long, device=dev)[:, None]
         prefilled: tuple[PrefillResult, ...] = ()
-        if not job.prefills:
-            hidden = self.model.forward_batch_decode(self._batch, tokens[:, None])
+        if not job.prefills and counts is None:
+            hidden = self.model.forward_batch_decode(self._batch, tokens)
         else:
             chunks = []
             for p in job.prefills:
                 parent, extend = self._prefill_parent(p)
                 chunks.append(PrefillChunk(p.token_ids, parent, reserve=p.reserve, extend=extend))
-            out = self.model.forward_step(self._batch, tokens[:, None], chunks)
+            if counts is None:
+                out = self.model.forward_step(self._batch, tokens, chunks)
+            else:
+                out = self.model.forward_step(self._batch, tokens, chunks, counts=counts)
             hidden = out.hidden
             prefilled = tuple(
                 self._prefilled(p, snapshot, last)
@@ -342,6 +372,8 @@ class DeviceWorker:
                 )
             )
         logits = self.model.logits(hidden).to("cpu")
+        if counts is not None and job.verify is not None:
+            return ForwardResult(None, prefills=prefilled, verified=tuple(job.verify(logits)))
         if job.sample is not None:
             return ForwardResult(None, tuple(job.sample(logits)), prefilled)
         return ForwardResult(logits, prefills=prefilled)
@@ -351,6 +383,8 @@ class DeviceWorker:
             raise WorkerError("ExtractKvRows needs one snapshot id per row")
         if job.rows and self._batch is None:
             raise WorkerError("no live batch to extract from")
+        if job.trim and self._batch is not None:
+            self._batch.trim(job.trim)
         if len(set(job.rows)) != len(job.rows) or any(
             not 0 <= row < self._batch.batch_size  # type: ignore[union-attr]
             for row in job.rows

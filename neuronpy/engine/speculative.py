@@ -1,0 +1,147 @@
+"""Speculative decoding's pure parts: prompt-lookup drafting and each row's draft length.
+
+A row with drafts feeds its next token and k drafted tokens in one lockstep step; the target
+model's logits at those k + 1 positions decide how many drafts stand (greedy: the longest
+prefix the target would have chosen itself; sampled: the rejection rule, engine/sampling.py),
+and one more token always comes from the target. No torch, no anyio: plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from neuronpy.defaults import SPECULATIVE_METHODS
+
+__all__ = [
+    "SPECULATIVE_METHODS",
+    "DraftLength",
+    "NgramDrafter",
+    "Speculation",
+    "SpeculativeConfig",
+    "cut_at_stop",
+]
+
+# a row's acceptance rate is a moving average with this weight on the newest step
+ACCEPTANCE_WEIGHT = 0.3
+# draft the j-th token only while the chance that drafts 1..j all stand is at least this
+MIN_RUN_CHANCE = 0.2
+# a row whose drafts stopped paying (k fell to 0) tries one draft again every this many steps
+PROBE_EVERY = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How a model speculates: `method` "off", "ngram" (prompt lookup: the continuation of the last
+    earlier occurrence of the context's last n tokens, for n from `lookup_max` down to
+    `lookup_min`) or "draft" (a smaller model of the same tokenizer drafts), at most
+    `num_tokens` drafts per row and step."""
+
+    method: str = "off"
+    num_tokens: int = 4
+    lookup_min: int = 2
+    lookup_max: int = 4
+
+
+def cut_at_stop(drafts: tuple[int, ...], stop_ids: Collection[int]) -> tuple[int, ...]:
+    """The drafts up to the first stop token (kept: it may stand), none after it: nothing
+    after a stop token is ever emitted."""
+    for i, token in enumerate(drafts):
+        if token in stop_ids:
+            return drafts[: i + 1]
+    return drafts
+
+
+class NgramDrafter:
+    """Prompt lookup over one sequence (its prompt and its output so far): an index from each
+    n-gram (n in [lookup_min, lookup_max]) to the position after its latest occurrence that is
+    not the sequence's own end, kept up to date token by token (O(n sizes) per token)."""
+
+    def __init__(self, token_ids: Sequence[int], lookup_min: int = 2, lookup_max: int = 4):
+        if not 1 <= lookup_min <= lookup_max:
+            raise ValueError(f"lookup sizes {lookup_min}..{lookup_max}")
+        self.sizes = range(lookup_max, lookup_min - 1, -1)
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}
+        self.extend(token_ids)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """The sequence grew by these tokens."""
+        tokens, after = self.tokens, self._after
+        for token in token_ids:
+            # the n-grams ending at the old last token are no longer the sequence's end: from
+            # now on their continuation is the token appended here
+            end = len(tokens)
+            for n in self.sizes:
+                if n <= end:
+                    after[tuple(tokens[end - n : end])] = end
+            tokens.append(token)
+
+    def propose(self, k: int) -> tuple[int, ...]:
+        """Up to k tokens that followed the longest recent match of the sequence's end."""
+        tokens = self.tokens
+        if k < 1:
+            return ()
+        for n in self.sizes:
+            if n > len(tokens):
+                continue
+            at = self._after.get(tuple(tokens[len(tokens) - n :]))
+            if at is not None:
+                return tuple(tokens[at : at + k])
+        return ()
+
+
+class DraftLength:
+    """How many tokens a row drafts next: the longest run whose chance of standing in full
+    (its acceptance rate to that power) is at least MIN_RUN_CHANCE, from `num_tokens` while
+    nothing is measured; a row whose drafts stop paying drafts one token every PROBE_EVERY
+    steps, to notice when they would pay again. Each row's own history decides, never the
+    batch's, so that a seeded request draws the same random numbers in any batch."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self.rate = 1.0  # the moving average of drafts accepted / drafted
+        self._idle = 0
+
+    def next(self, room: int) -> int:
+        """The draft length for the next step, within `room` (what max_tokens and the
+        context leave after the step's own token)."""
+        k = 0
+        chance = self.rate
+        while k < self.num_tokens and chance >= MIN_RUN_CHANCE:
+            k += 1
+            chance *= self.rate
+        if k == 0:
+            self._idle += 1
+            if self._idle >= PROBE_EVERY:
+                self._idle, k = 0, 1
+        return max(0, min(k, room))
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            rate = accepted / drafted
+            self.rate += ACCEPTANCE_WEIGHT * (rate - self.rate)
+
+
+class Speculation:
+    """One request's speculation: its method, its draft length, and for prompt lookup its
+    drafter, built on first use over the prompt and output so far and kept in step with them.
+    """
+
+    def __init__(self, config: SpeculativeConfig, method: str) -> None:
+        self.config = config
+        self.method = method
+        self.length = DraftLength(config.num_tokens)
+        self._ngram: NgramDrafter | None = None
+
+    def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> tuple[int, ...]:
+        """Up to k prompt-lookup drafts to follow the prompt and the output so far (each call's
+        output extends the last one's)."""
+        c = self.config
+        if self._ngram is None:
+            self._ngram = NgramDrafter([*prompt, *output], c.lookup_min, c.lookup_max)
+        else:
+            fed = len(self._ngram.tokens) - len(prompt)
+            if len(output) > fed:
+                self._ngram.extend(output[fed:])
+        return self._ngram.propose(k)

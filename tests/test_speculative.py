@@ -1,0 +1,452 @@
+"""Speculative decoding: prompt lookup and the draft length (pure), and the engine's parity:
+greedy output with speculation on is what it is with speculation off, alone and in a batch
+with mid-flight joins; sampled output follows the target's distribution and is reproducible."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import anyio
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neuronpy.engine.sampling import Sampler, verify_rows
+from neuronpy.engine.speculative import DraftLength, NgramDrafter
+from neuronpy.engine.types import Completion, FinishReason, SamplingParams
+from tests.factories import hf_model, make_engine, tokenizer
+
+# prompts whose greedy replies on the tiny fixtures repeat themselves (prompt lookup drafts
+# and some drafts stand) and others that do not (every draft rejected)
+PROMPTS = (
+    "the cat sat on the mat and the cat sat on the mat",
+    "one two three four one two three four one two",
+    "hello",
+    "a b c a b c a b c",
+    "zebra quartz",
+)
+
+
+def encode(text: str, name: str = "tiny-llama") -> list[int]:
+    return tokenizer(name).encode(text)
+
+
+def greedy(max_tokens: int = 48, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)  # type: ignore[arg-type]
+
+
+# ---- prompt lookup ---------------------------------------------------------------------------
+
+
+def brute_force(tokens: list[int], k: int, sizes: range) -> tuple[int, ...]:
+    for n in sizes:
+        if n > len(tokens):
+            continue
+        suffix = tokens[len(tokens) - n :]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
+            if tokens[start : start + n] == suffix:
+                return tuple(tokens[start + n : start + n + k])
+    return ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=0, max_size=40),
+    st.lists(st.integers(0, 5), min_size=0, max_size=20),
+    st.integers(1, 6),
+)
+def test_prompt_lookup_proposes_the_latest_match_of_the_longest_suffix(
+    prompt: list[int], output: list[int], k: int
+) -> None:
+    drafter = NgramDrafter(prompt, 1, 3)
+    for token in output:  # token by token, as a reply grows
+        drafter.extend([token])
+    tokens = prompt + output
+    assert drafter.propose(k) == brute_force(tokens, k, range(3, 0, -1))
+
+
+def test_prompt_lookup_examples() -> None:
+    drafter = NgramDrafter([1, 2, 3, 4, 9, 1, 2], 2, 3)
+    assert drafter.propose(3) == (3, 4, 9)  # "1 2" was followed by 3 4 9
+    drafter.extend([7])
+    assert drafter.propose(3) == ()  # "2 7" and "7" never came before (n >= 2)
+    assert NgramDrafter([5, 5, 5], 2, 2).propose(4) == (5,)
+
+
+def test_draft_length_follows_the_acceptance_rate() -> None:
+    length = DraftLength(6)
+    assert length.next(room=10) == 6  # nothing measured: the most
+    assert length.next(room=2) == 2  # never past max_tokens
+    for _ in range(20):
+        length.observe(drafted=4, accepted=0)
+    lengths = [length.next(room=10) for _ in range(16)]
+    assert lengths.count(0) == 14 and lengths.count(1) == 2  # probes now and then
+    for _ in range(20):
+        length.observe(drafted=4, accepted=4)
+    assert length.next(room=10) == 6
+
+
+# ---- the rejection rule -----------------------------------------------------------------------
+
+
+def chi_square_p(counts: list[int], probs: list[float]) -> float:
+    """The p-value of a chi-square goodness-of-fit test (Wilson-Hilferty approximation)."""
+    total = sum(counts)
+    stat = sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs, strict=True))
+    dof = len(counts) - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def fixture_logits() -> torch.Tensor:
+    """The tiny fixture's next-token logits after a short prompt, sharpened to a handful of
+    likely tokens (so that a few thousand draws test every one of them)."""
+    with torch.no_grad():
+        logits = hf_model("tiny-llama")(torch.tensor([encode("the cat sat")])).logits[0, -1]
+    return logits * 40.0
+
+
+@pytest.mark.parametrize("draft_rank", [0, 1, 5])
+def test_verified_tokens_follow_the_target_distribution(draft_rank: int) -> None:
+    """Whatever token prompt lookup drafts (the likeliest, the second, an unlikely one), the
+    token a verify step emits there is distributed as the target's sampler draws it."""
+    logits = fixture_logits()
+    params = SamplingParams(temperature=0.8, top_k=6, max_tokens=8, seed=1)
+    probs = Sampler(params, [1], logits.shape[0]).probs(logits)
+    assert logits.shape[0] == 360
+    draft = int(torch.argsort(probs, descending=True)[draft_rank])
+    support = [int(t) for t in torch.nonzero(probs).squeeze(1)]
+    counts = dict.fromkeys(support, 0)
+    for seed in range(4000):
+        sampler = Sampler(SamplingParams(temperature=0.8, top_k=6, seed=seed), [1], 360)
+        (emitted,) = verify_rows([sampler], torch.stack([logits, logits]), [(draft,)])
+        assert emitted is not None and 1 <= len(emitted) <= 2
+        counts[emitted[0]] += 1
+    p_value = chi_square_p([counts[t] for t in support], [float(probs[t]) for t in support])
+    assert p_value > 1e-3, (counts, probs[support])
+
+
+def test_greedy_verification_takes_the_longest_agreeing_prefix() -> None:
+    logits = torch.full((4, 32), -5.0)
+    for row, best in enumerate((7, 8, 9, 10)):
+        logits[row, best] = 5.0
+    sampler = Sampler(greedy(), [1], 32)
+    assert verify_rows([sampler], logits, [(7, 8, 3)]) == [(7, 8, 9)]
+    sampler = Sampler(greedy(), [1], 32)
+    assert verify_rows([sampler], logits, [(7, 8, 9)]) == [(7, 8, 9, 10)]
+    sampler = Sampler(greedy(), [1], 32)
+    assert verify_rows([sampler], logits[:2], [(1,)]) == [(7,)]
+    assert sampler.output_ids == [7]  # what it emitted, nothing it rejected
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+
+async def run(
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    name: str = "tiny-llama",
+    together: bool = True,
+    **config: object,
+) -> tuple[list[Completion], object]:
+    """The prompts' completions, submitted one after another a few steps apart (mid-flight
+    joins) or one at a time; and the engine's stats."""
+    async with make_engine(name, max_in_flight=4, **config) as engine:
+        out: list[Completion | None] = [None] * len(prompts)
+        if together:
+            async with anyio.create_task_group() as tg:
+                for i, ids in enumerate(prompts):
+
+                    async def one(i: int = i, ids: list[int] = ids) -> None:
+                        out[i] = await engine.complete(ids, params)
+
+                    tg.start_soon(one)
+                    await anyio.sleep(0.02)
+        else:
+            for i, ids in enumerate(prompts):
+                out[i] = await engine.complete(ids, params)
+        return out, engine.stats()  # type: ignore[return-value]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+async def test_parity_greedy_ngram_equals_no_speculation(name: str) -> None:
+    prompts = [encode(p, name) for p in PROMPTS]
+    want, _ = await run(prompts, greedy(), name=name, together=False)
+    for together in (False, True):
+        got, stats = await run(
+            prompts,
+            greedy(),
+            name=name,
+            together=together,
+            speculative="ngram",
+            prompt_lookup_min=1,
+        )
+        for a, b in zip(got, want, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert a.completion_tokens == b.completion_tokens
+        assert stats.spec_accepted_tokens > 0  # drafts stood
+        assert stats.spec_draft_tokens > stats.spec_accepted_tokens  # and drafts were rejected
+        assert stats.decode_steps < sum(len(c.token_ids) for c in want)
+
+
+@pytest.mark.anyio
+async def test_drafts_never_run_past_max_tokens_or_a_stop_token() -> None:
+    prompts = [encode(p) for p in PROMPTS]
+    for max_tokens in (1, 2, 3, 7):
+        want, _ = await run(prompts, greedy(max_tokens))
+        got, _ = await run(prompts, greedy(max_tokens), speculative="ngram", prompt_lookup_min=1)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert all(len(c.token_ids) <= max_tokens for c in got)
+    # a stop token the replies write: a draft of it ends the drafts, and the reply there
+    free, _ = await run(prompts, greedy(40))
+    stop = free[0].token_ids[6]
+    want, _ = await run(prompts, greedy(40, stop_token_ids=(stop,)))
+    got, _ = await run(
+        prompts, greedy(40, stop_token_ids=(stop,)), speculative="ngram", prompt_lookup_min=1
+    )
+    assert [(c.token_ids, c.finish_reason) for c in got] == [
+        (c.token_ids, c.finish_reason) for c in want
+    ]
+    assert got[0].finish_reason is FinishReason.STOP
+
+
+@pytest.mark.anyio
+async def test_stop_strings_logprobs_and_n_with_speculation() -> None:
+    prompts = [encode(p) for p in PROMPTS[:3]]
+    free, _ = await run(prompts, greedy(30))
+    stop = free[1].text[len(free[1].text) // 2 :][:3]
+    params = greedy(30, stop=(stop,), logprobs=2)
+    want, _ = await run(prompts, params)
+    got, stats = await run(prompts, params, speculative="ngram", prompt_lookup_min=1)
+    assert stats.spec_draft_tokens > 0
+    for a, b in zip(got, want, strict=True):
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+        assert [lp.token_id for lp in a.logprobs] == a.token_ids
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+    async with make_engine(speculative="ngram", prompt_lookup_min=1) as engine:
+        streams = engine.submit_many(prompts[0], greedy(30), 3)
+        texts = []
+        for stream in streams:
+            texts.append("".join([e.text async for e in stream]))
+        assert texts == [free[0].text] * 3
+
+
+@pytest.mark.anyio
+async def test_sampled_output_is_reproducible_with_a_seed() -> None:
+    prompts = [encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=11)
+    first, stats = await run(prompts, params, speculative="ngram", prompt_lookup_min=1)
+    again, _ = await run(prompts, params, together=False, speculative="ngram", prompt_lookup_min=1)
+    assert stats.spec_draft_tokens > 0
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+
+
+@pytest.mark.anyio
+async def test_a_request_may_turn_speculation_on_or_off() -> None:
+    prompts = [encode(p) for p in PROMPTS[:2]]
+    _, on = await run(prompts, greedy(30, speculative="ngram"), prompt_lookup_min=1)
+    _, off = await run(
+        prompts, greedy(30, speculative="off"), speculative="ngram", prompt_lookup_min=1
+    )
+    assert on.spec_draft_tokens > 0 and off.spec_draft_tokens == 0
+
+
+def test_sampled_engine_tokens_follow_the_target_distribution() -> None:
+    """End to end: seeded sampled requests whose second token is verified against drafts
+    (the prompt holds every token id once, so prompt lookup always finds the first) get
+    their two tokens with the target's joint distribution p(t0) p(t1 | t0), the model's own."""
+    prompt = list(range(3, 360))
+    random.Random(5).shuffle(prompt)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    model = hf_model("tiny-llama")
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        return Sampler(params, ids, logits.shape[0]).probs(logits)
+
+    first = next_probs(prompt)
+    cells = {}
+    for t0 in torch.nonzero(first).squeeze(1).tolist():
+        second = next_probs([*prompt, t0])
+        for t1 in torch.nonzero(second).squeeze(1).tolist():
+            cells[(t0, t1)] = float(first[t0] * second[t1])
+
+    async def draws() -> list[tuple[int, ...]]:
+        async with make_engine(speculative="ngram", prompt_lookup_min=1, max_in_flight=8) as e:
+            out = []
+            for seed in range(0, 720, 8):
+                batch = [
+                    e.submit(prompt, SamplingParams(**{**vars(params), "seed": s}))
+                    for s in range(seed, seed + 8)
+                ]
+                for stream in batch:
+                    ids: list[int] = []
+                    async for event in stream:
+                        ids.extend(event.token_ids)
+                    out.append(tuple(ids))
+            stats = e.stats()
+            # (prompt lookup's drafts here are the prompt's next ids: the rejection path;
+            # a draft model drafting its own distribution takes the other, see test_draft_model)
+            assert stats.spec_draft_tokens > 100
+            return out
+
+    results = anyio.run(draws)
+    counts = [sum(r[:2] == cell for r in results) for cell in cells]
+    assert sum(counts) == len(results)  # no pair outside the support
+    assert chi_square_p(counts, list(cells.values())) > 1e-3, (counts, cells)
+
+
+# ---- a draft model ----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("draft", ["tiny-llama", "tiny-mistral"])
+async def test_parity_greedy_draft_model_equals_no_speculation(draft: str) -> None:
+    """A draft model drafting for the target: itself (every draft stands) or another tiny
+    model of the same tokenizer (most are rejected): greedy output is unchanged, alone and in
+    a batch with mid-flight joins."""
+    prompts = [encode(p) for p in PROMPTS]
+    want, _ = await run(prompts, greedy(), together=False)
+    for together in (False, True):
+        got, stats = await run(
+            prompts, greedy(), together=together, draft=draft, speculative="draft"
+        )
+        for a, b in zip(got, want, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert stats.spec_draft_tokens > 0 and stats.timing["draft"] > 0
+        if draft == "tiny-llama":
+            assert stats.spec_accepted_tokens == stats.spec_draft_tokens  # its own drafts
+            assert stats.decode_steps * 3 < sum(len(c.token_ids) for c in want)
+        else:
+            assert stats.spec_accepted_tokens < stats.spec_draft_tokens
+
+
+def test_sampled_draft_model_tokens_follow_the_target_distribution() -> None:
+    """A draft model sampling its own distribution (here the target's: every draft stands,
+    min(1, p/q) = 1) leaves the output distributed as the target's: p(t0) p(t1 | t0) p(t2 |
+    t0, t1), checked on (t0, t1) and reproducible with a seed."""
+    prompt = encode("the cat sat")
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+    model = hf_model("tiny-llama")
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        return Sampler(params, ids, logits.shape[0]).probs(logits)
+
+    first = next_probs(prompt)
+    cells = {}
+    for t0 in torch.nonzero(first).squeeze(1).tolist():
+        second = next_probs([*prompt, t0])
+        for t1 in torch.nonzero(second).squeeze(1).tolist():
+            cells[(t0, t1)] = float(first[t0] * second[t1])
+
+    async def draws() -> list[tuple[int, ...]]:
+        async with make_engine(draft="tiny-llama", speculative="draft", max_in_flight=8) as e:
+            out = []
+            for seed in range(0, 720, 8):
+                batch = [
+                    e.submit(prompt, SamplingParams(**{**vars(params), "seed": s}))
+                    for s in range(seed, seed + 8)
+                ]
+                for stream in batch:
+                    ids: list[int] = []
+                    async for event in stream:
+                        ids.extend(event.token_ids)
+                    out.append(tuple(ids))
+            stats = e.stats()
+            assert stats.spec_draft_tokens > 500
+            assert stats.spec_accepted_tokens > 0.9 * stats.spec_draft_tokens
+            return out
+
+    results = anyio.run(draws)
+    counts = [sum(r[:2] == cell for r in results) for cell in cells]
+    assert sum(counts) == len(results)
+    assert chi_square_p(counts, list(cells.values())) > 1e-3, (counts, cells)
+    assert anyio.run(draws)[:40] == results[:40]  # the same seeds, the same tokens
+
+
+# ---- everything else keeps working --------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_preemption_and_the_prefix_cache_with_speculation() -> None:
+    """Rows preempted to keep within a small KV budget (their KV extracted after verify
+    steps, resumed later) and prompts restored from the prefix cache: unchanged output."""
+    prompts = [encode(p) for p in PROMPTS] + [encode(PROMPTS[0])] * 2
+    config = {"kv_budget": 80 * make_engine().kv_bytes_per_token, "prefix_cache": True}
+    want, _ = await run(prompts, greedy(40), together=False)
+    got, stats = await run(prompts, greedy(40), speculative="ngram", prompt_lookup_min=1, **config)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert stats.preemptions > 0 and stats.prefix_cache_hits > 0 and stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.anyio
+async def test_structured_output_with_speculation_is_unchanged() -> None:
+    """A constrained greedy reply: drafts the grammar refuses are cut before verification;
+    the reply is what it is without speculation, and valid."""
+    from neuronpy.engine.types import Constraint
+
+    constraint = Constraint("regex", r"(ab|cd){2,6}[0-9]{3}")
+    prompts = [encode(p) for p in PROMPTS[:3]]
+    params = greedy(30, constraint=constraint)
+    async with make_engine() as engine:
+        await engine.prepare(prompts[0], params)
+    want, _ = await run(prompts, params, together=False)
+    got, stats = await run(prompts, params, speculative="ngram", prompt_lookup_min=1)
+    assert [c.text for c in got] == [c.text for c in want]
+    assert stats.spec_draft_tokens > 0
+    import re
+
+    assert all(re.fullmatch(r"(ab|cd){2,6}[0-9]{3}", c.text) for c in got)
+
+
+def test_server_speculation_parity_metrics_and_bad_values() -> None:
+    """A real server, the openai client: replies with prompt lookup on are those of a server
+    without it, streamed or not; /metrics and /stats count drafts; a request may turn it off;
+    a bad value is a 400 naming the field, and the server serves on."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+
+    from tests.servers import fixture_model, run_server
+
+    def ask(url: str, text: str, stream: bool, **extra: object) -> str:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kwargs = dict(model="tiny-llama", prompt=text, max_tokens=30, temperature=0.0)
+        if not stream:
+            return api.completions.create(**kwargs, extra_body=extra).choices[0].text
+        chunks = api.completions.create(**kwargs, stream=True, extra_body=extra)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    def all_of(url: str) -> list[str]:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            jobs = [pool.submit(ask, url, t, i % 2 == 1) for i, t in enumerate(PROMPTS)]
+            return [j.result() for j in jobs]
+
+    with run_server(fixture_model()) as plain:
+        want = all_of(plain.url)
+    with run_server(fixture_model(speculative="ngram", prompt_lookup_min=1)) as server:
+        assert all_of(server.url) == want
+        stats = server.stats()
+        assert stats["speculative"] == "ngram" and stats["spec_draft_tokens"] > 0
+        assert 0 < stats["spec_acceptance_rate"] < 1 and stats["spec_tokens_per_row_step"] > 1
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        assert 'neuronpy_spec_decode_draft_tokens_total{model="tiny-llama"}' in metrics
+        assert "neuronpy_spec_decode_acceptance_rate" in metrics
+        drafted = stats["spec_draft_tokens"]
+        assert ask(server.url, PROMPTS[0], False, speculative="off") == want[0]
+        assert server.stats()["spec_draft_tokens"] == drafted  # that request drafted nothing
+        for bad in ("turbo", "draft"):  # unknown; a model without a draft model
+            with pytest.raises(openai.BadRequestError) as err:
+                ask(server.url, "hi", False, speculative=bad)
+            assert err.value.body["param"] == "speculative"  # type: ignore[index]
+        assert ask(server.url, PROMPTS[1], True) == want[1]
