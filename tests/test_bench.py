@@ -280,7 +280,10 @@ def test_cli_flags_build_the_config() -> None:
     assert config.prompt_len == 32 and config.workloads == ("W1",)
     args = parser.parse_args(["bench", "--workloads", "all", "--url", "http://127.0.0.1:9"])
     config = cli.config_from_args(args)
-    assert config.workloads == ("W1", "W2", "W3", "W4", "W5") and config.drive == "http"
+    assert config.workloads == ("W1", "W2", "W3", "W4", "W5", "W6") and config.drive == "http"
+    args = parser.parse_args(["bench", "--speculative", "ngram", "--num-speculative-tokens", "6"])
+    config = cli.config_from_args(args)
+    assert config.speculative == "ngram" and config.num_speculative_tokens == 6
     assert config.resolved_max_in_flight() == 16
     for bad in (["--k", "0"], ["--peers", "vllm"], ["--workloads", "W9"]):
         with pytest.raises(SystemExit):
@@ -323,3 +326,27 @@ def test_gpu_bench_runs_its_code_on_a_tiny_random_llama_on_the_cpu(tmp_path, cap
     assert "of the roofline" in printed and "generate_batch" in printed
     if not torch.cuda.is_available():
         assert gpu.main(["--device", "cuda"]) == 2  # says so, measures nothing
+
+
+def test_w6_and_speculation_beside_neuronpy() -> None:
+    """--speculative runs neuronpy-spec beside neuronpy on every point: greedy outputs are
+    the same, its tokens/s is set over neuronpy's, its drafts' figures are reported; W6's
+    prompts are the grounded chat requests in the model's template."""
+    from neuronpy.bench.grounded import grounded_messages
+    from neuronpy.bench.runner import grounded_prompts
+
+    config = quick_config(
+        ks=(2,), output_len=24, peers=(), workloads=("W1", "W6"), speculative="ngram"
+    )
+    results = run_bench(config, weights=_weights(), progress=SILENT)
+    (point,) = results["workloads"]["W6"]["points"]
+    assert set(point["results"]) == {"neuronpy", "neuronpy-spec"}
+    assert point["spec_parity"]["identical"] == point["spec_parity"]["total"] == 2
+    assert point["ratios"]["spec/off"] > 0
+    assert point["speculation"]["draft_tokens"] > 0
+    assert "speculative / not (neuronpy-spec / neuronpy)" in report.format_report(results)
+    prompts = grounded_prompts(tokenizer("tiny-llama"), 2, max_len=512 - 24)
+    assert point["params"]["prompt_len"] == max(len(p) for p in prompts) > 100
+    assert grounded_messages(0) != grounded_messages(1) and grounded_messages(
+        0
+    ) == grounded_messages(0)

@@ -450,3 +450,31 @@ def test_server_speculation_parity_metrics_and_bad_values() -> None:
                 ask(server.url, "hi", False, speculative=bad)
             assert err.value.body["param"] == "speculative"  # type: ignore[index]
         assert ask(server.url, PROMPTS[1], True) == want[1]
+
+
+def test_a_session_saved_and_restored_with_speculation(tmp_path) -> None:
+    """A session saved after verify steps holds the KV of exactly the tokens fed (rejected
+    drafts' columns are not in it); restored after a restart, the second turn is what it is
+    without speculation or sessions."""
+    import httpx
+
+    from neuronpy.server.prompts import render_chat
+    from tests.servers import fixture_model, run_server
+    from tests.test_sessions import FIRST, chat, second_turn
+
+    with run_server(fixture_model(prefix_cache=False)) as plain:
+        reply = chat(plain.url, FIRST).choices[0].message.content
+        expected = chat(plain.url, second_turn(reply)).choices[0].message.content
+    spec = {"speculative": "ngram", "prompt_lookup_min": 1}
+    with run_server(fixture_model(**spec), sessions_dir=tmp_path) as server:
+        saved = chat(server.url, FIRST, session="talk")
+        info = server.stats()
+        assert info["spec_draft_tokens"] > 0 and info["sessions_saved"] == 1
+    assert saved.choices[0].message.content == reply
+    prompt = render_chat(tokenizer(), FIRST)
+    with run_server(fixture_model(**spec), sessions_dir=tmp_path) as restarted:
+        stored = httpx.get(f"{restarted.url}/v1/sessions/talk", timeout=10).json()
+        assert stored["tokens"] == len(prompt) + saved.usage.completion_tokens - 1
+        got = chat(restarted.url, second_turn(reply), session="talk")
+        assert restarted.stats()["sessions_restored"] == 1
+    assert got.choices[0].message.content == expected

@@ -507,17 +507,23 @@ class _RaggedStep:
     ) -> torch.Tensor:
         """This group's tokens' attention, [n_g, H * D] in the forward's order."""
         b, t = self.take.shape
-        q_g = model._group_queries(q[0][:, self.take].permute(1, 0, 2, 3))  # [B_g, KVH, G*T, D]
+        if t == 1:  # one token a row (rows that lag): the rows' tokens lie in order
+            lo = int(self.take[0, 0])
+            q_t, k_t, v_t = (x[0][:, lo : lo + b, None] for x in (q, k, v))
+        else:
+            q_t, k_t, v_t = (x[0][:, self.take] for x in (q, k, v))  # [heads, B_g, T, D]
+        q_g = model._group_queries(q_t.transpose(0, 1))  # [B_g, KVH, G * T, D]
         k_cache, v_cache = self.group.keys[layer], self.group.values[layer]
-        k_cache[self.rows, :, self.cols] = k[0][:, self.take].permute(1, 2, 0, 3)
-        v_cache[self.rows, :, self.cols] = v[0][:, self.take].permute(1, 2, 0, 3)
+        k_cache[self.rows, :, self.cols] = k_t.permute(1, 2, 0, 3)
+        v_cache[self.rows, :, self.cols] = v_t.permute(1, 2, 0, 3)
         out = F.scaled_dot_product_attention(
             q_g,
             k_cache[:, :, : self.columns],
             v_cache[:, :, : self.columns],
             attn_mask=self.mask,
         )
-        return model._ungroup(out, t).reshape(b * t, -1)[self.keep]
+        out = model._ungroup(out, t).reshape(b * t, -1)
+        return out if t == 1 else out[self.keep]
 
 
 _GroupStep = _UniformStep | _RaggedStep

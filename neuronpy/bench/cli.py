@@ -222,6 +222,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a running neuronpy server to measure (implies --drive http; it must serve --model)",
     )
     out = parser.add_argument_group("output")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative",
+        choices=("ngram",),
+        help="also run neuronpy with speculative decoding (neuronpy-spec), side by side with "
+        "neuronpy: its tokens/s over neuronpy's, its drafts' acceptance (W6 is the workload "
+        "it is for; W1 shows what it costs where drafts do not pay)",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="neuronpy-spec's most drafts per row and step (default: the engine's)",
+    )
     out.add_argument(
         "--out",
         type=Path,
@@ -260,6 +274,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         "long_prompt": args.long_prompt,
         "drive": drive,
         "url": args.url,
+        "speculative": args.speculative,
+        "num_speculative_tokens": args.num_speculative_tokens,
     }
     return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
 

@@ -42,6 +42,7 @@ T = TypeVar("T")
 # peer names, in the order the table shows them
 NEURONPY = "neuronpy"
 NEURONPY_SERIAL = "neuronpy-serial"
+NEURONPY_SPEC = "neuronpy-spec"  # neuronpy with speculative decoding (bench --speculative)
 # with --tensor-parallel N: the same engine on one device, beside the split one
 NEURONPY_ONE_DEVICE = "neuronpy-1-device"
 HF_SERIAL = "hf-generate"

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronpy.bench.peers import NEURONPY, NEURONPY_SERIAL
+from neuronpy.bench.peers import NEURONPY, NEURONPY_SERIAL, NEURONPY_SPEC
 
 
 def _num(value: Any, digits: int = 1) -> str:
@@ -101,6 +101,24 @@ def _workload_section(wname: str, entry: dict[str, Any], config: dict[str, Any])
             lines.append(
                 f"{p['point']}: {NEURONPY} constrained / unconstrained (W5 / W1) "
                 f"{_ratio(p['ratios']['W5/W1'])}"
+            )
+        if "spec/off" in p["ratios"]:
+            spec = p.get("speculation") or {}
+            drafts = (
+                f"; drafts accepted {spec['acceptance_rate']:.0%}, "
+                f"{spec['tokens_per_row_step']:.2f} tokens per row and verify step"
+                if spec
+                else "; no drafts"
+            )
+            same = p.get("spec_parity") or {}
+            parity = (
+                f"; greedy outputs identical {same['identical']}/{same['total']}"
+                if "identical" in same
+                else ""
+            )
+            lines.append(
+                f"{p['point']}: speculative / not ({NEURONPY_SPEC} / {NEURONPY}) "
+                f"{_ratio(p['ratios']['spec/off'])}{drafts}{parity}"
             )
     lines.append("")
     lines.append("latency (ms): TTFT, TPOT, ITL and E2EL as p50/p99; ITL also max")

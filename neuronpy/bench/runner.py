@@ -24,6 +24,7 @@ from neuronpy.bench.peers import (
     NEURONPY,
     NEURONPY_ONE_DEVICE,
     NEURONPY_SERIAL,
+    NEURONPY_SPEC,
     PEERS,
     WARMUP_TOKENS,
     HfContinuousBatching,
@@ -46,6 +47,7 @@ from neuronpy.bench.workloads import (
     w3,
     w4,
     w5,
+    w6,
 )
 
 log = logging.getLogger(__name__)
@@ -80,6 +82,9 @@ class BenchConfig:
     long_prompt: int = 2000  # W4
     w4_decode_len: int = 256  # W4: enough tokens for the decoders to outlast the join
     cb_max_batch_tokens: int = 512  # transformers' continuous batching: tokens per forward
+    # neuronpy with speculative decoding ("ngram") beside it, as neuronpy-spec; None: not run
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
     quick: bool = False
 
     def resolved_max_in_flight(self) -> int:
@@ -138,10 +143,16 @@ def load_weights(config: BenchConfig, progress: Progress) -> Weights:
     return Weights(loaded.hf_model, loaded.tokenizer, loaded.name, loaded.source)
 
 
-def _engine_config(config: BenchConfig, max_in_flight: int, max_queue: int) -> Any:
+def _engine_config(
+    config: BenchConfig, max_in_flight: int, max_queue: int, speculative: bool = False
+) -> Any:
     from neuronpy.config import EngineConfig
 
     options: dict[str, Any] = {"max_in_flight": max_in_flight, "max_queue": max_queue}
+    if speculative:
+        options["speculative"] = config.speculative
+        if config.num_speculative_tokens is not None:
+            options["num_speculative_tokens"] = config.num_speculative_tokens
     if config.quantize not in (None, "none"):
         names = {f.name for f in dataclasses.fields(EngineConfig)}
         if "quantize" not in names:
@@ -174,8 +185,8 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
             weights.hf_model, weights.tokenizer, name=weights.name, config=engine_config
         )
 
-    def neuronpy(name: str, max_in_flight: int, url: str | None) -> System:
-        engine_config = _engine_config(config, max_in_flight, queue)
+    def neuronpy(name: str, max_in_flight: int, url: str | None, spec: bool = False) -> System:
+        engine_config = _engine_config(config, max_in_flight, queue, spec)
         if config.drive == "http" and url is not None:
             return NeuronpyHttp(name, url=url, model=weights.name)
         if config.drive == "http":
@@ -185,6 +196,12 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
         return NeuronpyEngine(name, engine_config, loader(engine_config))
 
     systems = [neuronpy(NEURONPY, width, config.url)]
+    if config.speculative:
+        if config.drive == "http" and config.url is not None:
+            raise ValueError("--speculative starts a server of its own: it cannot use --url")
+        spec = neuronpy(NEURONPY_SPEC, width, None, spec=True)
+        spec.description += f" (speculative {config.speculative})"
+        systems.append(spec)
     if config.tensor_parallel > 1 and config.drive == "engine":
         one = _engine_config(config, width, queue)
         systems.append(NeuronpyEngine(NEURONPY_ONE_DEVICE, one, loader(one, split=False)))
@@ -298,11 +315,15 @@ def _points(
     config: BenchConfig,
     source: PromptSource,
     peak_tok_s: Callable[[], float],
+    grounded: Callable[[], list[tuple[int, ...]]] = list,
 ) -> list[Workload]:
     if name == "W1":
         return [w1(source, k, config.prompt_len, config.output_len) for k in config.ks]
     if name == "W5":
         return [w5(source, k, config.prompt_len, config.output_len) for k in config.ks]
+    if name == "W6":
+        prompts = grounded()
+        return [w6(prompts, k, config.output_len) for k in config.ks]
     if name == "W2":
         peak = peak_tok_s()
         return [
@@ -384,8 +405,12 @@ def run_bench(
                 peak_cache["peak"] = calib.get("output_tok_s") or 1.0
         return peak_cache["peak"]
 
+    def grounded() -> list[tuple[int, ...]]:
+        room = None if context_len is None else context_len - config.output_len
+        return grounded_prompts(weights.tokenizer, max(config.ks), config.seed, room)
+
     for wname in config.workloads:
-        points = _points(wname, config, source, peak_tok_s)
+        points = _points(wname, config, source, peak_tok_s, grounded)
         entry: dict[str, Any] = {"description": DESCRIPTIONS[wname], "points": []}
         if wname == "W2":
             entry["w1_peak_tok_s"] = peak_tok_s()
@@ -401,7 +426,50 @@ def run_bench(
         if wname == "W1":
             entry["scaling_efficiency"] = _efficiency(entry["points"])
     _structured_overhead(results["workloads"])
+    _speculation_gain(results["workloads"])
     return results
+
+
+def grounded_prompts(
+    tokenizer: Any, n: int, seed: int = 0, max_len: int | None = None
+) -> list[tuple[int, ...]]:
+    """W6's n prompts: bench/grounded.py's chat requests in the model's chat template, in
+    order, those longer than `max_len` tokens left out (a small model's context)."""
+    from neuronpy.bench.grounded import grounded_messages
+
+    out: list[tuple[int, ...]] = []
+    for i in range(100 * n):
+        if len(out) == n:
+            break
+        text = tokenizer.apply_chat_template(
+            grounded_messages(i, seed), add_generation_prompt=True, tokenize=False
+        )
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        if max_len is None or len(ids) <= max_len:
+            out.append(ids)
+    if len(out) < n:
+        raise ValueError(f"W6: fewer than {n} grounded prompts fit in {max_len} tokens")
+    return out
+
+
+def _speculation_gain(workloads: dict[str, Any]) -> None:
+    """Each point neuronpy-spec ran beside neuronpy: its tokens/s over neuronpy's
+    ("spec/off") and its drafts' figures (acceptance rate, tokens a row emits per step)."""
+    for entry in workloads.values():
+        for point in entry.get("points", []):
+            spec = point["results"].get(NEURONPY_SPEC, {})
+            plain = point["results"].get(NEURONPY, {}).get("output_tok_s")
+            if spec.get("output_tok_s") and plain:
+                point["ratios"]["spec/off"] = spec["output_tok_s"] / plain
+            counters = (spec.get("engine") or {}).get("counters") or {}
+            drafted = counters.get("spec_draft_tokens", 0)
+            rows = counters.get("spec_verify_rows", 0)
+            if drafted and rows:
+                point["speculation"] = {
+                    "draft_tokens": drafted,
+                    "acceptance_rate": counters.get("spec_accepted_tokens", 0) / drafted,
+                    "tokens_per_row_step": counters.get("spec_emitted_tokens", 0) / rows,
+                }
 
 
 def _structured_overhead(workloads: dict[str, Any]) -> None:
@@ -466,6 +534,11 @@ def _run_point(
         alone = runs[NEURONPY_SERIAL][-1].get("_records")
         if batched and alone:
             point["parity"] = metrics.parity(batched, alone)
+    if NEURONPY in runs and NEURONPY_SPEC in runs:
+        plain = runs[NEURONPY][-1].get("_records")
+        spec = runs[NEURONPY_SPEC][-1].get("_records")
+        if plain and spec:
+            point["spec_parity"] = metrics.parity(spec, plain)
     return point
 
 

@@ -1,7 +1,8 @@
-"""The benchmark workloads of bench.md (W1-W4) as plain lists of requests.
+"""The benchmark workloads of bench.md (W1-W4, and W5-W6 of our own) as plain lists of requests.
 
 Prompts are synthetic token ids drawn from a seeded generator (special tokens left out), so
-every system sees exactly the same prompts, and prompt i of a workload is the same at every K.
+every system sees exactly the same prompts, and prompt i of a workload is the same at every K;
+W6's are chat prompts of generated texts (bench/grounded.py), rendered once as token ids.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import random
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
 # the workloads a system without constrained decoding runs (W5 needs it)
-UNCONSTRAINED = frozenset({"W1", "W2", "W3", "W4"})
+UNCONSTRAINED = frozenset({"W1", "W2", "W3", "W4", "W6"})
 
 DESCRIPTIONS = {
     "W1": "closed loop: K concurrent streams",
@@ -22,6 +23,8 @@ DESCRIPTIONS = {
     "W3": "burst: every request at t=0, mixed lengths",
     "W4": "long prefill: one long prompt joins while 7 streams decode",
     "W5": "structured: W1's K streams, each held to a JSON schema of its own",
+    "W6": "input-grounded: K streams whose replies copy spans of their prompts (code edits, "
+    "quotes, lists: what prompt lookup drafts)",
 }
 
 
@@ -121,6 +124,21 @@ def w5(source: PromptSource, k: int, prompt_len: int, output_len: int) -> Worklo
         for i, r in enumerate(plain.requests)
     )
     return Workload("W5", plain.point, requests, concurrency=k, params=plain.params)
+
+
+def w6(prompts: Sequence[tuple[int, ...]], k: int, output_len: int) -> Workload:
+    """K concurrent streams of the first K input-grounded prompts (their replies copy spans of
+    the prompt), `output_len` tokens each (EOS ignored, as W1's)."""
+    if len(prompts) < k:
+        raise ValueError(f"W6 at K={k} needs {k} prompts, got {len(prompts)}")
+    requests = tuple(BenchRequest(tuple(p), output_len) for p in prompts[:k])
+    return Workload(
+        "W6",
+        f"K={k}",
+        requests,
+        concurrency=k,
+        params={"k": k, "output_len": output_len, "prompt_len": max(len(p) for p in prompts[:k])},
+    )
 
 
 def mixed_lengths(
