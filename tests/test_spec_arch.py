@@ -140,3 +140,27 @@ def test_trim_refuses_more_than_a_row_holds() -> None:
         batch.trim([4])
     with pytest.raises(ValueError):
         model.forward_step(batch, torch.tensor([1, 2]), counts=[3])
+
+
+def test_rows_feeding_as_many_tokens_each_keep_parity() -> None:
+    """Every row of a group with the same number of tokens (no gather: the tokens lie in
+    order), before and after the rows lag one another."""
+    model = native("tiny-qwen3")
+    refs = [reference(model, list(p), 12) for p in PROMPTS[:3]]
+    batch = assemble_batch([model.prefill(list(p))[0] for p in PROMPTS[:3]])
+    done = [0, 0, 0]
+    for drops in ([0, 1, 2], [2, 0, 1], [0, 0, 0]):
+        fed = [refs[r][0][done[r] : done[r] + 3] for r in range(3)]
+        hidden = model.forward_step(
+            batch, torch.tensor([t for f in fed for t in f]), counts=[3, 3, 3]
+        ).hidden
+        for r in range(3):
+            keep = 3 - drops[r]
+            torch.testing.assert_close(
+                hidden[3 * r : 3 * r + keep],
+                refs[r][1][done[r] : done[r] + keep],
+                atol=1e-4,
+                rtol=1e-4,
+            )
+            done[r] += keep
+        batch.trim(drops)

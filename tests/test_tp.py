@@ -274,6 +274,23 @@ async def test_parity_tp2_engine_with_joins_and_leaves_is_byte_identical() -> No
 
 
 @pytest.mark.anyio
+async def test_parity_tp2_with_prompt_lookup_speculation() -> None:
+    """Verify steps over two ranks: each rank trims the rejected drafts' columns alike (the
+    trim rides the next job), and the output is one device's without speculation."""
+    tok = tokenizer()
+    jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
+    async with make_engine(max_in_flight=1) as serial:
+        expected = [await serial.complete(p, sp) for p, sp in jobs]
+    engine = await start_engine(max_in_flight=8, speculative="ngram", prompt_lookup_min=1)
+    async with engine:
+        got = await concurrently(engine, jobs)
+        stats = engine.stats()
+        assert engine.healthy
+    assert [summary(c) for c in got] == [summary(c) for c in expected]
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+
+
+@pytest.mark.anyio
 async def test_killing_a_rank_mid_batch_fails_requests_and_marks_unhealthy() -> None:
     tok = tokenizer()
     engine = await start_engine(max_in_flight=8)

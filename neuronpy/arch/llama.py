@@ -472,6 +472,7 @@ class _RaggedStep:
     mask: torch.Tensor  # [B_g, 1, G * T, columns]
     columns: int  # KV columns attended
     positions: torch.Tensor  # [n_g]: the RoPE position of each token, in the forward's order
+    first: int = 0  # the group's first token in the forward
     uniform: bool = False
 
     @classmethod
@@ -500,18 +501,21 @@ class _RaggedStep:
         lens = torch.tensor(group.row_lengths, device=dev)
         positions = (lens[:, None] + j[None])[real]
         rows = torch.arange(group.batch_size, device=dev)[:, None]
-        return cls(group, list(counts), take, cols, rows, keep, mask, columns, positions)
+        return cls(group, list(counts), take, cols, rows, keep, mask, columns, positions, first)
 
     def attend(
         self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """This group's tokens' attention, [n_g, H * D] in the forward's order."""
         b, t = self.take.shape
-        if t == 1:  # one token a row (rows that lag): the rows' tokens lie in order
-            lo = int(self.take[0, 0])
-            q_t, k_t, v_t = (x[0][:, lo : lo + b, None] for x in (q, k, v))
+        even = len(self.keep) == b * t
+        if even:  # as many tokens in every row: they lie in order, [B_g, T] of them
+            lo = self.first
+            q_t, k_t, v_t = (
+                x[0][:, lo : lo + b * t].unflatten(1, (b, t)) for x in (q, k, v)
+            )  # [heads, B_g, T, D]
         else:
-            q_t, k_t, v_t = (x[0][:, self.take] for x in (q, k, v))  # [heads, B_g, T, D]
+            q_t, k_t, v_t = (x[0][:, self.take] for x in (q, k, v))
         q_g = model._group_queries(q_t.transpose(0, 1))  # [B_g, KVH, G * T, D]
         k_cache, v_cache = self.group.keys[layer], self.group.values[layer]
         k_cache[self.rows, :, self.cols] = k_t.permute(1, 2, 0, 3)
@@ -523,7 +527,7 @@ class _RaggedStep:
             attn_mask=self.mask,
         )
         out = model._ungroup(out, t).reshape(b * t, -1)
-        return out if t == 1 else out[self.keep]
+        return out if even else out[self.keep]
 
 
 _GroupStep = _UniformStep | _RaggedStep
