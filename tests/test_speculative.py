@@ -480,3 +480,23 @@ def test_a_session_saved_and_restored_with_speculation(tmp_path) -> None:
         got = chat(restarted.url, second_turn(reply), session="talk")
         assert restarted.stats()["sessions_restored"] == 1
     assert got.choices[0].message.content == expected
+
+
+@pytest.mark.anyio
+async def test_the_draft_models_kv_goes_when_nothing_runs() -> None:
+    async with make_engine(draft="tiny-llama", speculative="draft") as engine:
+        drafts = engine._worker.drafts
+        assert drafts is not None
+        first = await engine.complete(encode(PROMPTS[0]), greedy(20))
+        with anyio.fail_after(10):
+            while drafts.rows:
+                await anyio.sleep(0.01)
+        assert drafts.batch is None
+        # and it drafts again for the next request
+        again = await engine.complete(encode(PROMPTS[0]), greedy(20))
+        assert again.token_ids == first.token_ids and engine.stats().spec_accepted_tokens > 0
+
+
+def test_a_draft_engine_without_its_draft_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="draft model"):
+        make_engine(speculative="draft", draft_model="elsewhere")

@@ -89,6 +89,8 @@ class Engine:
             {"embed": model.embed, "norm": model.norm, **norms}, extra=(config.quantize,)
         )
         self._worker = worker or DeviceWorker(model, name, config.prefill_chunk)
+        if config.speculative == "draft" and self._worker.drafts is None:
+            raise ValueError(f'model {name!r}: speculative = "draft" needs its draft model loaded')
         self._scheduler = Scheduler(
             name=name,
             max_running=self.max_running,
@@ -417,6 +419,7 @@ class Engine:
         try:
             while True:
                 if not s.active():
+                    await self._runner.release_drafts()
                     if not s.saving:  # (a session's write wakes the loop when done)
                         self._idle.set()
                     self._wake = anyio.Event()

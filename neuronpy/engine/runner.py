@@ -286,6 +286,12 @@ class Runner:
             drafts[i] = cut_at_stop(row, plan.rows[i].stop_ids)
         return dataclasses.replace(plan, drafts=tuple(drafts)), seconds
 
+    async def release_drafts(self) -> None:
+        """The draft model's KV of every row goes (nothing is running)."""
+        drafts = self.worker.drafts
+        if drafts is not None and drafts.rows:
+            await self.call(DraftTokens((), (), ()))
+
     def draft_sampling(self, requests: Sequence[Request]) -> DraftSampler:
         """Draft tokens from the draft model's logits, each row by its own sampler (see
         Sampler.draft), on the worker thread."""

@@ -32,6 +32,9 @@ class DraftBatch:
             raise ValueError("DraftTokens needs a context and a length per key")
         if any(len(c) < 2 for c in job.contexts):
             raise ValueError("a draft context holds the prompt and at least one output token")
+        if not job.keys:  # nothing drafts now: the draft KV goes
+            self.batch, self.keys = None, []
+            return DraftResult(())
         model = self.model
         sources, feeds, prefilled = self._rebuild(job)
         fresh = len(sources) != sum(isinstance(s, BatchRow) for s in sources)
