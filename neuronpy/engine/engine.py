@@ -419,10 +419,11 @@ class Engine:
         try:
             while True:
                 if not s.active():
-                    await self._runner.release_drafts()
                     if not s.saving:  # (a session's write wakes the loop when done)
                         self._idle.set()
                     self._wake = anyio.Event()
+                    # (a submit while the draft KV goes sets the new event: no wake is lost)
+                    await self._runner.release_drafts()
                     await self._wake.wait()
                 await self._schedule()
                 if s.running:
