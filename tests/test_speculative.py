@@ -4,6 +4,7 @@ with mid-flight joins; sampled output follows the target's distribution and is r
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -444,6 +445,7 @@ def test_server_speculation_parity_metrics_and_bad_values() -> None:
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert 'neuronpy_spec_decode_draft_tokens_total{model="tiny-llama"}' in metrics
         assert "neuronpy_spec_decode_acceptance_rate" in metrics
+        assert "neuronpy_spec_decode_tokens_per_row_step" in metrics
         drafted = stats["spec_draft_tokens"]
         assert ask(server.url, PROMPTS[0], False, speculative="off") == want[0]
         assert server.stats()["spec_draft_tokens"] == drafted  # that request drafted nothing
@@ -500,3 +502,52 @@ async def test_the_draft_models_kv_goes_when_nothing_runs() -> None:
 def test_a_draft_engine_without_its_draft_model_is_refused() -> None:
     with pytest.raises(ValueError, match="draft model"):
         make_engine(speculative="draft", draft_model="elsewhere")
+
+
+def test_server_with_a_draft_model_from_its_config(tmp_path) -> None:
+    """A config file naming a draft model: the server loads it beside the model, greedy
+    replies through the openai client are those of a server without it, streamed or not;
+    a draft model of another vocabulary is refused at load, by name."""
+    import concurrent.futures
+
+    import openai
+
+    from neuronpy.compose import load_engine
+    from neuronpy.config import load_config
+    from tests.factories import fixture_dir
+    from tests.servers import fixture_model, run_server
+
+    def ask(url: str, text: str, stream: bool) -> str:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": text}]
+        kwargs = dict(model="tiny-llama", messages=messages, max_tokens=30, temperature=0.0)
+        if not stream:
+            return api.chat.completions.create(**kwargs).choices[0].message.content or ""
+        chunks = api.chat.completions.create(**kwargs, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    def all_of(url: str) -> list[str]:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            jobs = [pool.submit(ask, url, t, i % 2 == 0) for i, t in enumerate(PROMPTS)]
+            return [j.result() for j in jobs]
+
+    with run_server(fixture_model()) as plain:
+        want = all_of(plain.url)
+    config = tmp_path / "neuronpy.toml"
+    config.write_text(
+        f'[[models]]\nname = "tiny-llama"\npath = "{fixture_dir("tiny-llama")}"\n'
+        f'speculative = "draft"\ndraft_model = "{fixture_dir("tiny-mistral")}"\n'
+    )
+    (spec,) = load_config(config).models
+    with run_server({"tiny-llama": lambda: load_engine("tiny-llama", spec)}) as server:
+        assert all_of(server.url) == want
+        stats = server.stats()
+        assert stats["speculative"] == "draft" and stats["spec_draft_tokens"] > 0
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in fixture_dir("tiny-qwen3-tools").iterdir():  # another tokenizer
+        (other / f.name).write_bytes(f.read_bytes())
+    bad = load_config(config).models[0]
+    bad = dataclasses.replace(bad, engine=dataclasses.replace(bad.engine, draft_model=str(other)))
+    with pytest.raises(ValueError, match="draft model's tokenizer"):
+        load_engine("tiny-llama", bad)

@@ -59,6 +59,11 @@ ENGINE_GAUGES = (
         "neuronpy_spec_decode_acceptance_rate",
         "Drafted tokens that stood, of those verified, since the start (0 before any).",
     ),
+    (
+        "spec_tokens_per_row_step",
+        "neuronpy_spec_decode_tokens_per_row_step",
+        "Tokens a row emits per verify step, on average since the start (1: no gain).",
+    ),
 )
 ENGINE_COUNTERS = (
     ("cancelled", "neuronpy_requests_cancelled", "Requests ended early by their client."),
