@@ -509,3 +509,57 @@ def test_retry_after_is_when_a_row_frees_at_the_measured_step_time() -> None:
     s._output_tokens = 0.0
     s.add_time("forward", 1000.0)  # (steps of a second each, say)
     assert s.retry_after() == 60.0
+
+
+# ---- speculative decoding -------------------------------------------------------------------
+
+
+def test_verify_steps_book_several_tokens_and_trim_the_rejected_columns_next() -> None:
+    from neuronpy.engine.speculative import SpeculativeConfig
+
+    s = make_scheduler(speculative=SpeculativeConfig("ngram", num_tokens=4, lookup_min=1))
+    prompt = s.validate([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=6))
+    (a,) = s.admit(prompt, [SamplingParams(max_tokens=6)], frozenset({EOS}), now=0.0)
+    prompt = s.validate([1, 2, 3], SamplingParams(max_tokens=6))
+    (b,) = s.admit(prompt, [SamplingParams(max_tokens=6)], frozenset({EOS}), now=0.0)
+    schedule(s)  # both prefilled, first token TOKEN (7): a's context ends 5 6 7
+    plan = s.plan_decode()
+    assert plan.drafts[0] == (8, 5, 6, 7) and plan.drafts[1] == () and plan.trim == ()
+    # a: two drafts stand, then its own 3; b: its one token
+    s.book_decode(
+        plan,
+        DecodeOutcome((Sampled(3, accepted=((8, None), (5, None))), Sampled(9)), drafted=(4, 0)),
+    )
+    assert a.output_ids == [7, 8, 5, 3] and b.output_ids == [7, 9]
+    assert s.stats(True).spec_accepted_tokens == 2 and s.stats(True).spec_draft_tokens == 4
+    nxt = s.plan_decode()
+    assert nxt.trim == (2, 0)  # a fed 5 tokens, keeps 3 (7, 8, 5: its last emitted is not fed)
+    assert s.plan_decode().trim == ()  # given once
+    s.book_decode(nxt, DecodeOutcome((Sampled(6), Sampled(9)), drafted=()))  # a: 7 8 5 3 6
+    third = s.plan_decode()
+    # drafts never run past max_tokens (6): a has 5 tokens, so its step may emit one: no draft
+    # (b, whose reply repeats 9, drafts 9 again)
+    assert third.drafts == ((), (9,)) and third.draft_lengths == ()
+    # a's draft is rejected (EOS instead: it ends); b ends too: the rebatch carries the trim
+    # its extraction needs
+    s.book_decode(third, DecodeOutcome((Sampled(EOS), Sampled(EOS))))
+    assert a.done and a.output_ids == [7, 8, 5, 3, 6, EOS] and b.done
+
+
+def test_a_rebatch_after_a_verify_step_carries_the_trim() -> None:
+    from neuronpy.engine.speculative import SpeculativeConfig
+
+    s = make_scheduler(speculative=SpeculativeConfig("ngram", num_tokens=3, lookup_min=1))
+    prompt = s.validate([4, 7, 4, 7, 4], SamplingParams(max_tokens=20))
+    (a,) = s.admit(prompt, [SamplingParams(max_tokens=20)], frozenset({EOS}), now=0.0)
+    (b,) = s.admit(prompt, [SamplingParams(max_tokens=20)], frozenset({EOS}), now=0.0)
+    schedule(s)  # first tokens 7: contexts end 4 7 4 7 4 7
+    plan = s.plan_decode()
+    assert plan.drafts == ((4, 7), (4, 7))  # what followed "4 7 4 7" before: all there is
+    # a: one draft stands then 9; b: the first draft is rejected, and b ends (EOS)
+    outcome = DecodeOutcome((Sampled(9, accepted=((4, None),)), Sampled(EOS)), drafted=(2, 2))
+    s.book_decode(plan, outcome)
+    assert b.done and a.output_ids == [7, 4, 9]
+    rebatch = s.plan_rebatch()  # b leaves: the survivors are extracted after the trim
+    assert rebatch is not None and rebatch.extract and rebatch.trim == (1, 2)
+    assert s.plan_decode().trim == ()  # the rebatch took it
