@@ -86,7 +86,11 @@ class EngineConfig:
     # "draft" (`draft_model`, a smaller model of the same tokenizer, drafts); a request may
     # ask for another ("speculative" in its body)
     speculative: str = "off"
-    num_speculative_tokens: int = 4  # the most drafts a row verifies per step
+    # the most drafts a row verifies per step; 0: by method (prompt lookup 8, a draft model 4)
+    num_speculative_tokens: int = 0
+    # the most drafts one step verifies over its greedy rows together (shared out: the
+    # longest are cut first); sampled rows keep theirs
+    max_drafts_per_step: int = 32
     prompt_lookup_min: int = 2  # the n-gram sizes prompt lookup matches, longest first
     prompt_lookup_max: int = 4
     draft_model: str = ""  # a path or hub id: the draft model ("draft"; loaded beside the model)
@@ -106,7 +110,8 @@ class EngineConfig:
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         check_int("grammar_cache_bytes", self.grammar_cache_bytes, 1 << 16)
         check_choice("speculative", self.speculative, SPECULATIVE_METHODS)
-        check_int("num_speculative_tokens", self.num_speculative_tokens, 1, 32)
+        check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 32)
+        check_int("max_drafts_per_step", self.max_drafts_per_step, 1, 4096)
         check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 16)
         check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min, 16)
         if not isinstance(self.draft_model, str):
@@ -131,6 +136,7 @@ MODEL_KEYS = (
     "grammar_cache_bytes",
     "speculative",
     "num_speculative_tokens",
+    "max_drafts_per_step",
     "prompt_lookup_min",
     "prompt_lookup_max",
     "draft_model",

@@ -551,3 +551,13 @@ def test_server_with_a_draft_model_from_its_config(tmp_path) -> None:
     bad = dataclasses.replace(bad, engine=dataclasses.replace(bad.engine, draft_model=str(other)))
     with pytest.raises(ValueError, match="draft model's tokenizer"):
         load_engine("tiny-llama", bad)
+
+
+def test_a_steps_drafts_are_shared_out_within_its_budget() -> None:
+    from neuronpy.engine.speculative import share_budget
+
+    # greedy rows give up drafts, the longest first; a sampled row keeps its own
+    assert share_budget([8, 8, 8, 8, 8, 2], [True] * 5 + [False], 20) == [3, 3, 4, 4, 4, 2]
+    assert share_budget([8, 1], [True, True], 32) == [8, 1]  # within the budget: as they are
+    assert share_budget([8, 8], [False, False], 4) == [8, 8]  # nothing greedy to cut
+    assert sum(share_budget([5] * 10, [True] * 10, 32)) == 32

@@ -107,6 +107,7 @@ class Engine:
                 config.num_speculative_tokens,
                 config.prompt_lookup_min,
                 config.prompt_lookup_max,
+                config.max_drafts_per_step,
             ),
         )
         self._runner = Runner(

@@ -10,10 +10,6 @@ import torch
 from neuronpy.engine.grammar import Matcher
 from neuronpy.engine.types import SamplingParams, TokenLogprob
 
-# Temperatures below this are greedy, as in vLLM: dividing by one near zero overflows float32
-# and the softmax turns to NaN.
-MIN_TEMPERATURE = 1e-5
-
 
 class Sampler:
     """Chooses one request's tokens and keeps the history its penalties need.
@@ -39,7 +35,7 @@ class Sampler:
         self.params = params
         self.matcher = matcher
         self.output_ids: list[int] = []
-        self._greedy = params.temperature < MIN_TEMPERATURE
+        self._greedy = params.greedy
         self._repetition = params.repetition_penalty != 1.0
         self._frequency = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
         self._bias = bool(params.logit_bias)

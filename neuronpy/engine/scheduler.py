@@ -43,7 +43,12 @@ from neuronpy.engine.request import (
     RequestStatus,
     RouterMessage,
 )
-from neuronpy.engine.speculative import Speculation, SpeculativeConfig, cut_at_stop
+from neuronpy.engine.speculative import (
+    Speculation,
+    SpeculativeConfig,
+    cut_at_stop,
+    share_budget,
+)
 from neuronpy.engine.types import SamplingParams, SessionRequest, TokenLogprob
 from neuronpy.errors import QueueFullError
 
@@ -436,7 +441,10 @@ class Scheduler:
         max_tokens and the context leave), the columns the last verify step gave back."""
         rows = tuple(self.running)
         tokens = tuple(r.next_token for r in rows)
-        lengths = tuple(self._draft_length(r) for r in rows)
+        lengths = [self._draft_length(r) for r in rows]
+        if sum(lengths) > self.speculative.step_budget:
+            greedy = [r.params.greedy for r in rows]
+            lengths = share_budget(lengths, greedy, self.speculative.step_budget)
         drafts = tuple(
             self._draft(r, k) if r.speculation and r.speculation.method == "ngram" else ()
             for r, k in zip(rows, lengths, strict=True)

@@ -14,14 +14,19 @@ from dataclasses import dataclass
 from neuronpy.defaults import SPECULATIVE_METHODS
 
 __all__ = [
+    "DEFAULT_DRAFTS",
     "SPECULATIVE_METHODS",
     "DraftLength",
     "NgramDrafter",
     "Speculation",
     "SpeculativeConfig",
     "cut_at_stop",
+    "share_budget",
 ]
 
+# the most drafts per row and step by method, unless configured: prompt lookup's cost nothing to
+# make and most stand where any do; each of a draft model's costs one of its forwards
+DEFAULT_DRAFTS = {"ngram": 8, "draft": 4}
 # a row's acceptance rate is a moving average with this weight on the newest step
 ACCEPTANCE_WEIGHT = 0.3
 # draft the j-th token only while the chance that drafts 1..j all stand is at least this
@@ -35,12 +40,20 @@ class SpeculativeConfig:
     """How a model speculates: `method` "off", "ngram" (prompt lookup: the continuation of the last
     earlier occurrence of the context's last n tokens, for n from `lookup_max` down to
     `lookup_min`) or "draft" (a smaller model of the same tokenizer drafts), at most
-    `num_tokens` drafts per row and step."""
+    `num_tokens` drafts per row and step, and `step_budget` over a step's greedy rows."""
 
     method: str = "off"
-    num_tokens: int = 4
+    num_tokens: int = 0  # 0: by method (DEFAULT_DRAFTS)
     lookup_min: int = 2
     lookup_max: int = 4
+    # the most drafted tokens one step verifies over its greedy rows together (their drafts
+    # never change what they emit, so the batch may share them out: a step's cost grows with
+    # its tokens once the batch is wide); sampled rows keep their own draft lengths
+    step_budget: int = 32
+
+    def tokens_for(self, method: str) -> int:
+        """The most drafts a row of this method verifies per step."""
+        return self.num_tokens or DEFAULT_DRAFTS.get(method, 4)
 
 
 def cut_at_stop(drafts: tuple[int, ...], stop_ids: Collection[int]) -> tuple[int, ...]:
@@ -131,7 +144,7 @@ class Speculation:
     def __init__(self, config: SpeculativeConfig, method: str) -> None:
         self.config = config
         self.method = method
-        self.length = DraftLength(config.num_tokens)
+        self.length = DraftLength(config.tokens_for(method))
         self._ngram: NgramDrafter | None = None
 
     def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> tuple[int, ...]:
@@ -145,3 +158,19 @@ class Speculation:
             if len(output) > fed:
                 self._ngram.extend(output[fed:])
         return self._ngram.propose(k)
+
+
+def share_budget(lengths: list[int], greedy: Sequence[bool], budget: int) -> list[int]:
+    """Draft lengths within `budget` drafts in all: the greedy rows' longest are shortened,
+    one draft at a time, until the sum fits (or they are all zero); the others stay."""
+    out = list(lengths)
+    excess = sum(out) - budget
+    while excess > 0:
+        longest = max(
+            (i for i, g in enumerate(greedy) if g and out[i]), key=out.__getitem__, default=None
+        )
+        if longest is None:
+            break
+        out[longest] -= 1
+        excess -= 1
+    return out

@@ -20,6 +20,9 @@ MAX_LOGIT_BIAS_VALUE = 100.0
 MAX_TEMPERATURE = 2.0
 MAX_TOP_K = 2**31 - 1  # what the tensor ops take as a count
 MAX_TOKEN_ID = 2**31  # ids past any vocabulary (stop_token_ids, logit_bias)
+# Temperatures below this are greedy, as in vLLM: dividing by one near zero overflows float32
+# and the softmax turns to NaN.
+MIN_TEMPERATURE = 1e-5
 
 
 class FinishReason(str, enum.Enum):
@@ -196,7 +199,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether it samples the argmax (temperatures below MIN_TEMPERATURE are greedy)."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def _check_logit_bias(bias: object) -> None:
