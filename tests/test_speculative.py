@@ -454,6 +454,12 @@ def test_server_speculation_parity_metrics_and_bad_values() -> None:
                 ask(server.url, "hi", False, speculative=bad)
             assert err.value.body["param"] == "speculative"  # type: ignore[index]
         assert ask(server.url, PROMPTS[1], True) == want[1]
+        # the Responses API takes it too
+        body = {"model": "tiny-llama", "input": "hi", "max_output_tokens": 4}
+        bad = httpx.post(f"{server.url}/v1/responses", json={**body, "speculative": "turbo"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"
+        good = httpx.post(f"{server.url}/v1/responses", json={**body, "speculative": "off"})
+        assert good.status_code == 200, good.text
 
 
 def test_a_session_saved_and_restored_with_speculation(tmp_path) -> None:

@@ -628,6 +628,8 @@ class Scheduler:
     # ---- stats --------------------------------------------------------------------------------
 
     def stats(self, healthy: bool) -> EngineStats:
+        """The counters and the queues' sizes now. Meant for the engine's thread; another
+        thread (a test's sampler) may read it too: the queue is copied in one step first."""
         c = self.counters
         counts = {k: v for k, v in vars(c).items() if not isinstance(v, dict)}
         return EngineStats(
@@ -643,7 +645,7 @@ class Scheduler:
             alone_steps=dict(c.alone_steps),
             prefix_cache_entries=len(self.prefix) if self.prefix else 0,
             prefix_cache_bytes=self.prefix.bytes if self.prefix else 0,
-            preempted=sum(r.preemptions > 0 for r in self.waiting),
+            preempted=sum(r.preemptions > 0 for r in list(self.waiting)),
             kv_budget_tokens=self.kv_budget_tokens,
             kv_tokens=self.kv_held(),
             **counts,

@@ -337,7 +337,15 @@ def chat_body(
             raise InvalidRequestError("'instructions' must be a string", "instructions")
         messages.insert(0, {"role": "system", "content": instructions})
     out: dict[str, Any] = {"messages": messages}
-    for name in ("temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "stop"):
+    for name in (
+        "temperature",
+        "top_p",
+        "parallel_tool_calls",
+        "seed",
+        "top_k",
+        "stop",
+        "speculative",
+    ):
         if body.get(name) is not None:
             out[name] = body[name]
     if body.get("max_output_tokens") is not None:
