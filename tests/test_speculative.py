@@ -260,13 +260,9 @@ async def test_a_request_may_turn_speculation_on_or_off() -> None:
     assert on.spec_draft_tokens > 0 and off.spec_draft_tokens == 0
 
 
-def test_sampled_engine_tokens_follow_the_target_distribution() -> None:
-    """End to end: seeded sampled requests whose second token is verified against drafts
-    (the prompt holds every token id once, so prompt lookup always finds the first) get
-    their two tokens with the target's joint distribution p(t0) p(t1 | t0), the model's own."""
-    prompt = list(range(3, 360))
-    random.Random(5).shuffle(prompt)
-    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+def joint_probs(prompt: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """The target's p(t0) p(t1 | t0) for every pair its sampler can draw after `prompt`
+    (transformers' forward, this project's sampler's truncation)."""
     model = hf_model("tiny-llama")
 
     def next_probs(ids: list[int]) -> torch.Tensor:
@@ -280,13 +276,21 @@ def test_sampled_engine_tokens_follow_the_target_distribution() -> None:
         second = next_probs([*prompt, t0])
         for t1 in torch.nonzero(second).squeeze(1).tolist():
             cells[(t0, t1)] = float(first[t0] * second[t1])
+    return cells
 
-    async def draws() -> list[tuple[int, ...]]:
-        async with make_engine(speculative="ngram", prompt_lookup_min=1, max_in_flight=8) as e:
+
+def seeded_draws(
+    prompt: list[int], params: SamplingParams, n: int, **config: object
+) -> tuple[list[tuple[int, ...]], object]:
+    """n completions of `prompt` seeded 0..n-1, eight at a time, on a speculating engine;
+    and its stats."""
+
+    async def draws() -> tuple[list[tuple[int, ...]], object]:
+        async with make_engine(max_in_flight=8, **config) as engine:  # type: ignore[arg-type]
             out = []
-            for seed in range(0, 720, 8):
+            for seed in range(0, n, 8):
                 batch = [
-                    e.submit(prompt, SamplingParams(**{**vars(params), "seed": s}))
+                    engine.submit(prompt, SamplingParams(**{**vars(params), "seed": s}))
                     for s in range(seed, seed + 8)
                 ]
                 for stream in batch:
@@ -294,13 +298,23 @@ def test_sampled_engine_tokens_follow_the_target_distribution() -> None:
                     async for event in stream:
                         ids.extend(event.token_ids)
                     out.append(tuple(ids))
-            stats = e.stats()
-            # (prompt lookup's drafts here are the prompt's next ids: the rejection path;
-            # a draft model drafting its own distribution takes the other, see test_draft_model)
-            assert stats.spec_draft_tokens > 100
-            return out
+            return out, engine.stats()
 
-    results = anyio.run(draws)
+    return anyio.run(draws)
+
+
+def test_sampled_engine_tokens_follow_the_target_distribution() -> None:
+    """End to end: seeded sampled requests whose second token is verified against drafts
+    (the prompt holds every token id once, so prompt lookup always finds the first) get
+    their two tokens with the target's joint distribution p(t0) p(t1 | t0), the model's own."""
+    prompt = list(range(3, 360))
+    random.Random(5).shuffle(prompt)
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    cells = joint_probs(prompt, params)
+    results, stats = seeded_draws(prompt, params, 720, speculative="ngram", prompt_lookup_min=1)
+    # (prompt lookup's drafts here are the prompt's next ids: the rejection path; a draft
+    # model drafting its own distribution takes the other, below)
+    assert stats.spec_draft_tokens > 100  # type: ignore[attr-defined]
     counts = [sum(r[:2] == cell for r in results) for cell in cells]
     assert sum(counts) == len(results)  # no pair outside the support
     assert chi_square_p(counts, list(cells.values())) > 1e-3, (counts, cells)
@@ -337,43 +351,16 @@ def test_sampled_draft_model_tokens_follow_the_target_distribution() -> None:
     t0, t1), checked on (t0, t1) and reproducible with a seed."""
     prompt = encode("the cat sat")
     params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
-    model = hf_model("tiny-llama")
-
-    def next_probs(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1]
-        return Sampler(params, ids, logits.shape[0]).probs(logits)
-
-    first = next_probs(prompt)
-    cells = {}
-    for t0 in torch.nonzero(first).squeeze(1).tolist():
-        second = next_probs([*prompt, t0])
-        for t1 in torch.nonzero(second).squeeze(1).tolist():
-            cells[(t0, t1)] = float(first[t0] * second[t1])
-
-    async def draws() -> list[tuple[int, ...]]:
-        async with make_engine(draft="tiny-llama", speculative="draft", max_in_flight=8) as e:
-            out = []
-            for seed in range(0, 720, 8):
-                batch = [
-                    e.submit(prompt, SamplingParams(**{**vars(params), "seed": s}))
-                    for s in range(seed, seed + 8)
-                ]
-                for stream in batch:
-                    ids: list[int] = []
-                    async for event in stream:
-                        ids.extend(event.token_ids)
-                    out.append(tuple(ids))
-            stats = e.stats()
-            assert stats.spec_draft_tokens > 500
-            assert stats.spec_accepted_tokens > 0.9 * stats.spec_draft_tokens
-            return out
-
-    results = anyio.run(draws)
+    cells = joint_probs(prompt, params)
+    config = {"draft": "tiny-llama", "speculative": "draft"}
+    results, stats = seeded_draws(prompt, params, 720, **config)
+    assert stats.spec_draft_tokens > 500  # type: ignore[attr-defined]
+    assert stats.spec_accepted_tokens > 0.9 * stats.spec_draft_tokens  # type: ignore[attr-defined]
     counts = [sum(r[:2] == cell for r in results) for cell in cells]
     assert sum(counts) == len(results)
     assert chi_square_p(counts, list(cells.values())) > 1e-3, (counts, cells)
-    assert anyio.run(draws)[:40] == results[:40]  # the same seeds, the same tokens
+    again, _ = seeded_draws(prompt, params, 40, **config)
+    assert again == results[:40]  # the same seeds, the same tokens
 
 
 # ---- everything else keeps working --------------------------------------------------------
@@ -567,3 +554,36 @@ def test_a_steps_drafts_are_shared_out_within_its_budget() -> None:
     assert share_budget([8, 1], [True, True], 32) == [8, 1]  # within the budget: as they are
     assert share_budget([8, 8], [False, False], 4) == [8, 8]  # nothing greedy to cut
     assert sum(share_budget([5] * 10, [True] * 10, 32)) == 32
+
+
+@pytest.mark.anyio
+async def test_a_sampler_failing_in_a_verify_step_fails_its_request_alone() -> None:
+    prompts = [encode(p) for p in PROMPTS[:3]]
+    params = greedy(40, ignore_eos=True)
+    alone, _ = await run(prompts, params, together=False)
+    sampled = SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True)
+    async with make_engine(max_in_flight=4, speculative="ngram", prompt_lookup_min=1) as engine:
+        # the broken row samples (its drafts go through Sampler.verify); the others are greedy
+        streams = [engine.submit(prompts[0], sampled)]
+        streams += [engine.submit(p, params) for p in prompts[1:]]
+        sampler = engine._runner.samplers[streams[0].id]
+        real = sampler.verify
+        calls = 0
+
+        def flaky(logits: torch.Tensor, draft: int) -> int:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise RuntimeError("a bad row")
+            return real(logits, draft)
+
+        sampler.verify = flaky  # type: ignore[method-assign]
+        got = []
+        for stream in streams:
+            got.append([e async for e in stream])
+        assert calls >= 2
+        assert got[0][-1].finish_reason is FinishReason.ERROR
+        assert "sampling failed" in (got[0][-1].error or "")
+        for i in (1, 2):
+            assert [t for e in got[i] for t in e.token_ids] == alone[i].token_ids
+        assert engine.healthy and engine.stats().spec_draft_tokens > 0

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import torch
@@ -66,6 +66,7 @@ from neuronpy.worker.session_files import SessionFileError
 from neuronpy.worker.worker import DeviceWorker
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # a session's save is booked once its file is on disk: (request, None) or (request, error)
 OnSaved = Callable[[Request, str | None], None]
@@ -126,17 +127,30 @@ class Runner:
         samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
 
         def sample(logits: torch.Tensor) -> list[int | None]:
-            began = time.perf_counter()
-            errors: dict[int, Exception] = {}
-            try:
-                return sample_rows(samplers, logits, errors)
-            finally:
-                for row, exc in errors.items():
-                    self._errors[requests[row].id] = exc
-                # a job may sample twice (the rows, and a riding chunk's first token)
-                self._sampling_seconds += time.perf_counter() - began
+            return self._collect(requests, lambda errors: sample_rows(samplers, logits, errors))
 
         return sample
+
+    def _collect(self, requests: Sequence[Request], run: Callable[[dict[int, Exception]], T]) -> T:
+        """Runs `run(errors)` (on the worker thread), keeping the rows' errors by request and
+        the time it took as sampling time (a job may sample twice: the rows, and a riding
+        chunk's first token)."""
+        began = time.perf_counter()
+        errors: dict[int, Exception] = {}
+        try:
+            return run(errors)
+        finally:
+            for row, exc in errors.items():
+                self._errors[requests[row].id] = exc
+            self._sampling_seconds += time.perf_counter() - began
+
+    def _failure(self, request: Request) -> Sampled | None:
+        """The row's sampling error as its outcome, if its sampler raised."""
+        exc = self._errors.pop(request.id, None)
+        if exc is None:
+            return None
+        log.warning("sampling failed for request %d: %r", request.id, exc)
+        return Sampled(None, error=f"sampling failed ({type(exc).__name__}: {exc})")
 
     def _sampled(
         self, requests: Sequence[Request], tokens: Sequence[int | None]
@@ -145,10 +159,9 @@ class Runner:
         error its sampler raised."""
         out = []
         for request, token in zip(requests, tokens, strict=True):
-            exc = self._errors.pop(request.id, None)
-            if exc is not None:
-                log.warning("sampling failed for request %d: %r", request.id, exc)
-                out.append(Sampled(None, error=f"sampling failed ({type(exc).__name__}: {exc})"))
+            failed = self._failure(request)
+            if failed is not None:
+                out.append(failed)
             elif token is None:
                 out.append(Sampled(None))
             else:
@@ -327,14 +340,9 @@ class Runner:
         samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
 
         def verify(logits: torch.Tensor) -> list[tuple[int, ...] | None]:
-            began = time.perf_counter()
-            errors: dict[int, Exception] = {}
-            try:
-                return verify_rows(samplers, logits, drafts, errors)
-            finally:
-                for row, exc in errors.items():
-                    self._errors[requests[row].id] = exc
-                self._sampling_seconds += time.perf_counter() - began
+            return self._collect(
+                requests, lambda errors: verify_rows(samplers, logits, drafts, errors)
+            )
 
         return verify
 
@@ -344,10 +352,9 @@ class Runner:
         """Each row's emitted tokens with their log-probabilities, or its sampler's error."""
         out = []
         for request, tokens in zip(requests, rows, strict=True):
-            exc = self._errors.pop(request.id, None)
-            if exc is not None:
-                log.warning("sampling failed for request %d: %r", request.id, exc)
-                out.append(Sampled(None, error=f"sampling failed ({type(exc).__name__}: {exc})"))
+            failed = self._failure(request)
+            if failed is not None:
+                out.append(failed)
             elif not tokens:
                 out.append(Sampled(None))
             else:
