@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from neuronpy.arch.kv import assemble_batch, extract_row
 from neuronpy.arch.llama import LlamaModel, PrefillChunk
@@ -164,3 +166,58 @@ def test_rows_feeding_as_many_tokens_each_keep_parity() -> None:
             )
             done[r] += keep
         batch.trim(drops)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.data())
+def test_parity_any_pattern_of_drafts_and_rejections(data: st.DataObject) -> None:
+    """Hypothesis picks, step by step, each row's draft count, which drafts are right, and a
+    rebatch now and then (a row extracted and assembled again beside the others): the tokens
+    and hidden states are always those of one-token steps."""
+    model = native("tiny-llama")
+    refs = [reference(model, list(p), 40) for p in PROMPTS[:3]]
+    batch = assemble_batch([model.prefill(list(p))[0] for p in PROMPTS[:3]])
+    done = [0, 0, 0]
+    for _ in range(data.draw(st.integers(2, 5), label="steps")):
+        fed, counts = [], []
+        for r in range(3):
+            truth = refs[r][0]
+            k = data.draw(st.integers(0, min(4, len(truth) - 2 - done[r])), label="k")
+            wrong = data.draw(st.integers(0, k), label="first wrong draft (k: none)")
+            guess = list(truth[done[r] + 1 : done[r] + 1 + k])
+            if wrong < k:
+                guess[wrong] = (guess[wrong] + 1) % 300
+            fed.append([truth[done[r]], *guess])
+            counts.append(1 + k)
+        hidden = model.forward_step(
+            batch, torch.tensor([t for f in fed for t in f]), counts=counts
+        ).hidden
+        argmax = model.logits(hidden).argmax(-1).tolist()
+        drops, at = [], 0
+        for r in range(3):
+            n, accepted = counts[r], 0
+            while accepted < n - 1 and argmax[at + accepted] == fed[r][accepted + 1]:
+                accepted += 1
+            assert (
+                argmax[at : at + accepted + 1] == refs[r][0][done[r] + 1 : done[r] + 2 + accepted]
+            )
+            torch.testing.assert_close(
+                hidden[at : at + accepted + 1],
+                refs[r][1][done[r] : done[r] + accepted + 1],
+                atol=1e-4,
+                rtol=1e-4,
+            )
+            drops.append(n - 1 - accepted)
+            done[r] += accepted + 1
+            at += n
+        batch.trim(drops)
+        if data.draw(st.booleans(), label="rebatch"):
+            order = data.draw(st.permutations([0, 1, 2]), label="order")
+            rows = [batch.row(r) for r in order]
+            moved = data.draw(st.sampled_from(order), label="extracted")
+            sources = [
+                row.materialize() if o == moved else row for o, row in zip(order, rows, strict=True)
+            ]
+            batch = assemble_batch(sources)
+            refs = [refs[o] for o in order]
+            done = [done[o] for o in order]
