@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuronpy.arch.kv import assemble_batch, extract_row
+from neuronpy.arch.kv import LiveBatch, assemble_batch, extract_row
 from neuronpy.arch.llama import LlamaModel, PrefillChunk
 from tests.factories import hf_model
 
@@ -33,6 +33,41 @@ def reference(model: LlamaModel, prompt: list[int], steps: int) -> tuple[list[in
         states.append(h)
         tokens.append(int(model.logits(h).argmax()))
     return tokens, torch.stack(states)
+
+
+def verify(
+    model: LlamaModel,
+    batch: LiveBatch,
+    fed: list[list[int]],
+    refs: list[tuple[list[int], torch.Tensor]],
+    done: list[int],
+) -> list[int]:
+    """One verify step of row r's tokens fed[r] (its next token and drafts), checked against
+    the one-token reference: the tokens it emits (the drafts that stand, then one more) and
+    the hidden states of those positions. Advances `done`; answers each row's rejected
+    drafts (the columns to give back)."""
+    counts = [len(f) for f in fed]
+    flat = torch.tensor([t for f in fed for t in f])
+    hidden = model.forward_step(batch, flat, counts=counts).hidden
+    assert hidden.shape[0] == sum(counts)
+    argmax = model.logits(hidden).argmax(-1).tolist()
+    drops, at = [], 0
+    for r, (truth, states) in enumerate(refs):
+        n, accepted, first = counts[r], 0, done[r]
+        while accepted < n - 1 and argmax[at + accepted] == fed[r][accepted + 1]:
+            accepted += 1
+        emitted = [*fed[r][1 : accepted + 1], argmax[at + accepted]]
+        assert emitted == truth[first + 1 : first + 2 + accepted], r
+        torch.testing.assert_close(
+            hidden[at : at + accepted + 1],
+            states[first : first + accepted + 1],
+            atol=1e-4,
+            rtol=1e-4,
+        )
+        drops.append(n - 1 - accepted)
+        done[r] += accepted + 1
+        at += n
+    return drops
 
 
 def drafts_for(row: int, step: int, truth: list[int], at: int, left: int) -> list[int]:
@@ -60,33 +95,11 @@ def test_parity_verify_steps_equal_one_token_steps(name: str) -> None:
     done = [1, 1, 0, 0]  # o_done is each row's next token to feed
     step = 0
     while min(done) < STEPS:
-        fed, counts = [], []
+        fed = []
         for row, (truth, _) in enumerate(refs):
             guess = drafts_for(row, step, truth, done[row], len(truth) - 2 - done[row])
             fed.append([truth[done[row]], *guess])
-            counts.append(1 + len(guess))
-        flat = torch.tensor([t for f in fed for t in f])
-        hidden = model.forward_step(batch, flat, counts=counts).hidden
-        assert hidden.shape[0] == sum(counts)
-        argmax = model.logits(hidden).argmax(-1).tolist()
-        drops, at = [], 0
-        for row, (truth, states) in enumerate(refs):
-            n = counts[row]
-            accepted = 0
-            while accepted < n - 1 and argmax[at + accepted] == fed[row][accepted + 1]:
-                accepted += 1
-            emitted = [*fed[row][1 : accepted + 1], argmax[at + accepted]]
-            first = done[row]
-            assert emitted == truth[first + 1 : first + 2 + accepted], (row, step)
-            torch.testing.assert_close(
-                hidden[at : at + accepted + 1],
-                states[first : first + accepted + 1],
-                atol=1e-4,
-                rtol=1e-4,
-            )
-            drops.append(n - 1 - accepted)
-            done[row] += accepted + 1
-            at += n
+        drops = verify(model, batch, fed, refs, done)
         batch.trim(drops)
         assert batch.row_lengths == [len(p) + d for p, d in zip(PROMPTS, done, strict=True)]
         step += 1
@@ -179,7 +192,7 @@ def test_parity_any_pattern_of_drafts_and_rejections(data: st.DataObject) -> Non
     batch = assemble_batch([model.prefill(list(p))[0] for p in PROMPTS[:3]])
     done = [0, 0, 0]
     for _ in range(data.draw(st.integers(2, 5), label="steps")):
-        fed, counts = [], []
+        fed = []
         for r in range(3):
             truth = refs[r][0]
             k = data.draw(st.integers(0, min(4, len(truth) - 2 - done[r])), label="k")
@@ -188,28 +201,7 @@ def test_parity_any_pattern_of_drafts_and_rejections(data: st.DataObject) -> Non
             if wrong < k:
                 guess[wrong] = (guess[wrong] + 1) % 300
             fed.append([truth[done[r]], *guess])
-            counts.append(1 + k)
-        hidden = model.forward_step(
-            batch, torch.tensor([t for f in fed for t in f]), counts=counts
-        ).hidden
-        argmax = model.logits(hidden).argmax(-1).tolist()
-        drops, at = [], 0
-        for r in range(3):
-            n, accepted = counts[r], 0
-            while accepted < n - 1 and argmax[at + accepted] == fed[r][accepted + 1]:
-                accepted += 1
-            assert (
-                argmax[at : at + accepted + 1] == refs[r][0][done[r] + 1 : done[r] + 2 + accepted]
-            )
-            torch.testing.assert_close(
-                hidden[at : at + accepted + 1],
-                refs[r][1][done[r] : done[r] + accepted + 1],
-                atol=1e-4,
-                rtol=1e-4,
-            )
-            drops.append(n - 1 - accepted)
-            done[r] += accepted + 1
-            at += n
+        drops = verify(model, batch, fed, refs, done)
         batch.trim(drops)
         if data.draw(st.booleans(), label="rebatch"):
             order = data.draw(st.permutations([0, 1, 2]), label="order")

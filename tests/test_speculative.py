@@ -398,12 +398,23 @@ async def test_structured_output_with_speculation_is_unchanged() -> None:
     assert all(re.fullmatch(r"(ab|cd){2,6}[0-9]{3}", c.text) for c in got)
 
 
+def ask_all(ask: object, url: str, streamed: int) -> list[str]:
+    """Every prompt of PROMPTS at once, from four threads: `ask(url, text, stream)`, every
+    other one streamed (those of index parity `streamed`)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        jobs = [
+            pool.submit(ask, url, t, i % 2 == streamed)  # type: ignore[arg-type]
+            for i, t in enumerate(PROMPTS)
+        ]
+        return [j.result() for j in jobs]
+
+
 def test_server_speculation_parity_metrics_and_bad_values() -> None:
     """A real server, the openai client: replies with prompt lookup on are those of a server
     without it, streamed or not; /metrics and /stats count drafts; a request may turn it off;
     a bad value is a 400 naming the field, and the server serves on."""
-    import concurrent.futures
-
     import httpx
     import openai
 
@@ -418,9 +429,7 @@ def test_server_speculation_parity_metrics_and_bad_values() -> None:
         return "".join(c.choices[0].text for c in chunks if c.choices)
 
     def all_of(url: str) -> list[str]:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            jobs = [pool.submit(ask, url, t, i % 2 == 1) for i, t in enumerate(PROMPTS)]
-            return [j.result() for j in jobs]
+        return ask_all(ask, url, streamed=1)
 
     with run_server(fixture_model()) as plain:
         want = all_of(plain.url)
@@ -501,8 +510,6 @@ def test_server_with_a_draft_model_from_its_config(tmp_path) -> None:
     """A config file naming a draft model: the server loads it beside the model, greedy
     replies through the openai client are those of a server without it, streamed or not;
     a draft model of another vocabulary is refused at load, by name."""
-    import concurrent.futures
-
     import openai
 
     from neuronpy.compose import load_engine
@@ -520,9 +527,7 @@ def test_server_with_a_draft_model_from_its_config(tmp_path) -> None:
         return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     def all_of(url: str) -> list[str]:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            jobs = [pool.submit(ask, url, t, i % 2 == 0) for i, t in enumerate(PROMPTS)]
-            return [j.result() for j in jobs]
+        return ask_all(ask, url, streamed=0)
 
     with run_server(fixture_model()) as plain:
         want = all_of(plain.url)
