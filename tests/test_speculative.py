@@ -142,6 +142,35 @@ def test_greedy_verification_takes_the_longest_agreeing_prefix() -> None:
     assert sampler.output_ids == [7]  # what it emitted, nothing it rejected
 
 
+def test_a_row_failing_in_verification_leaves_the_others_logprobs_whole() -> None:
+    """Rows asking for log-probabilities beside a row whose sampler raises mid-verification
+    (it asked too): the failed row gets none, the others one per emitted token, each from
+    its own logits row."""
+    logits = torch.full((7, 32), -5.0)
+    for row, best in enumerate((7, 8, 9, 1, 1, 1, 2)):
+        logits[row, best] = 5.0
+    good, after = Sampler(greedy(logprobs=1), [1], 32), Sampler(greedy(logprobs=1), [1], 32)
+    # not plain greedy (a penalty): its drafts go through Sampler.verify, the second raises
+    bad = Sampler(greedy(logprobs=1, repetition_penalty=1.5), [1], 32)
+    real, calls = bad.verify, []
+
+    def broken(row: torch.Tensor, draft: int) -> int:
+        calls.append(draft)
+        if len(calls) == 2:
+            raise RuntimeError("a bad row")
+        return real(row, draft)
+
+    bad.verify = broken  # type: ignore[method-assign]
+    errors: dict[int, Exception] = {}
+    out = verify_rows([good, bad, after], logits, [(7, 8), (1, 1), ()], errors)
+    assert out == [(7, 8, 9), None, (2,)] and set(errors) == {1} and len(calls) == 2
+    assert [lp.token_id for lp in good.take_logprobs()] == [7, 8, 9]
+    assert bad.take_logprobs() == []
+    (last,) = after.take_logprobs()
+    expected = torch.log_softmax(logits[6], dim=-1)[2]
+    assert last.token_id == 2 and last.logprob == pytest.approx(float(expected))
+
+
 # ---- the engine -------------------------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from collections.abc import Sequence
 
@@ -278,7 +279,8 @@ def sample_rows(
                 tokens[i] = sampler.sample(logits[i])
             except Exception as exc:
                 failed(i, exc)
-    _record_logprobs(live, logits, tokens)
+    emitted = [None if t is None else (t,) for t in tokens]
+    _record_logprobs(live, logits, emitted, range(len(tokens)))
     return tokens
 
 
@@ -300,7 +302,6 @@ def verify_rows(
     greedy = any(s is not None and s.plain_greedy for s in samplers)
     argmax = logits.argmax(dim=-1).tolist() if greedy else []
     out: list[tuple[int, ...] | None] = []
-    positions: list[int] = []  # the logits row of each token emitted, for log-probabilities
     at = 0
     for i, (sampler, row_drafts) in enumerate(zip(samplers, drafts, strict=True)):
         n = 1 + len(row_drafts)
@@ -331,31 +332,10 @@ def verify_rows(
             out.append(tuple(tokens))
         finally:
             sampler.end_verify()
-            if sampler.params.logprobs is not None:
-                positions.extend(range(at, at + len(tokens)))
         at += n
-    if positions:
-        _record_verified_logprobs(samplers, logits, out, positions)
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    _record_logprobs(samplers, logits, out, starts)
     return out
-
-
-def _record_verified_logprobs(
-    samplers: Sequence[Sampler | None],
-    logits: torch.Tensor,
-    rows: Sequence[tuple[int, ...] | None],
-    positions: Sequence[int],
-) -> None:
-    """Each emitted token's log-probabilities (as _record_logprobs), from its own logits row."""
-    owners = [
-        (s, token)
-        for s, tokens in zip(samplers, rows, strict=True)
-        if s is not None and tokens is not None and s.params.logprobs is not None
-        for token in tokens
-    ]
-    flat = [s for s, _ in owners]
-    found = _logprobs(flat, logits[list(positions)], [t for _, t in owners])
-    for sampler in dict.fromkeys(flat):
-        sampler._logprobs = [lp for s, lp in zip(flat, found, strict=True) if s is sampler]
 
 
 def _logprobs(
@@ -379,21 +359,27 @@ def _logprobs(
 
 
 def _record_logprobs(
-    samplers: Sequence[Sampler | None], logits: torch.Tensor, tokens: Sequence[int | None]
+    samplers: Sequence[Sampler | None],
+    logits: torch.Tensor,
+    emitted: Sequence[tuple[int, ...] | None],
+    starts: Sequence[int],
 ) -> None:
-    """For the rows whose request asked: the chosen token's log-probability and the row's most
-    likely ids, from a log-softmax of the raw logits row the token was sampled from (vLLM's
-    default, raw_logprobs). Costs nothing when no row asked."""
-    rows = [i for i, s in enumerate(samplers) if s is not None and s.params.logprobs is not None]
-    if not rows:
+    """For the rows whose request asked: each emitted token's log-probability and its logits
+    row's most likely ids, from a log-softmax of the raw logits row the token was chosen from
+    (vLLM's default, raw_logprobs): row b's tokens from rows starts[b], starts[b] + 1, ...
+    Costs nothing when no row asked."""
+    owners = [
+        (sampler, start + j, token)
+        for sampler, tokens, start in zip(samplers, emitted, starts, strict=True)
+        if sampler is not None and tokens and sampler.params.logprobs is not None
+        for j, token in enumerate(tokens)
+    ]
+    if not owners:
         return
-    found = _logprobs(
-        [samplers[i] for i in rows],  # type: ignore[misc]
-        logits[rows],
-        [tokens[i] for i in rows],  # type: ignore[misc]
-    )
-    for i, logprob in zip(rows, found, strict=True):
-        samplers[i]._logprobs = [logprob]  # type: ignore[union-attr]
+    asking = [s for s, _, _ in owners]
+    found = _logprobs(asking, logits[[p for _, p, _ in owners]], [t for _, _, t in owners])
+    for sampler in dict.fromkeys(asking):
+        sampler._logprobs = [lp for s, lp in zip(asking, found, strict=True) if s is sampler]
 
 
 def _fit(q: torch.Tensor, size: int) -> torch.Tensor:
