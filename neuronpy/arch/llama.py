@@ -296,15 +296,10 @@ class LlamaModel:
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, rows[None], self.dtype)
         flat = torch.cat(ids) if len(ids) > 1 else ids[0]
         x = F.embedding(flat, self.embed)[None]  # [1, N + n, hidden]: every token a row
-        plain = all(s.uniform for s in steps)
         for layer, lw in enumerate(self.layers):
             q, k, v = self._qkv(lw, x, cos, sin)  # q [1, H, N + n, D]; k, v [1, KVH, N + n, D]
-            if plain:
-                attn_dec = self._plain_attention(steps, layer, q[:, :, :b], k, v)
-            else:
-                outs = [s.attend(self, layer, q, k, v) for s in steps]  # each [n_g, H * D]
-                attn_dec = (outs[0] if len(outs) == 1 else torch.cat(outs))[None]
-            parts = [attn_dec]  # [1, N, H * D]
+            outs = [s.attend(self, layer, q, k, v) for s in steps]  # each [n_g, H * D]
+            parts = [(outs[0] if len(outs) == 1 else torch.cat(outs))[None]]  # [1, N, H * D]
             for (lo, hi), keys, values, (start, total), mask in riders:
                 k_cache, v_cache = keys[layer], values[layer]
                 k_cache[:, :, start:total] = k[:, :, lo:hi]
@@ -318,12 +313,9 @@ class LlamaModel:
                 parts.append(self._ungroup(chunk_out, hi - lo))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             x = self._finish_layer(lw, x, attn)
+        for step in steps:
+            step.advance()
         at = 0
-        for group, step in zip(batch.groups, steps, strict=True):
-            if step.uniform:
-                group.steps += 1
-            else:
-                group.advance(step.counts)
         fed = flat_tokens.tolist()
         for row, n in zip(batch.token_ids, counts, strict=True):
             row.extend(fed[at : at + n])
@@ -347,37 +339,6 @@ class LlamaModel:
             group.ensure_headroom(1)
             return _UniformStep(group, first, group.decode_mask(), group.positions())
         return _RaggedStep.plan(self, group, counts, first)
-
-    def _plain_attention(
-        self,
-        steps: Sequence[_GroupStep],
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> torch.Tensor:
-        """Attention of B decode rows, one token each, every group uniform: q [1, H, B, D] ->
-        [1, B, H * D]."""
-        b = q.shape[2]
-        q_dec = self._group_queries(q[0].transpose(0, 1)[:, :, None])
-        k_dec, v_dec = k[0, :, :b].transpose(0, 1), v[0, :, :b].transpose(0, 1)
-        outs = []
-        for step in steps:
-            assert isinstance(step, _UniformStep)
-            group, lo, hi = step.group, step.first, step.first + step.group.batch_size
-            k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
-            k_cache[:, :, col] = k_dec[lo:hi]
-            v_cache[:, :, col] = v_dec[lo:hi]
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q_dec[lo:hi],
-                    k_cache[:, :, : col + 1],
-                    v_cache[:, :, : col + 1],
-                    attn_mask=step.mask,
-                )
-            )  # [B_g, KVH, G, D]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self._ungroup(out, 1).transpose(0, 1)  # [1, B, H * D]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
@@ -432,16 +393,14 @@ class _UniformStep:
     first: int  # the group's first row among the forward's tokens
     mask: torch.Tensor | None
     positions: torch.Tensor  # [B_g]
-    uniform: bool = True
 
-    @property
-    def counts(self) -> list[int]:
-        return [1] * self.group.batch_size
+    def advance(self) -> None:
+        self.group.steps += 1
 
     def attend(
         self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        """Beside ragged groups: this group's rows' attention, [B_g, H * D]."""
+        """This group's rows' attention, [B_g, H * D]."""
         group, lo = self.group, self.first
         hi = lo + group.batch_size
         q_g = model._group_queries(q[0, :, lo:hi].transpose(0, 1)[:, :, None])
@@ -473,7 +432,9 @@ class _RaggedStep:
     columns: int  # KV columns attended
     positions: torch.Tensor  # [n_g]: the RoPE position of each token, in the forward's order
     first: int = 0  # the group's first token in the forward
-    uniform: bool = False
+
+    def advance(self) -> None:
+        self.group.advance(self.counts)
 
     @classmethod
     def plan(
