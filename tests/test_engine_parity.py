@@ -167,9 +167,9 @@ async def test_parity_a_burst_of_joiners_rides_the_same_steps() -> None:
         riders: list[int] = []
         forward_step = engine.model.forward_step
 
-        def recorded(batch, tokens, chunks=()):  # type: ignore[no-untyped-def]
+        def recorded(batch, tokens, chunks=(), counts=None):  # type: ignore[no-untyped-def]
             riders.append(len(chunks))
-            return forward_step(batch, tokens, chunks)
+            return forward_step(batch, tokens, chunks, counts)
 
         engine.model.forward_step = recorded  # type: ignore[method-assign]
         async with engine.submit(*first) as stream:

@@ -144,13 +144,12 @@ class KvGroup:
 
     def decode_mask(self) -> torch.Tensor | None:
         """The attention mask of the next step (see batch_decode_mask); uniform groups only."""
-        assert self.lags is None, "a group whose rows lag decodes through ragged_step"
+        assert self.lags is None, "a group whose rows lag has a mask per row (_RaggedStep)"
         return batch_decode_mask(self.prefix_lens_tensor(), self.padded_len, self.used + 1)
 
     def spans(self, row: int) -> tuple[tuple[int, int], ...]:
         """Row `row`'s valid column ranges, in order."""
-        prefix = self.prefix_lens[row]
-        steps = self.steps - (self.lags[row] if self.lags is not None else 0)
+        prefix, steps = self.prefix_lens[row], self.row_steps[row]
         if not steps:
             return ((0, prefix),)
         return ((0, prefix), (self.padded_len, self.padded_len + steps))

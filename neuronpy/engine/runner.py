@@ -358,11 +358,8 @@ class Runner:
             elif not tokens:
                 out.append(Sampled(None))
             else:
-                logprobs: list[TokenLogprob | None] = list(
-                    self.samplers[request.id].take_logprobs()
-                )
-                if len(logprobs) != len(tokens):
-                    logprobs = [None] * len(tokens)
+                asked = self.samplers[request.id].take_logprobs()  # one a token, if asked
+                logprobs: list[TokenLogprob | None] = [*asked] if asked else [None] * len(tokens)
                 pairs = tuple(zip(tokens, logprobs, strict=True))
                 out.append(Sampled(tokens[-1], logprobs[-1], accepted=pairs[:-1]))
         return tuple(out)

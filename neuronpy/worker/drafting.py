@@ -36,8 +36,8 @@ class DraftBatch:
             self.batch, self.keys = None, []
             return DraftResult(())
         model = self.model
-        sources, feeds, prefilled = self._rebuild(job)
-        fresh = len(sources) != sum(isinstance(s, BatchRow) for s in sources)
+        sources, feeds = self._rebuild(job)
+        fresh = any(not isinstance(s, BatchRow) for s in sources)  # a row prefilled anew
         if fresh or list(job.keys) != self.keys or self.batch is None:
             self.batch = assemble_batch(sources)
             self.keys = list(job.keys)
@@ -60,9 +60,9 @@ class DraftBatch:
                 fed = torch.tensor(tokens, dtype=torch.long, device=model.device)[:, None]
                 hidden = model.forward_batch_decode(self.batch, fed)
         out = tuple(tuple(d[:n]) for d, n in zip(drafts, job.lengths, strict=True))
-        return DraftResult(out, prefilled)
+        return DraftResult(out)
 
-    def _rebuild(self, job: DraftTokens) -> tuple[list[KvSource], list[list[int]], int]:
+    def _rebuild(self, job: DraftTokens) -> tuple[list[KvSource], list[list[int]]]:
         """Each row's KV source (its row of the last batch, rolled back to what agrees with its
         context; or a new prefill of the context) and the tokens it feeds next."""
         batch = self.batch
@@ -87,7 +87,6 @@ class DraftBatch:
             batch.trim(drops)
         sources: list[KvSource] = []
         feeds: list[list[int]] = []
-        prefilled = 0
         for plan, context in zip(plans, job.contexts, strict=True):
             if plan is None:
                 snapshot, _ = self.model.prefill(
@@ -95,7 +94,6 @@ class DraftBatch:
                     chunk_size=self.prefill_chunk,
                     reserve=len(context) + DEFAULT_HEADROOM,
                 )
-                prefilled += len(context) - 1
                 sources.append(snapshot)
                 feeds.append([context[-1]])
             else:
@@ -103,7 +101,7 @@ class DraftBatch:
                 assert batch is not None
                 sources.append(batch.row(old))
                 feeds.append(list(context[keep:]))
-        return sources, feeds, prefilled
+        return sources, feeds
 
 
 def _common_prefix(a: list[int], b: tuple[int, ...]) -> int:

@@ -118,7 +118,6 @@ class DraftTokens:
 @dataclass(frozen=True)
 class DraftResult:
     drafts: tuple[tuple[int, ...], ...]  # per row: lengths[b] tokens
-    prefilled: int = 0  # context tokens the draft model prefilled for rows new to it
 
 
 @dataclass(frozen=True)

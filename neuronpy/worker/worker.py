@@ -360,10 +360,7 @@ class DeviceWorker:
             for p in job.prefills:
                 parent, extend = self._prefill_parent(p)
                 chunks.append(PrefillChunk(p.token_ids, parent, reserve=p.reserve, extend=extend))
-            if counts is None:
-                out = self.model.forward_step(self._batch, tokens, chunks)
-            else:
-                out = self.model.forward_step(self._batch, tokens, chunks, counts=counts)
+            out = self.model.forward_step(self._batch, tokens, chunks, counts=counts)
             hidden = out.hidden
             prefilled = tuple(
                 self._prefilled(p, snapshot, last)
