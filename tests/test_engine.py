@@ -275,3 +275,32 @@ async def test_profile_says_where_the_steps_time_went() -> None:
         assert parts + ms["worker idle"] == pytest.approx(ms["step"], rel=0.05)
         # recording stopped: a second window can start
         assert (await engine.profile(0.05)).seconds > 0
+
+
+async def test_a_request_nothing_moves_on_fails_alone_and_the_loop_then_sleeps() -> None:
+    """A bug that strands a joiner (here its prefill plans are made to come back empty) must
+    neither hang its client nor spin the loop: the turn that moves nothing on fails what it
+    stranded, with an error, and the engine sleeps, then serves the next request."""
+    stuck = tuple(prompt("a prompt nothing prefills"))
+    async with make_engine(max_in_flight=4) as engine:
+        prefills = engine._scheduler.prefills
+        plan = prefills.plan
+
+        def broken(request, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return None if request.prompt_ids == stuck else plan(request, *args, **kwargs)
+
+        prefills.plan = broken  # type: ignore[method-assign]
+        with anyio.fail_after(30):
+            events = [e async for e in engine.generate(stuck, greedy(5))]
+            while not engine.idle:
+                await anyio.sleep(0.01)
+        assert events[-1].finish_reason is FinishReason.ERROR
+        assert "could not make progress" in (events[-1].error or "")
+        turns = engine.loop_turns
+        await anyio.sleep(0.2)
+        assert engine.loop_turns == turns
+        out = await engine.complete(
+            prompt("the next one"), dataclasses.replace(greedy(5), ignore_eos=True)
+        )
+        assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 5
+        assert engine.healthy and engine.stats().failed == 1

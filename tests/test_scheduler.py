@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from neuronpy.engine.budget import fit
 from neuronpy.engine.costs import MIN_CHUNK
@@ -260,6 +262,151 @@ def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
     schedule(s)
     assert DropSnapshots((plan.clone_ids[1],)) in s.ops
     assert finishes(s)[copies[1].id].reason is FinishReason.ABORT
+
+
+def test_copies_joining_while_a_row_decodes_share_one_riding_prefill() -> None:
+    """The copies of a request that joins beside a decoding row: its first copy's chunks ride
+    the steps alone, and its last chunk fills the others (they never prefill themselves)."""
+    s = make_scheduler(max_running=8)
+    admit(s)
+    schedule(s)
+    first, second = admit(s, n=2)
+    s.join()
+    assert s.to_prefill() == [] and s.riding() == [first]
+    s.to_prefill()
+    step(s)
+    assert s.counters.riding_chunks == 1 and s.counters.prefill_tokens == 10 + 10
+    assert [r.prefilled for r in (first, second)] == [10, 10]
+    assert [r.output_ids for r in (first, second)] == [[TOKEN], [TOKEN]]
+    rebatch = schedule(s)  # both join together
+    assert rebatch is not None and rebatch.order[1:] == (first, second)
+    assert s.joining == [] and {first.status, second.status} == {RequestStatus.RUNNING}
+
+
+def test_copies_of_a_long_prompt_wait_for_its_chunks_and_join_together() -> None:
+    """A prompt of several chunks: only its first copy prefills, chunk by chunk beside the
+    others' riding joiners; every copy stays accounted for meanwhile, and all join at once."""
+    s = make_scheduler(max_running=8)
+    admit(s)
+    schedule(s)
+    copies = admit(s, length=5 * MIN_CHUNK, n=3)
+    (other,) = admit(s, length=12, first=500)
+    s.join()
+    s.to_prefill()
+    assert s.riding() == [copies[0], other]
+    steps, before = 0, s.counters.prefill_tokens
+    while copies[0].prefilled < len(copies[0].prompt_ids):
+        assert [c.prefilled for c in copies[1:]] == [0, 0]  # filled by the last chunk only
+        s.to_prefill()
+        step(s)
+        steps += 1
+        assert s.audit() == []  # the waiting copies are waiting for a named reason
+    assert steps > 1 and [c.prefilled for c in copies] == [5 * MIN_CHUNK] * 3
+    assert s.counters.prefill_tokens - before == 5 * MIN_CHUNK + other.prefilled
+    assert [len(c.output_ids) for c in copies] == [1, 1, 1]
+    rebatch = schedule(s)
+    assert rebatch is not None and set(copies) <= set(rebatch.order)
+
+
+def test_several_requests_of_n_copies_joining_together_all_run_to_their_end() -> None:
+    s = make_scheduler(max_running=8, max_queue=16)
+    admit(s, max_tokens=40)
+    schedule(s)
+    groups = [admit(s, n=2, max_tokens=5, first=100 * i) for i in range(1, 4)]
+    for _ in range(20):
+        s.to_prefill()
+        step(s)
+        schedule(s)
+    ended = finishes(s)
+    assert all(ended[r.id].reason is FinishReason.LENGTH for g in groups for r in g)
+    assert all(len(r.output_ids) == 5 for g in groups for r in g)
+    assert s.counters.prefills == 1 + 3
+
+
+def test_a_joiner_in_no_state_that_can_move_on_fails_alone() -> None:
+    """The engine's invariant: a joiner prefills (its own prompt or a copy's), has its prompt
+    and joins, or has ended. One found otherwise (a bug) ends with an error, and leaves."""
+    s = make_scheduler(max_running=4)
+    broken, fine = admit(s), admit(s, first=300)
+    s.join()
+    broken[0].prefilled = 12  # more than its 10 prompt tokens: it would never join
+    (stuck,) = s.audit()
+    assert stuck[0] is broken[0] and "12 of its 10 prompt tokens" in stuck[1]
+    assert broken[0].ending is not None and broken[0].ending.cause is Cause.FAILED
+    schedule(s)
+    ended = finishes(s)
+    assert ended[broken[0].id].reason is FinishReason.ERROR and ended[broken[0].id].error
+    assert fine[0].status is RequestStatus.RUNNING and s.audit() == []
+
+
+ARRIVAL = st.tuples(
+    st.integers(0, 12),  # the turn it arrives at
+    st.integers(1, 70),  # prompt tokens (one chunk or several)
+    st.integers(1, 3),  # n
+    st.integers(1, 12),  # max_tokens
+    st.sampled_from([1, 100, 200]),  # its first token: prompts share prefixes
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    max_running=st.integers(1, 4),
+    budget=st.sampled_from([0, 100, 200]),
+    cache=st.booleans(),
+    arrivals=st.lists(ARRIVAL, min_size=1, max_size=10),
+    rng=st.randoms(use_true_random=False),
+)
+def test_any_mix_of_arrivals_copies_cancellations_and_budgets_ends_every_request_once(
+    max_running: int, budget: int, cache: bool, arrivals: list[tuple[int, ...]], rng: object
+) -> None:
+    """Driven as the engine's loop drives it, with rows ending on EOS and requests cancelled
+    at random: every turn moves something on, no joiner is ever out of the audited states,
+    and every copy of every request ends exactly once, as it was made to end."""
+    import random
+
+    assert isinstance(rng, random.Random)
+    s = make_scheduler(
+        max_running=max_running,
+        max_queue=64,
+        kv_budget_tokens=budget,
+        prefix_cache_bytes=(1 << 20) if cache else 0,
+    )
+    admitted: list[Request] = []
+    ended: dict[int, list[Finish]] = {}
+    cancelled: set[int] = set()
+    for turn in range(2000):
+        for at, length, n, max_tokens, first in arrivals:
+            if at == turn:
+                admitted += admit(s, length=length, max_tokens=max_tokens, n=n, first=first)
+        if turn > max(a[0] for a in arrivals) and s.idle:
+            break
+        for request in s.active():
+            if rng.random() < 0.03:
+                s.cancel(request)
+                cancelled.add(request.id)
+        moves = s.moves
+        schedule(s)
+        assert s.audit() == []
+        if s.running:
+            step(s, {r.id: EOS for r in s.running if rng.random() < 0.08})
+        assert s.moves > moves or not s.active(), "a turn that ran nothing"
+        for request, message in s.outbox:
+            if isinstance(message, Finish):
+                ended.setdefault(request.id, []).append(message)
+        s.outbox.clear()
+        for request in admitted:
+            assert request.prefilled <= len(request.prompt_ids)
+            assert len(request.output_ids) <= request.params.max_tokens
+    assert s.idle and not s.running and not s.joining and not s.waiting
+    for request in admitted:
+        (finish,) = ended[request.id]
+        if finish.reason is FinishReason.ABORT:
+            assert request.id in cancelled
+        elif finish.reason is FinishReason.STOP:
+            assert request.output_ids[-1] == EOS
+        else:
+            assert finish.reason is FinishReason.LENGTH
+            assert len(request.output_ids) == request.params.max_tokens
 
 
 # ---- leaving: the prefix cache or the session ---------------------------------------------------

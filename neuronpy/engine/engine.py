@@ -127,6 +127,7 @@ class Engine:
         self._wake = anyio.Event()
         self._idle = anyio.Event()  # set whenever nothing is admitted: drain waits on it
         self._tg: TaskGroup | None = None
+        self._turns = 0  # of the loop (see loop_turns)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -334,6 +335,18 @@ class Engine:
         )
 
     @property
+    def idle(self) -> bool:
+        """Whether nothing is admitted (nor writing its session): the loop sleeps until a
+        submit wakes it."""
+        return self._idle.is_set()
+
+    @property
+    def loop_turns(self) -> int:
+        """Turns the engine's loop has taken (a diagnostic): each one moves something on, and
+        an engine with nothing admitted takes none."""
+        return self._turns
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """The KV the running requests may hold, in tokens: the KV budget, or without one
         max_in_flight rows of the whole context."""
@@ -416,6 +429,10 @@ class Engine:
     # ---- the loop: plan, run jobs, book results, deliver events ---------------------------------
 
     async def _loop(self) -> None:
+        """Turns while anything is admitted: who joins, the prefills, the rebatch, one decode
+        step. Every turn moves something on (the scheduler's `moves`); one that does not is a
+        bug, and the requests it strands end with an error rather than the loop spinning.
+        With nothing admitted it sleeps until a submit (or a session written) wakes it."""
         s = self._scheduler
         try:
             while True:
@@ -426,11 +443,25 @@ class Engine:
                     # (a submit while the draft KV goes sets the new event: no wake is lost)
                     await self._runner.release_drafts()
                     await self._wake.wait()
+                    continue
+                self._turns += 1
+                moves = s.moves
                 await self._schedule()
+                for request, why in s.audit():
+                    log.error("%s: request %d is stuck (%s); it fails", self.name, request.id, why)
                 if s.running:
                     await self._step()
-                else:
-                    await anyio.sleep(0)  # let routers and submitters run
+                    continue
+                if s.moves == moves and s.active():
+                    states = {row["id"]: row["state"] for row in s.rows()}
+                    stuck = s.stalled()
+                    log.error(
+                        "%s: a turn moved nothing on; %d requests fail: %s",
+                        self.name,
+                        len(stuck),
+                        states,
+                    )
+                await anyio.sleep(0)  # let routers and submitters run
         except Exception as exc:
             log.exception("engine for %s failed; marking it unhealthy", self.name)
             self._fail(exc)

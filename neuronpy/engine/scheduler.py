@@ -55,6 +55,8 @@ from neuronpy.errors import QueueFullError
 # the most Retry-After says: past it a client is better off with its own backoff (and a row
 # whose max_tokens is the whole context, before any reply has been measured, is no estimate)
 MAX_RETRY_AFTER = 60.0
+# what a request found unable to progress is told (the engine's log has the details)
+STUCK = "the request could not make progress (an internal error of the server); retry it"
 
 
 class Scheduler:
@@ -108,6 +110,14 @@ class Scheduler:
         # next job that reads the batch (decode or extract) to trim first
         self._trim: tuple[int, ...] = ()
         self.speculative = speculative or SpeculativeConfig()
+        self._ended = 0  # requests finished, or gone to write their session
+
+    @property
+    def moves(self) -> int:
+        """How often the scheduler has moved on: chunks prefilled, rebatches, decode steps,
+        requests ended. A turn of the engine's loop that leaves it unchanged ran nothing."""
+        c = self.counters
+        return c.prefill_chunks + c.rebatches + c.decode_steps + self._ended
 
     # ---- admission ----------------------------------------------------------------------------
 
@@ -259,6 +269,7 @@ class Scheduler:
         """Requests ended while queued leave; the oldest waiting take the free rows (within the
         KV budget, preempting newer rows if that makes room); joiners that ended leave."""
         self._riding = []
+        self.joining = [r for r in self.joining if not self._leave_if_done(r)]  # (rows freed)
         plan = plan_step(
             [RowView(r.id, r.done) for r in self.running],
             [RowView(r.id, r.done) for r in self.waiting],
@@ -283,7 +294,6 @@ class Scheduler:
                 request.scheduled_at = now
             request.status = RequestStatus.PREFILLING
             self.joining.append(request)
-        self.joining = [r for r in self.joining if not self._leave_if_done(r)]
 
     def _preempt(self, request: Request) -> None:
         """A row leaves the live batch at this rebatch, or a joiner its prefill; its snapshot
@@ -323,11 +333,61 @@ class Scheduler:
     def to_prefill(self) -> list[Request]:
         """Joiners to prefill whole, each in a forward of its own: nobody waits on a decode
         step. While rows decode, the joiners' chunks ride the steps instead (`riding`)."""
-        todo = [r for r in self.joining if r.prefilled < len(r.prompt_ids)]
+        todo = self._prefilling()
         if self.running:
             self._riding = todo
             return []
         return todo
+
+    def _prefilling(self) -> list[Request]:
+        """The joiners with prompt left to prefill, oldest first, but for copies (n > 1) that
+        another copy's prefill fills: of a request's copies, one prefills (one that has
+        started, else the first), and its last chunk gives the others its snapshot. Were two
+        prefilled in one step, the second would count its prompt twice and never join."""
+        todo = [r for r in self.joining if not r.done and r.prefilled < len(r.prompt_ids)]
+        at = {r: i for i, r in enumerate(todo)}
+
+        def filled_by_copy(request: Request) -> bool:
+            if request.snapshot_id is not None:  # it has started: it goes on with its own
+                return False
+            return any(
+                copy.snapshot_id is not None or at[copy] < at[request]
+                for copy in request.group
+                if copy is not request and copy in at
+            )
+
+        return [r for r in todo if not filled_by_copy(r)]
+
+    def audit(self) -> list[tuple[Request, str]]:
+        """The invariant the engine checks on every turn of its loop: a joiner prefills (its
+        own prompt, or a copy's whose last chunk fills it), or has its whole prompt and joins
+        at the next rebatch, or has ended and leaves at the next join. A joiner in none of
+        these states is a bug that would hold its row forever: it ends now (failed, alone),
+        and comes back with what was wrong with it, for the engine to log."""
+        prefilling = set(self._prefilling())
+        stuck = []
+        for request in self.joining:
+            prompt = len(request.prompt_ids)
+            if request.done or request.prefilled == prompt or request in prefilling:
+                continue
+            if request.prefilled > prompt:
+                why = f"it holds {request.prefilled} of its {prompt} prompt tokens"
+            elif any(copy in prefilling for copy in request.group):
+                continue  # a copy's prefill fills it
+            else:
+                why = f"nothing prefills the {prompt - request.prefilled} prompt tokens it lacks"
+            request.end(Cause.FAILED, STUCK)
+            stuck.append((request, why))
+        return stuck
+
+    def stalled(self) -> list[Request]:
+        """When a turn of the engine's loop moved nothing on (`moves`) while requests are
+        admitted (nothing can progress: a bug), every one of them ends now (failed), for the
+        engine to log, rather than wait forever on a loop that spins."""
+        stuck = [r for r in self.active() if not r.done]
+        for request in stuck:
+            request.end(Cause.FAILED, STUCK)
+        return stuck
 
     def riding(self) -> list[Request]:
         """The joiners, oldest first, whose next chunks may ride the next decode step (they
@@ -571,6 +631,7 @@ class Scheduler:
         ending = request.ending
         cause, reason = ending.cause, ending.cause.reason
         request.status = RequestStatus.finished_with(reason)
+        self._ended += 1
         self.outbox.append((request, Finish(reason, ending.error, session_error, ending.param)))
         if cause is Cause.FAILED:
             self.counters.failed += 1
@@ -612,6 +673,7 @@ class Scheduler:
         request.status = RequestStatus.SAVING
         request.snapshot_id = None
         self.saving.add(request)
+        self._ended += 1
         session = request.session
         return SaveSession(request, snapshot_id, session.save_path or session.path, drop)
 
