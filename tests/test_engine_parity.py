@@ -37,13 +37,26 @@ async def one_at_a_time(engine: Engine, jobs: list[tuple[list[int], SamplingPara
 
 
 async def concurrently(
-    engine: Engine, jobs: list[tuple[list[int], SamplingParams]], stagger: float = 0.02
+    engine: Engine, jobs: list[tuple[list[int], SamplingParams]], stagger: bool = True
 ) -> list[Completion]:
+    """The jobs run together. `stagger`: each arrives once the one before has its first token
+    (it holds a row and decodes), so rows join mid-flight however fast the machine is; else
+    all arrive at once."""
     results: list[Completion | None] = [None] * len(jobs)
+    started = [anyio.Event() for _ in jobs]
 
     async def run(i: int) -> None:
-        await anyio.sleep(i * stagger)  # staggered arrivals: rows join mid-flight
-        results[i] = await engine.complete(*jobs[i])
+        if stagger and i:
+            await started[i - 1].wait()
+        out = Completion()
+        async for event in engine.generate(*jobs[i]):
+            started[i].set()
+            out.text += event.text
+            out.token_ids.extend(event.token_ids)
+            out.prompt_tokens, out.completion_tokens = event.prompt_tokens, event.completion_tokens
+            out.finish_reason = event.finish_reason
+        started[i].set()
+        results[i] = out
 
     async with anyio.create_task_group() as tg:
         for i in range(len(jobs)):
@@ -90,7 +103,7 @@ async def test_parity_stop_strings_and_queueing() -> None:
     async with make_engine(max_in_flight=1) as serial:
         expected = await one_at_a_time(serial, jobs)
     async with make_engine(max_in_flight=2) as engine:
-        got = await concurrently(engine, jobs, stagger=0.0)
+        got = await concurrently(engine, jobs, stagger=False)
         assert engine.stats().max_batch_size == 2
     assert [summary(c) for c in got] == [summary(c) for c in expected]
     assert got[0].finish_reason is FinishReason.STOP
@@ -112,7 +125,7 @@ async def test_parity_seeded_sampling_alone_and_in_a_batch() -> None:
     jobs = [(p, greedy(20)) for p in ps]
     jobs[1] = (ps[1], sampled)
     async with make_engine(max_in_flight=8) as engine:
-        got = await concurrently(engine, jobs, stagger=0.01)
+        got = await concurrently(engine, jobs)
     assert summary(got[1]) == summary(alone)
 
 
@@ -144,7 +157,7 @@ async def test_parity_long_prompt_joins_in_chunks_between_decode_steps() -> None
     async with make_engine(max_in_flight=1) as serial:
         expected = await one_at_a_time(serial, jobs)
     async with make_engine(max_in_flight=4, prefill_chunk=32) as engine:
-        got = await concurrently(engine, jobs, stagger=0.05)
+        got = await concurrently(engine, jobs)
         stats = engine.stats()
     assert [summary(c) for c in got] == [summary(c) for c in expected]
     assert stats.prefills == 3

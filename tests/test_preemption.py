@@ -39,7 +39,7 @@ def budget_bytes(engine: Engine, tokens: int) -> int:
 async def test_parity_preempted_rows_resume_exactly() -> None:
     work = jobs()
     async with make_engine(max_in_flight=8, prefix_cache=False) as free:
-        expected = await concurrently(free, work, stagger=0.01)
+        expected = await concurrently(free, work)
         assert free.stats().preemptions == 0
         unbounded_peak = free.stats().max_kv_tokens
     per_token = make_engine().kv_bytes_per_token
@@ -48,7 +48,7 @@ async def test_parity_preempted_rows_resume_exactly() -> None:
     async with make_engine(
         max_in_flight=8, kv_budget=budget * per_token, prefix_cache=False
     ) as tight:
-        got = await concurrently(tight, work, stagger=0.01)
+        got = await concurrently(tight, work)
         stats = tight.stats()
         worker = await tight.worker_stats()
     assert [summary(c) for c in got] == [summary(c) for c in expected]
@@ -75,12 +75,12 @@ async def test_parity_preemption_with_chunked_joins() -> None:
         (long_prompt[:120], greedy(30)),
     ]
     async with make_engine(max_in_flight=4, prefill_chunk=32) as free:
-        expected = await concurrently(free, work, stagger=0.03)
+        expected = await concurrently(free, work)
     per_token = make_engine().kv_bytes_per_token
     async with make_engine(
         max_in_flight=4, prefill_chunk=32, kv_budget=220 * per_token, prefix_cache=False
     ) as tight:
-        got = await concurrently(tight, work, stagger=0.03)
+        got = await concurrently(tight, work)
         stats = tight.stats()
         assert (await tight.worker_stats()).snapshots == 0
     assert [summary(c) for c in got] == [summary(c) for c in expected]
