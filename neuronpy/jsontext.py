@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from itertools import accumulate
 
@@ -18,3 +19,16 @@ def json_depth(text: str) -> int:
     a guess, which decoding then refuses)."""
     brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
     return max(accumulate(map(_NESTING.__getitem__, brackets)), default=0)
+
+
+# What str.splitlines() (and so many a client's line reader) also breaks a line at, beyond
+# \n and \r, that json.dumps leaves as they are when it keeps non-ASCII text (control
+# characters it escapes already). They can only stand inside strings, where an escape is the
+# same text.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def one_line(obj: object) -> str:
+    """Compact JSON for a line of its own (a server-sent event's data): non-ASCII text as it
+    is, but what some line readers would break the line at escaped."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)

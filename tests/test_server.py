@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from neuronpy.errors import ModelLoadError
 from neuronpy.server.prompts import render_chat
+from tests.scripted import Scripts
 from tests.servers import TINY_LLAMA, RunningServer, engine_loader, fixture_model, run_server
 
 MESSAGES = [{"role": "user", "content": "The quick brown fox"}]
@@ -556,3 +557,41 @@ def test_load_failure_is_reported_and_fatal() -> None:
         assert "nowhere" in (server.state.models["nowhere"].error or "")
         health = httpx.get(f"{server.url}/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions", "/responses"])
+def test_text_with_unicode_line_separators_streams_one_event_a_line(
+    server: RunningServer, path: str
+) -> None:
+    """U+2028, U+2029 and U+0085 are text, but str.splitlines (and many a line reader with
+    it) ends a line at them: streamed, they come escaped, so each data line is whole JSON."""
+    engine = server.state.models["tiny-llama"].engine
+    assert engine is not None
+    tok = engine.tokenizer
+    scripts = Scripts()
+    scripts.attach(engine)
+    reply = "one\u2028two\u2029three\x85four"
+    key = f"[separators {path}]"
+    scripts.add(key, [*tok.encode(reply), tok.eos_token_id])
+    body: dict[str, Any] = {"model": "tiny-llama", "stream": True, "temperature": 0}
+    if path == "/chat/completions":
+        body |= {"messages": [{"role": "user", "content": key}], "max_tokens": 40}
+    elif path == "/completions":
+        body |= {"prompt": key, "max_tokens": 40}
+    else:
+        body |= {"input": key, "max_output_tokens": 40}
+    text = ""
+    with httpx.stream("POST", f"{server.v1}{path}", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    for line in lines:
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            continue
+        event = json.loads(data)  # each line whole
+        if path == "/responses":
+            text += event.get("delta", "") if event["type"] == "response.output_text.delta" else ""
+        else:
+            for choice in event.get("choices", []):
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    assert text == reply

@@ -35,6 +35,7 @@ from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.types import FinishReason, GenerationEvent, SessionRequest, ToolCall
 from neuronpy.errors import InvalidRequestError, NeuronError
+from neuronpy.jsontext import one_line
 from neuronpy.server.copies import Copy, Events, gather, stream
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import refuse_unshown_tools
@@ -766,6 +767,5 @@ class _Streamed:
 
 
 async def _send(send: Send, event: dict[str, Any]) -> None:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    body = f"event: {event['type']}\ndata: {data}\n\n".encode()
+    body = f"event: {event['type']}\ndata: {one_line(event)}\n\n".encode()
     await send({"type": "http.response.body", "body": body, "more_body": True})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,6 +9,7 @@ from starlette.types import Receive, Scope, Send
 
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import GenerationEvent
+from neuronpy.jsontext import one_line
 from neuronpy.server.copies import Copy, Events, prompt_totals, stream
 from neuronpy.server.errors import ApiError, failure
 
@@ -85,8 +85,6 @@ class EventStreamResponse:
 
 async def _send_event(send: Send, obj: dict[str, Any] | str) -> None:
     """One `data:` event of an open stream."""
-    data = (
-        obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    )
+    data = obj if isinstance(obj, str) else one_line(obj)
     body = f"data: {data}\n\n".encode()
     await send({"type": "http.response.body", "body": body, "more_body": True})
