@@ -15,7 +15,7 @@ import uvicorn
 from neuronpy.bench import cli as bench_cli
 from neuronpy.compose import load_engine
 from neuronpy.config import Config, load_config
-from neuronpy.defaults import DTYPES, QUANTIZE_MODES, SPECULATIVE_METHODS
+from neuronpy.defaults import COMPILE_MODES, DTYPES, QUANTIZE_MODES, SPECULATIVE_METHODS
 from neuronpy.engine.engine import Engine
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import resolve_spec
@@ -151,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="int8: int8 weights and per-row int8 activations, faster on CPU (default none)",
     )
     serve.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        help="run each model's layers as one graph compiled at start-up by PyTorch's compiler "
+        "(its cache kept on disk: a later start loads it): on, off (eager), or auto (on the "
+        "CPU; default)",
+    )
+    serve.add_argument(
         "--speculative",
         choices=SPECULATIVE_METHODS,
         help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt and "
@@ -204,6 +211,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "dtype": args.dtype,
             "device": args.device,
             "quantize": args.quantize,
+            "compile": args.compile,
             "kv_budget": args.kv_budget,
             "tensor_parallel": args.tensor_parallel,
             "speculative": args.speculative,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.engine.engine import Engine
-from neuronpy.loading import calibration_ids, eos_token_ids, load_pretrained
+from neuronpy.loading import calibration_ids, default_cache_dir, eos_token_ids, load_pretrained
 from neuronpy.worker.session_files import model_fingerprint
 from neuronpy.worker.tp import (
     DEFAULT_STARTUP_TIMEOUT,
@@ -38,10 +39,12 @@ def engine_from_hf(
     config = config or EngineConfig()
     calibration = calibration_ids(hf_model, tokenizer, config.quantize)
     model = LlamaModel.from_hf(hf_model, quantize=config.quantize, calibration_ids=calibration)
+    compile_model(model, name, config.compile)
     draft_model = None
     if draft is not None:
         check_draft_tokenizer(tokenizer, draft[1])
         draft_model = LlamaModel.from_hf(draft[0], quantize=config.quantize)
+        compile_model(draft_model, f"{name} (its draft model)", config.compile)
     return Engine(
         model,
         tokenizer,
@@ -51,6 +54,34 @@ def engine_from_hf(
         fingerprint=model_fingerprint(hf_model.state_dict(), extra=(config.quantize,)),
         worker=DeviceWorker(model, name, config.prefill_chunk, draft_model),
     )
+
+
+def compile_model(model: LlamaModel, name: str, mode: str) -> None:
+    """Compiles the model's layers as `mode` says ("auto": on the CPU; see EngineConfig), with
+    PyTorch's compile cache under the neuronpy cache directory unless TORCHINDUCTOR_CACHE_DIR
+    says otherwise. A model the compiler cannot take runs eagerly, and the log says why."""
+    if mode == "off" or (mode == "auto" and model.device.type != "cpu"):
+        return
+    cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
+    log.info(
+        "%s: compiling its layers (PyTorch's inductor: about a minute the first time, a few "
+        "seconds from the cache in %s after)",
+        name,
+        cache,
+    )
+    started = time.perf_counter()
+    try:
+        model.compile()
+    except Exception as exc:  # the compiler's errors are many types; the model still serves
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        log.warning(
+            "%s: could not compile its layers (%s: %s); they run eagerly",
+            name,
+            type(exc).__name__,
+            reason,
+        )
+        return
+    log.info("%s: compiled its layers in %.1f s", name, time.perf_counter() - started)
 
 
 def check_draft_tokenizer(tokenizer: Any, draft_tokenizer: Any) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronpy.defaults import (
+    COMPILE_MODES,
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_CHUNK_STEPS,
     DEFAULT_DRAIN_TIMEOUT,
@@ -70,6 +71,9 @@ class EngineConfig:
     # keeps the decoding rows' inter-token gaps smoother, larger lets prompts join sooner
     chunk_steps: float = DEFAULT_CHUNK_STEPS
     quantize: str = "none"  # "int8": int8 weights and per-row int8 activations (CPU)
+    # the layers as one graph compiled at start-up (PyTorch's inductor, its cache on disk):
+    # "auto" (on the CPU), "on" or "off" (eager); a model that cannot be compiled runs eagerly
+    compile: str = "auto"
     prefix_cache: bool = True  # keep prompts' (and replies') KV to reuse as prefixes
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES  # the prefix cache's budget; 0: off
     # bytes of KV the running requests may hold together, given as a number or a size such as
@@ -105,6 +109,7 @@ class EngineConfig:
         check_int("prefill_chunk", self.prefill_chunk, 1)
         check_number("chunk_steps", self.chunk_steps, 0.1, 100)
         check_choice("quantize", self.quantize, QUANTIZE_MODES)
+        check_choice("compile", self.compile, COMPILE_MODES)
         check_bool("prefix_cache", self.prefix_cache)
         check_int("prefix_cache_bytes", self.prefix_cache_bytes, 0)
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
@@ -129,6 +134,7 @@ ADMISSION_KEYS = ("max_in_flight", "max_queue", "queue_timeout", "max_n", "max_b
 ENGINE_KEYS = ("batching", "prefill_chunk", "chunk_steps")
 MODEL_KEYS = (
     "quantize",
+    "compile",
     "prefix_cache",
     "prefix_cache_bytes",
     "kv_budget",
@@ -231,7 +237,9 @@ class ModelSpec:
 
     name: str | None = None  # the id requests send as `model`; None: derived from the path
     path: str | None = None  # a local HF directory, a .gguf file or a hub id; None: the default
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 (or float16) on CUDA, float16 on MPS
+    # auto: bfloat16 on a CPU with avx512_bf16 or AMX (else float32), bfloat16 (or float16) on
+    # CUDA, float16 on MPS
+    dtype: str = "auto"
     device: str = "auto"  # auto: cuda if available, else mps, else cpu
     # ranks the model is split over (tensor parallelism; see worker/tp.py); 1: not split
     tensor_parallel: int = 1

@@ -7,6 +7,9 @@ import re
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_MODES = ("none", "int8")
+# whether the layers run as one compiled graph (PyTorch's inductor): "auto" (on the CPU, where
+# it is measured to pay; off elsewhere until it is), "on" or "off"
+COMPILE_MODES = ("auto", "on", "off")
 # What a model's `reasoning_parser` may be: "auto" (detected from the chat template), "none",
 # or a parser of neuronpy.engine.reasoning (the names of its REASONING_MARKERS).
 REASONING_PARSERS = ("auto", "none", "think")

@@ -68,14 +68,16 @@ def summary(c: Completion) -> tuple:
     return (c.text, c.token_ids, c.completion_tokens, c.prompt_tokens, c.finish_reason)
 
 
+@pytest.mark.parametrize("compile", ["on", "off"])
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3"])
-async def test_parity_concurrent_equals_sequential(family: str) -> None:
+async def test_parity_concurrent_equals_sequential(family: str, compile: str) -> None:
     tok = tokenizer(family)
     jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
-    async with make_engine(family, max_in_flight=1) as serial:
+    async with make_engine(family, max_in_flight=1, compile=compile) as serial:
         expected = await one_at_a_time(serial, jobs)
         assert serial.stats().max_batch_size == 1
-    async with make_engine(family, max_in_flight=8) as engine:
+    async with make_engine(family, max_in_flight=8, compile=compile) as engine:
+        assert engine.model.compiled is (compile == "on")
         got = await concurrently(engine, jobs)
         stats = engine.stats()
     assert [summary(c) for c in got] == [summary(c) for c in expected]

@@ -6,11 +6,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
+from neuronpy.arch import ops
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
@@ -51,6 +52,9 @@ class LlamaModel:
         # Tensor parallelism (arch/tp.py): o_proj and down hold a slice of their inputs, so each
         # rank's output is a partial sum that this all-reduce completes before the residual.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._attention: Attention | None = None  # the running forward's (see _run)
+        self._handle: torch.Tensor | None = None  # what the compiled graph names it by
+        self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -86,53 +90,146 @@ class LlamaModel:
             take_weights(hf_model, quantize=quantize, calibration_ids=calibration_ids)
         )
 
-    # ---- shared per-layer pieces -------------------------------------------------------------
+    # ---- the layers: one loop for every forward (prefill chunks, decode and verify steps) ---
+
+    def _run(
+        self, ids: torch.Tensor, positions: torch.Tensor, attention: Attention
+    ) -> torch.Tensor:
+        """Every token through every layer: ids, positions [N] -> final-normed hidden
+        [N, hidden]. Each linear layer runs once over all N tokens (a decode step's rows and
+        any riding chunk's tokens together); `attention` says what each token attends to, and
+        where its K/V go. Compiled (see `compile`) or eager: the same code, the same math."""
+        self._attention = attention
+        try:
+            if self._compiled is None:
+                return self._layers(ids, positions)
+            n = ids.shape[0]
+            if n == 1:  # the graph is for two tokens or more: a second copy rides along
+                ids, positions = ids.repeat(2), positions.repeat(2)
+            # (the graph's guards tell inference tensors from others: one kind, one graph)
+            ids, positions = (t if t.is_inference() else t.clone() for t in (ids, positions))
+            return self._compiled(ids, positions)[:n]
+        finally:
+            self._attention = None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether forwards run the compiled graph (see `compile`)."""
+        return self._compiled is not None
+
+    def compile(self) -> None:
+        """Compiles the layers with PyTorch's compiler (inductor) for every later forward, now.
+
+        One graph for any number of tokens (a dynamic dimension; one token rides as two), so
+        it serves prefill chunks, decode and verify steps and riding chunks alike. Linear
+        layers and attention stay the model's own (arch/ops.py): the graph fuses what lies
+        between them (norms, RoPE, residuals, the MLP's activation), which eager PyTorch runs
+        as dozens of small operations per layer. Raises what the compiler raised when it
+        cannot compile this model; the model then stays eager."""
+        if self.reduce is not None:
+            raise NotImplementedError("a tensor-parallel shard runs eagerly")
+        self._handle = ops.register(self)
+        # rounding where eager rounds (bf16, fp16): compiled or not, the same answers
+        options = {"emulate_precision_casts": True}
+        compiled = torch.compile(self._layers, dynamic=True, fullgraph=True, options=options)
+        self._attention = _NoAttention(2)
+        try:
+            with torch.inference_mode():
+                ids = torch.zeros(2, dtype=torch.long, device=self.device)
+                compiled(ids, torch.arange(2, device=self.device))  # traced and compiled here
+        finally:
+            self._attention = None
+        self._compiled = compiled
+
+    def linear_at(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Projection `index` (4 per layer: qkv, o_proj, gate_up, down) over x (arch/ops)."""
+        lw = self.layers[index // 4]
+        return (lw.qkv, lw.o_proj, lw.gate_up, lw.down)[index % 4](x)
+
+    def attend_at(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The running forward's attention in `layer`, for the compiled graph (arch/ops): its
+        tokens, and zeros for the copy a lone token rides with."""
+        attention = self._attention
+        assert attention is not None
+        n = attention.tokens
+        out = attention.attend(self, layer, q[:n], k[:n], v[:n])
+        if q.shape[0] > n:
+            out = torch.cat((out, out.new_zeros(q.shape[0] - n, out.shape[1])))
+        return out
+
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, self.dtype)  # [N, D]
+        x = F.embedding(ids, self.embed)  # [N, hidden]
+        for layer, lw in enumerate(self.layers):
+            q, k, v = self._qkv(layer, lw, x, cos, sin)  # q [N, H, D]; k, v [N, KVH, D]
+            x = self._finish_layer(layer, lw, x, self._attend(layer, q, k, v))
+        return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def _attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """This forward's attention in one layer: [N, H * D]."""
+        if torch.compiler.is_compiling():
+            assert self._handle is not None
+            return ops.attend(q, k, v, self._handle, layer)
+        assert self._attention is not None
+        return self._attention.attend(self, layer, q, k, v)
+
+    def _linear(self, layer: int, slot: int, lin: AnyLinear, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s projection `slot` (0 qkv, 1 o_proj, 2 gate_up, 3 down) over x."""
+        if torch.compiler.is_compiling():
+            assert self._handle is not None
+            return ops.linear(x, self._handle, 4 * layer + slot, lin.out_features)
+        return lin(x)
 
     def _qkv(
-        self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, layer: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [B, T, hidden] -> q [B, H, T, D], k and v [B, KVH, T, D] (q and k after RoPE)."""
+        """x: [N, hidden] -> q [N, H, D], k and v [N, KVH, D] (q and k after RoPE)."""
         c = self.config
-        b, t, _ = x.shape
-        qkv = lw.qkv(rms_norm(x, lw.input_norm, c.rms_norm_eps))
+        n, d = x.shape[0], c.head_dim
+        qkv = self._linear(layer, 0, lw.qkv, rms_norm(x, lw.input_norm, c.rms_norm_eps))
         if lw.q_norm is None and lw.k_norm is None:
             # RoPE over the query and key heads at once: half the operations (same values)
             heads = c.num_heads + c.num_kv_heads
-            qk, v = qkv.split([heads * c.head_dim, c.num_kv_heads * c.head_dim], dim=-1)
-            qk = apply_rope(qk.view(b, t, heads, c.head_dim).transpose(1, 2), cos, sin)
+            qk, v = qkv.split([heads * d, c.num_kv_heads * d], dim=-1)
+            qk = apply_rope(qk.view(n, heads, d), cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            return q, k, v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k, v = qkv.split(
-            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
-            dim=-1,
-        )
-        q = q.view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-        k = k.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = v.view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            return q, k, v.view(n, c.num_kv_heads, d)
+        q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        q = q.view(n, c.num_heads, d)
+        k = k.view(n, c.num_kv_heads, d)
+        v = v.view(n, c.num_kv_heads, d)
         if lw.q_norm is not None and lw.k_norm is not None:
             q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _finish_layer(self, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP, residual. x: [B, T, hidden]; attn: [B, T, H * D]."""
+    def _finish_layer(
+        self, layer: int, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor
+    ) -> torch.Tensor:
+        """Output projection, residual, MLP, residual. x: [N, hidden]; attn: [N, H * D]."""
         c = self.config
-        out = lw.o_proj(attn)
+        out = self._linear(layer, 1, lw.o_proj, attn)
         if self.reduce is not None:
             out = self.reduce(out)
         x = x + out
-        gate, up = lw.gate_up(rms_norm(x, lw.post_norm, c.rms_norm_eps)).chunk(2, dim=-1)
-        out = lw.down(F.silu(gate) * up)
+        normed = rms_norm(x, lw.post_norm, c.rms_norm_eps)
+        gate, up = self._linear(layer, 2, lw.gate_up, normed).chunk(2, dim=-1)
+        out = self._linear(layer, 3, lw.down, F.silu(gate) * up)
         if self.reduce is not None:
             out = self.reduce(out)
         return x + out
 
     def _group_queries(self, q: torch.Tensor) -> torch.Tensor:
-        """q: [B, H, T, D] -> [B, KVH, G * T, D]: each KV head's query heads side by side, so
+        """q: [B, T, H, D] -> [B, KVH, G * T, D]: each KV head's query heads side by side, so
         attention reads the shared K/V once instead of repeating it per query head."""
-        b, _, t, d = q.shape
+        b, t, _, d = q.shape
         c = self.config
-        return q.reshape(b, c.num_kv_heads, c.group_size * t, d)
+        return q.transpose(1, 2).reshape(b, c.num_kv_heads, c.group_size * t, d)
 
     def _causal_mask(self, positions: torch.Tensor, columns: int) -> torch.Tensor:
         """[G * T, columns] bool for queries at absolute `positions` [T] over the first
@@ -142,11 +239,11 @@ class LlamaModel:
         return causal.repeat(self.config.group_size, 1)
 
     def _ungroup(self, out: torch.Tensor, t: int) -> torch.Tensor:
-        """[B, KVH, G * T, D] -> [B, T, H * D]."""
+        """[B, KVH, G * T, D] -> [B * T, H * D]."""
         b = out.shape[0]
         c = self.config
-        out = out.view(b, c.num_heads, t, c.head_dim).transpose(1, 2)
-        return out.reshape(b, t, c.num_heads * c.head_dim)
+        out = out.reshape(b, c.num_heads, t, c.head_dim).transpose(1, 2)
+        return out.reshape(b * t, c.num_heads * c.head_dim)
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -175,26 +272,16 @@ class LlamaModel:
         total = start + len(new)
         if total > c.context_len:
             raise ValueError(f"sequence of {total} tokens exceeds the context of {c.context_len}")
-        dev, dt = self.device, self.dtype
+        dev = self.device
         keys, values = self._kv_buffers(past, total, reserve, extend)
         ids = torch.tensor(new, dtype=torch.long, device=dev)
         hidden_out = []
         for lo in range(0, len(new), chunk_size):
             hi = min(lo + chunk_size, len(new))
             a, b = start + lo, start + hi  # absolute columns of this chunk
-            positions = torch.arange(a, b, device=dev)[None, :]  # [1, T]
-            cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, dt)
-            mask = self._causal_mask(positions[0], b)
-            x = F.embedding(ids[lo:hi], self.embed)[None]  # [1, T, hidden]
-            for lw, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
-                q, k, v = self._qkv(lw, x, cos, sin)
-                k_cache[:, :, a:b] = k
-                v_cache[:, :, a:b] = v
-                out = F.scaled_dot_product_attention(
-                    self._group_queries(q), k_cache[:, :, :b], v_cache[:, :, :b], attn_mask=mask
-                )
-                x = self._finish_layer(lw, x, self._ungroup(out, hi - lo))
-            hidden_out.append(rms_norm(x[0], self.norm, c.rms_norm_eps))
+            positions = torch.arange(a, b, device=dev)
+            chunk = _SequenceAttention(keys, values, a, b, self._causal_mask(positions, b))
+            hidden_out.append(self._run(ids[lo:hi], positions, chunk))
         return _snapshot(keys, values, past, new), torch.cat(hidden_out)
 
     def _kv_buffers(
@@ -277,8 +364,7 @@ class LlamaModel:
         # RoPE positions and token ids of every token of the forward: decode rows, then chunks
         positions = [s.positions for s in steps]
         ids = [flat_tokens]
-        riders = []  # per chunk: (its rows in the forward, K/V buffers, columns, mask)
-        at = n_dec
+        riders: list[_SequenceAttention] = []
         for chunk in chunks:
             new = list(chunk.token_ids)
             start = chunk.past.length if chunk.past is not None else 0
@@ -290,29 +376,10 @@ class LlamaModel:
             positions.append(chunk_pos)
             ids.append(torch.tensor(new, dtype=torch.long, device=self.device))
             mask = self._causal_mask(chunk_pos, total)
-            riders.append(((at, at + len(new)), keys, values, (start, total), mask))
-            at += len(new)
+            riders.append(_SequenceAttention(keys, values, start, total, mask))
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, rows[None], self.dtype)
         flat = torch.cat(ids) if len(ids) > 1 else ids[0]
-        x = F.embedding(flat, self.embed)[None]  # [1, N + n, hidden]: every token a row
-        for layer, lw in enumerate(self.layers):
-            q, k, v = self._qkv(lw, x, cos, sin)  # q [1, H, N + n, D]; k, v [1, KVH, N + n, D]
-            outs = [s.attend(self, layer, q, k, v) for s in steps]  # each [n_g, H * D]
-            parts = [(outs[0] if len(outs) == 1 else torch.cat(outs))[None]]  # [1, N, H * D]
-            for (lo, hi), keys, values, (start, total), mask in riders:
-                k_cache, v_cache = keys[layer], values[layer]
-                k_cache[:, :, start:total] = k[:, :, lo:hi]
-                v_cache[:, :, start:total] = v[:, :, lo:hi]
-                chunk_out = F.scaled_dot_product_attention(
-                    self._group_queries(q[:, :, lo:hi]),
-                    k_cache[:, :, :total],
-                    v_cache[:, :, :total],
-                    attn_mask=mask,
-                )
-                parts.append(self._ungroup(chunk_out, hi - lo))
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            x = self._finish_layer(lw, x, attn)
+        hidden = self._run(flat, rows, _StepAttention(steps, riders))  # [N + n, hidden]
         for step in steps:
             step.advance()
         at = 0
@@ -320,16 +387,18 @@ class LlamaModel:
         for row, n in zip(batch.token_ids, counts, strict=True):
             row.extend(fed[at : at + n])
             at += n
-        hidden = rms_norm(x[0, :n_dec], self.norm, c.rms_norm_eps)
         if not chunks:
             return StepOutput(hidden)
-        lasts = torch.tensor([hi - 1 for (_, hi), *_ in riders], device=self.device)
-        last = rms_norm(x[0, lasts], self.norm, c.rms_norm_eps)  # [chunks, hidden]
+        lasts, at = [], n_dec
+        for rider in riders:
+            at += rider.tokens
+            lasts.append(at - 1)
+        last = hidden[torch.tensor(lasts, device=self.device)]  # [chunks, hidden]
         snapshots = tuple(
-            _snapshot(keys, values, chunk.past, list(chunk.token_ids))
-            for chunk, (_, keys, values, _, _) in zip(chunks, riders, strict=True)
+            _snapshot(r.keys, r.values, chunk.past, list(chunk.token_ids))
+            for chunk, r in zip(chunks, riders, strict=True)
         )
-        return StepOutput(hidden, snapshots, tuple(last))
+        return StepOutput(hidden[:n_dec], snapshots, tuple(last))
 
     def _group_step(self, group: KvGroup, counts: Sequence[int], first: int) -> _GroupStep:
         """What one step does in one group, whose rows' tokens start at `first` of the
@@ -344,6 +413,18 @@ class LlamaModel:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
         with torch.inference_mode():
             return self.lm_head(hidden).float()
+
+
+class Attention(Protocol):
+    """What one forward's tokens attend to in each layer (and where their K/V go)."""
+
+    tokens: int  # the forward's tokens this attention covers
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [N, H, D], k and v [N, KVH, D] (this layer's, every token's) -> [N, H * D]."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -394,6 +475,10 @@ class _UniformStep:
     mask: torch.Tensor | None
     positions: torch.Tensor  # [B_g]
 
+    @property
+    def tokens(self) -> int:
+        return self.group.batch_size
+
     def advance(self) -> None:
         self.group.steps += 1
 
@@ -403,14 +488,15 @@ class _UniformStep:
         """This group's rows' attention, [B_g, H * D]."""
         group, lo = self.group, self.first
         hi = lo + group.batch_size
-        q_g = model._group_queries(q[0, :, lo:hi].transpose(0, 1)[:, :, None])
+        c = model.config
         k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
-        k_cache[:, :, col] = k[0, :, lo:hi].transpose(0, 1)
-        v_cache[:, :, col] = v[0, :, lo:hi].transpose(0, 1)
+        k_cache[:, :, col] = k[lo:hi]
+        v_cache[:, :, col] = v[lo:hi]
+        q_g = q[lo:hi].reshape(hi - lo, c.num_kv_heads, c.group_size, c.head_dim)
         out = F.scaled_dot_product_attention(
             q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], attn_mask=self.mask
-        )
-        return model._ungroup(out, 1)[:, 0]
+        )  # [B_g, KVH, G, D]: one query per row and head
+        return out.reshape(hi - lo, c.num_heads * c.head_dim)
 
 
 @dataclass(frozen=True)
@@ -432,6 +518,10 @@ class _RaggedStep:
     columns: int  # KV columns attended
     positions: torch.Tensor  # [n_g]: the RoPE position of each token, in the forward's order
     first: int = 0  # the group's first token in the forward
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts)
 
     def advance(self) -> None:
         self.group.advance(self.counts)
@@ -472,23 +562,86 @@ class _RaggedStep:
         even = len(self.keep) == b * t
         if even:  # as many tokens in every row: they lie in order, [B_g, T] of them
             lo = self.first
-            q_t, k_t, v_t = (
-                x[0][:, lo : lo + b * t].unflatten(1, (b, t)) for x in (q, k, v)
-            )  # [heads, B_g, T, D]
+            q_t, k_t, v_t = (x[lo : lo + b * t].unflatten(0, (b, t)) for x in (q, k, v))
         else:
-            q_t, k_t, v_t = (x[0][:, self.take] for x in (q, k, v))
-        q_g = model._group_queries(q_t.transpose(0, 1))  # [B_g, KVH, G * T, D]
+            q_t, k_t, v_t = (x[self.take] for x in (q, k, v))  # [B_g, T, heads, D]
         k_cache, v_cache = self.group.keys[layer], self.group.values[layer]
-        k_cache[self.rows, :, self.cols] = k_t.permute(1, 2, 0, 3)
-        v_cache[self.rows, :, self.cols] = v_t.permute(1, 2, 0, 3)
+        k_cache[self.rows, :, self.cols] = k_t
+        v_cache[self.rows, :, self.cols] = v_t
         out = F.scaled_dot_product_attention(
-            q_g,
+            model._group_queries(q_t),  # [B_g, KVH, G * T, D]
             k_cache[:, :, : self.columns],
             v_cache[:, :, : self.columns],
             attn_mask=self.mask,
         )
-        out = model._ungroup(out, t).reshape(b * t, -1)
+        out = model._ungroup(out, t)  # [B_g * T, H * D]
         return out if even else out[self.keep]
+
+
+@dataclass(frozen=True)
+class _SequenceAttention:
+    """One sequence's tokens at columns [start, total) of its own K/V buffers (a prompt's
+    chunk, alone or riding a decode step): each token sees the columns up to its own."""
+
+    keys: list[torch.Tensor]  # per layer [1, KVH, capacity, D]
+    values: list[torch.Tensor]
+    start: int
+    total: int
+    mask: torch.Tensor  # [G * T, total] (see LlamaModel._causal_mask)
+
+    @property
+    def tokens(self) -> int:
+        return self.total - self.start
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
+        k_cache, v_cache = self.keys[layer], self.values[layer]
+        k_cache[0, :, self.start : self.total] = k.transpose(0, 1)
+        v_cache[0, :, self.start : self.total] = v.transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            model._group_queries(q[None]),
+            k_cache[:, :, : self.total],
+            v_cache[:, :, : self.total],
+            attn_mask=self.mask,
+        )
+        return model._ungroup(out, self.tokens)
+
+
+@dataclass(frozen=True)
+class _NoAttention:
+    """Attention that reads and writes no cache (zeros out): what `compile` traces with."""
+
+    tokens: int
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@dataclass(frozen=True)
+class _StepAttention:
+    """A decode (or verify) step's: each KV group's rows, then each riding chunk's tokens."""
+
+    steps: Sequence[_GroupStep]
+    riders: Sequence[_SequenceAttention]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in (*self.steps, *self.riders))
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        outs = [s.attend(model, layer, q, k, v) for s in self.steps]
+        at = sum(s.tokens for s in self.steps)
+        for rider in self.riders:
+            hi = at + rider.tokens
+            outs.append(rider.attend(model, layer, q[at:hi], k[at:hi], v[at:hi]))
+            at = hi
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 _GroupStep = _UniformStep | _RaggedStep

@@ -42,16 +42,18 @@ T = TypeVar("T")
 # peer names, in the order the table shows them
 NEURONPY = "neuronpy"
 NEURONPY_SERIAL = "neuronpy-serial"
+NEURONPY_EAGER = "neuronpy-eager"
 NEURONPY_SPEC = "neuronpy-spec"  # neuronpy with speculative decoding (bench --speculative)
 # with --tensor-parallel N: the same engine on one device, beside the split one
 NEURONPY_ONE_DEVICE = "neuronpy-1-device"
 HF_SERIAL = "hf-generate"
 HF_STATIC = "hf-static"
 HF_CB = "hf-generate-batch"
-PEERS = (NEURONPY_SERIAL, HF_SERIAL, HF_STATIC, HF_CB)
+PEERS = (NEURONPY_SERIAL, NEURONPY_EAGER, HF_SERIAL, HF_STATIC, HF_CB)
 
 PEER_HELP = {
     NEURONPY_SERIAL: "neuronpy with max_in_flight=1 (one request at a time)",
+    NEURONPY_EAGER: "neuronpy with its layers run eagerly (compile off)",
     HF_SERIAL: "transformers generate(), one request at a time",
     HF_STATIC: "transformers generate() over static left-padded batches (K wide in W1)",
     HF_CB: "transformers continuous batching (the manager behind model.generate_batch)",

@@ -22,6 +22,7 @@ from neuronpy.bench.peers import (
     HF_SERIAL,
     HF_STATIC,
     NEURONPY,
+    NEURONPY_EAGER,
     NEURONPY_ONE_DEVICE,
     NEURONPY_SERIAL,
     NEURONPY_SPEC,
@@ -144,11 +145,17 @@ def load_weights(config: BenchConfig, progress: Progress) -> Weights:
 
 
 def _engine_config(
-    config: BenchConfig, max_in_flight: int, max_queue: int, speculative: bool = False
+    config: BenchConfig,
+    max_in_flight: int,
+    max_queue: int,
+    speculative: bool = False,
+    compile: str = "auto",
 ) -> Any:
     from neuronpy.config import EngineConfig
 
     options: dict[str, Any] = {"max_in_flight": max_in_flight, "max_queue": max_queue}
+    if compile != "auto":
+        options["compile"] = compile
     if speculative:
         options["speculative"] = config.speculative
         if config.num_speculative_tokens is not None:
@@ -185,8 +192,10 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
             weights.hf_model, weights.tokenizer, name=weights.name, config=engine_config
         )
 
-    def neuronpy(name: str, max_in_flight: int, url: str | None, spec: bool = False) -> System:
-        engine_config = _engine_config(config, max_in_flight, queue, spec)
+    def neuronpy(
+        name: str, max_in_flight: int, url: str | None, spec: bool = False, compile: str = "auto"
+    ) -> System:
+        engine_config = _engine_config(config, max_in_flight, queue, spec, compile)
         if config.drive == "http" and url is not None:
             return NeuronpyHttp(name, url=url, model=weights.name)
         if config.drive == "http":
@@ -212,6 +221,8 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
             serial = neuronpy(NEURONPY_SERIAL, 1, None)
             serial.workloads = frozenset({"W1", "W2", "W3", "W5"})  # W4's join needs a batch
             systems.append(serial)
+        elif peer == NEURONPY_EAGER:
+            systems.append(neuronpy(NEURONPY_EAGER, width, None, compile="off"))
         elif peer == HF_SERIAL:
             systems.append(
                 HfGenerate(

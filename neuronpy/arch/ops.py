@@ -1,0 +1,98 @@
+"""The two operations a compiled forward leaves to the model itself: its linear layers and its
+attention, called by handle from the graph PyTorch's compiler builds around them.
+
+A compiled graph holds tensors and numbers, not Python objects. The model's linear layers keep
+weights the graph cannot hold (oneDNN-packed, int8: opaque layouts), and its attention runs
+the step's own plan (KV groups, riding chunks, verify steps) over caches that live outside the
+graph and change every step. So the graph calls these two operators with a handle (a 0-d int64
+tensor naming the model, a graph input like any other, so one graph serves every model of the
+same shape) and plain ints (which projection, which layer); each finds the model and runs its
+eager code. Everything between them (norms, RoPE, residuals, SiLU, the embedding) is the
+compiler's to fuse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Protocol
+
+import torch
+
+
+class Opaque(Protocol):
+    """What the operators call on the model a handle names."""
+
+    def linear_at(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Projection `index` (4 per layer: qkv, o_proj, gate_up, down) over x."""
+        ...
+
+    def attend_at(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """The running forward's attention in `layer`: [N, H * D]."""
+        ...
+
+
+_MODELS: dict[int, weakref.ref[Opaque]] = {}
+_KEYS = itertools.count()
+
+
+def register(model: Opaque) -> torch.Tensor:
+    """A handle for `model` (held weakly: the handle dies with it)."""
+    key = next(_KEYS)
+    _MODELS[key] = weakref.ref(model, lambda _: _MODELS.pop(key, None))
+    return torch.tensor(key, dtype=torch.long)
+
+
+def _model(handle: torch.Tensor) -> Opaque:
+    model = _MODELS[int(handle)]()
+    if model is None:
+        raise RuntimeError("a compiled forward ran for a model that no longer exists")
+    return model
+
+
+_LIB = torch.library.Library("neuronpy", "DEF")
+_LIB.define("linear(Tensor x, Tensor model, int index, int out_features) -> Tensor")
+_LIB.define("attend(Tensor q, Tensor k, Tensor v, Tensor model, int layer) -> Tensor")
+
+
+def _linear(x: torch.Tensor, model: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    return _model(model).linear_at(index, x)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return _model(model).attend_at(layer, q, k, v)
+
+
+# (a Library kernel costs about a third of what a torch.library.custom_op does per call)
+_LIB.impl("linear", _linear, "CompositeExplicitAutograd")
+_LIB.impl("attend", _attend, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("neuronpy::linear")
+def _linear_shape(
+    x: torch.Tensor, model: torch.Tensor, index: int, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.register_fake("neuronpy::attend")
+def _attend_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def linear(x: torch.Tensor, model: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    """In a compiled graph: the model's projection `index` over x ([..., out_features])."""
+    return torch.ops.neuronpy.linear(x, model, index, out_features)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: torch.Tensor, layer: int
+) -> torch.Tensor:
+    """In a compiled graph: the model's running attention in `layer` ([N, H * D])."""
+    return torch.ops.neuronpy.attend(q, k, v, model, layer)
