@@ -23,6 +23,7 @@ import transformers
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
 from neuronpy.arch.calibration import CALIBRATION_TEXT
+from neuronpy.arch.linear import native_bf16
 from neuronpy.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """'auto' -> float32 on CPU, bfloat16 on CUDA where supported (else float16), float16 on MPS."""
+    """'auto' -> bfloat16 on a CPU that runs it natively (avx512_bf16 or AMX), else float32;
+    bfloat16 on CUDA where supported (else float16); float16 on MPS."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ModelLoadError(f"unknown dtype '{dtype}'; use auto, {', '.join(DTYPES)}")
@@ -102,7 +104,7 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if kind == "mps":
         return torch.float16
-    return torch.float32
+    return torch.bfloat16 if native_bf16() else torch.float32
 
 
 def load_pretrained(

@@ -63,11 +63,14 @@ class RunningServer:
         return stats
 
 
-def engine_loader(model_dir: Path = TINY_LLAMA, **config: Any) -> Callable[[], Engine]:
-    """What `create_app` calls to build an engine: a fixture model with an EngineConfig."""
+def engine_loader(
+    model_dir: Path = TINY_LLAMA, dtype: str = "float32", **config: Any
+) -> Callable[[], Engine]:
+    """What `create_app` calls to build an engine: a fixture model with an EngineConfig, in
+    float32 unless told otherwise (the exact mode: greedy output batched == alone)."""
 
     def load() -> Engine:
-        weights = load_pretrained(str(model_dir))
+        weights = load_pretrained(str(model_dir), dtype=dtype)
         return engine_from_hf(
             weights.hf_model, weights.tokenizer, name=weights.name, config=EngineConfig(**config)
         )

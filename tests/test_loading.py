@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from neuronpy.arch.linear import native_bf16
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import (
     DEFAULT_MODEL_FILE,
@@ -122,7 +123,7 @@ def test_fixture_dir_loads_ready_to_serve() -> None:
     weights = load_pretrained(str(TINY_LLAMA))
     assert weights.name == "tiny-llama"
     assert not weights.hf_model.training
-    assert weights.hf_model.dtype == torch.float32
+    assert weights.hf_model.dtype == resolve_dtype("auto", "cpu")
     assert weights.hf_model.device.type == "cpu"
     assert weights.tokenizer.eos_token == "<|im_end|>"
     assert weights.source == str(TINY_LLAMA)
@@ -156,8 +157,17 @@ def test_dtype_is_applied() -> None:
     assert weights.hf_model.dtype == torch.bfloat16
 
 
-def test_auto_dtype_is_float32_on_cpu() -> None:
-    assert resolve_dtype("auto", "cpu") == torch.float32
+def test_auto_dtype_on_cpu_is_bfloat16_where_the_cpu_runs_it(tmp_path: Path) -> None:
+    """bfloat16 on a CPU with avx512_bf16 or AMX (its flags say so), else float32."""
+    flags = "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni"
+    plain, native = tmp_path / "plain", tmp_path / "native"
+    plain.write_text(f"processor\t: 0\n{flags}\n")
+    native.write_text(f"processor\t: 0\n{flags} avx512_bf16 amx_tile amx_bf16\n")
+    assert not native_bf16(str(plain)) and not native_bf16(str(tmp_path / "no-such-file"))
+    assert native_bf16(str(native)) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    expected = torch.bfloat16 if native_bf16() else torch.float32
+    assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("float32", "cpu") == torch.float32
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         resolve_dtype("float8", "cpu")
 
@@ -179,7 +189,7 @@ def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
 def test_gguf_converts_once_then_loads_from_the_cache(tiny_gguf: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     messages: list[str] = []
-    first = load_pretrained(str(tiny_gguf), cache_dir=cache, log=messages.append)
+    first = load_pretrained(str(tiny_gguf), dtype="float32", cache_dir=cache, log=messages.append)
     assert any(m.startswith("converting") for m in messages)
     entry = gguf_cache_entry(tiny_gguf, cache)
     assert (entry / "model.safetensors").is_file() and (entry / "tokenizer.json").is_file()
@@ -199,7 +209,7 @@ def test_gguf_converts_once_then_loads_from_the_cache(tiny_gguf: Path, tmp_path:
     ) == ref_tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
 
     messages.clear()
-    second = load_pretrained(str(tiny_gguf), cache_dir=cache, log=messages.append)
+    second = load_pretrained(str(tiny_gguf), dtype="float32", cache_dir=cache, log=messages.append)
     assert any("cache hit" in m for m in messages)
     assert not any(m.startswith("converting") for m in messages)
     torch.testing.assert_close(logits(second.hf_model, ids), logits(reference, ids))

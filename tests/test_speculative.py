@@ -564,6 +564,7 @@ def test_server_with_a_draft_model_from_its_config(tmp_path) -> None:
     config.write_text(
         f'[[models]]\nname = "tiny-llama"\npath = "{fixture_dir("tiny-llama")}"\n'
         f'speculative = "draft"\ndraft_model = "{fixture_dir("tiny-mistral")}"\n'
+        'dtype = "float32"\n'  # as fixture_model's
     )
     (spec,) = load_config(config).models
     with run_server({"tiny-llama": lambda: load_engine("tiny-llama", spec)}) as server:

@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights dtype for every system (default auto: float32 on CPU)",
+        help="weights dtype for every system (default auto: bfloat16 on a CPU with avx512_bf16 "
+        "or AMX, else float32)",
     )
     model.add_argument(
         "--device", default="auto", help="auto, cpu, cuda, cuda:N or mps (default auto)"
