@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,7 +19,7 @@ from neuronpy.config import Config, load_config
 from neuronpy.defaults import COMPILE_MODES, DTYPES, QUANTIZE_MODES, SPECULATIVE_METHODS
 from neuronpy.engine.engine import Engine
 from neuronpy.errors import ModelLoadError
-from neuronpy.loading import resolve_spec
+from neuronpy.loading import default_cache_dir, resolve_spec
 from neuronpy.server.app import ServerState, create_app
 from neuronpy.server.connections import HeadTimeoutProtocol
 
@@ -243,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # PyTorch's compile cache beside neuronpy's own, where a reboot does not clear it (read
+    # before anything compiles or loads: loading a model sets PyTorch's default under /tmp)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
     if args.command == "bench":
         return bench_cli.run(args)
     if args.command == "tp-follower":

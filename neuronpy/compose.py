@@ -11,7 +11,7 @@ from typing import Any
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.engine.engine import Engine
-from neuronpy.loading import calibration_ids, default_cache_dir, eos_token_ids, load_pretrained
+from neuronpy.loading import calibration_ids, eos_token_ids, load_pretrained
 from neuronpy.worker.session_files import model_fingerprint
 from neuronpy.worker.tp import (
     DEFAULT_STARTUP_TIMEOUT,
@@ -57,12 +57,11 @@ def engine_from_hf(
 
 
 def compile_model(model: LlamaModel, name: str, mode: str) -> None:
-    """Compiles the model's layers as `mode` says ("auto": on the CPU; see EngineConfig), with
-    PyTorch's compile cache under the neuronpy cache directory unless TORCHINDUCTOR_CACHE_DIR
-    says otherwise. A model the compiler cannot take runs eagerly, and the log says why."""
+    """Compiles the model's layers as `mode` says ("auto": on the CPU; see EngineConfig). A
+    model the compiler cannot take runs eagerly, and the log says why."""
     if mode == "off" or (mode == "auto" and model.device.type != "cpu"):
         return
-    cache = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "PyTorch's default")
     log.info(
         "%s: compiling its layers (PyTorch's inductor: about a minute the first time, a few "
         "seconds from the cache in %s after)",

@@ -79,7 +79,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            # (the overload itself: resolving it from the packet costs a few µs a call)
+            return torch.ops.mkldnn._linear_pointwise.default(
+                x, self._packed, self.bias, "none", [], ""
+            )
         return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]
 
 

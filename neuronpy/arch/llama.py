@@ -3,6 +3,7 @@ snapshot, and the lockstep (B, 1) decode step over a live batch."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -129,8 +130,9 @@ class LlamaModel:
         if self.reduce is not None:
             raise NotImplementedError("a tensor-parallel shard runs eagerly")
         self._handle = ops.register(self)
-        # rounding where eager rounds (bf16, fp16): compiled or not, the same answers
-        options = {"emulate_precision_casts": True}
+        # rounding where eager rounds (bf16, fp16): compiled or not, the same answers; and the
+        # graph's own calls made from C++ rather than a Python wrapper (a step ~2% faster)
+        options = {"emulate_precision_casts": True, "cpp_wrapper": True}
         compiled = torch.compile(self._layers, dynamic=True, fullgraph=True, options=options)
         self._attention = _NoAttention(2)
         try:
@@ -143,8 +145,11 @@ class LlamaModel:
 
     def linear_at(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Projection `index` (4 per layer: qkv, o_proj, gate_up, down) over x (arch/ops)."""
-        lw = self.layers[index // 4]
-        return (lw.qkv, lw.o_proj, lw.gate_up, lw.down)[index % 4](x)
+        return self._projections[index](x)
+
+    @functools.cached_property
+    def _projections(self) -> list[AnyLinear]:
+        return [p for lw in self.layers for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
 
     def attend_at(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
