@@ -130,9 +130,10 @@ class LlamaModel:
         if self.reduce is not None:
             raise NotImplementedError("a tensor-parallel shard runs eagerly")
         self._handle = ops.register(self)
-        # rounding where eager rounds (bf16, fp16): compiled or not, the same answers; and the
-        # graph's own calls made from C++ rather than a Python wrapper (a step ~2% faster)
-        options = {"emulate_precision_casts": True, "cpp_wrapper": True}
+        # rounding where eager rounds (bf16, fp16): compiled or not, the same answers. (Not
+        # inductor's cpp_wrapper: 2% faster alone, but it hands the GIL back and forth so
+        # often that a busy event loop beside it made a step ~20x slower)
+        options = {"emulate_precision_casts": True}
         compiled = torch.compile(self._layers, dynamic=True, fullgraph=True, options=options)
         self._attention = _NoAttention(2)
         try:

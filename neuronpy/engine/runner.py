@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -73,6 +74,18 @@ OnSaved = Callable[[Request, str | None], None]
 Spawn = Callable[[Callable[[], Awaitable[None]], str], None]
 
 
+async def result_of(fut: Future[T]) -> T:
+    """A worker job's result. On asyncio the worker's completion wakes the event loop itself
+    (a thread waiting on the future in between cost every job one more thread hop, and one more
+    turn at the GIL beside the worker); elsewhere a thread waits. Cancelling the wait leaves
+    the job running, as the worker's jobs must."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # another event loop (trio)
+        return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
+    return await asyncio.shield(asyncio.wrap_future(fut))
+
+
 class Runner:
     """Runs plans on one device worker. A job's error is raised where that job is awaited, so
     the engine knows which job failed; each request's sampler lives here, by request id."""
@@ -100,7 +113,7 @@ class Runner:
         fut: Future[Any] = self.worker.submit(job)
         if meanwhile is not None:
             meanwhile()
-        return await anyio.to_thread.run_sync(fut.result, abandon_on_cancel=True)
+        return await result_of(fut)
 
     async def _timed(
         self, job: Job, constrained: Sequence[Request] = ()
