@@ -14,6 +14,7 @@ from types import FrameType
 import uvicorn
 
 from neuronpy.bench import cli as bench_cli
+from neuronpy.bench import quality
 from neuronpy.compose import load_engine
 from neuronpy.config import Config, load_config
 from neuronpy.defaults import COMPILE_MODES, DTYPES, QUANTIZE_MODES, SPECULATIVE_METHODS
@@ -149,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--quantize",
         choices=QUANTIZE_MODES,
-        help="int8: int8 weights and per-row int8 activations, faster on CPU (default none)",
+        help="what the weights become: auto (a GGUF file's 4- and 8-bit weights kept as they "
+        "are, a float checkpoint's too; default), none (floating point: a quantized file "
+        "dequantized), int4 / int4-g64 / int4-g128 (4-bit groups of 32, 64, 128, weight-only), "
+        "int8-weight (8 bits per channel, weight-only), int8 (int8 weights and activations)",
     )
     serve.add_argument(
         "--compile",
@@ -190,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where this machine keeps the same weights, when not at rank 0's path",
     )
     bench_cli.add_parser(commands)
+    quality.add_parser(commands)
     return parser
 
 
@@ -249,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default_cache_dir() / "inductor"))
     if args.command == "bench":
         return bench_cli.run(args)
+    if args.command == "eval":
+        return quality.run(args)
     if args.command == "tp-follower":
         from neuronpy.worker.tp import RankLostError, run_follower
 

@@ -70,7 +70,9 @@ class EngineConfig:
     # how much a joiner's prompt chunk may lengthen a decode step, in decode steps: smaller
     # keeps the decoding rows' inter-token gaps smoother, larger lets prompts join sooner
     chunk_steps: float = DEFAULT_CHUNK_STEPS
-    quantize: str = "none"  # "int8": int8 weights and per-row int8 activations (CPU)
+    # what the weights become (defaults.QUANTIZE_MODES): "auto" keeps a quantized GGUF file's
+    # 4- and 8-bit weights as they are and a float checkpoint's as they are
+    quantize: str = "auto"
     # the layers as one graph compiled at start-up (PyTorch's inductor, its cache on disk):
     # "auto" (on the CPU), "on" or "off" (eager); a model that cannot be compiled runs eagerly
     compile: str = "auto"

@@ -6,7 +6,12 @@ import math
 import re
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZE_MODES = ("none", "int8")
+# What a model's weights become (arch/linear.py's make_linear): "auto" keeps a quantized
+# checkpoint's quantization (a GGUF file's 4- and 8-bit tensors) and a float one as it is;
+# "none" computes in floating point (dequantizing); the weight-only modes quantize the weights
+# alone; "int8" weights and activations.
+WEIGHT_ONLY_MODES = ("int4", "int4-g64", "int4-g128", "int8-weight")
+QUANTIZE_MODES = ("auto", "none", *WEIGHT_ONLY_MODES, "int8")
 # whether the layers run as one compiled graph (PyTorch's inductor): "auto" (on the CPU, where
 # it is measured to pay; off elsewhere until it is), "on" or "off"
 COMPILE_MODES = ("auto", "on", "off")

@@ -23,6 +23,13 @@ import transformers
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
 from neuronpy.arch.calibration import CALIBRATION_TEXT
+from neuronpy.arch.config import ArchConfig
+from neuronpy.arch.gguf import (
+    NATIVE_ARCHITECTURES,
+    PERMUTED_ARCHITECTURES,
+    GGUFCheckpoint,
+    read_index,
+)
 from neuronpy.arch.linear import native_bf16
 from neuronpy.errors import ModelLoadError
 
@@ -136,9 +143,93 @@ def load_pretrained(
     return LoadedWeights(hf_model=model, tokenizer=tokenizer, name=name, source=source)
 
 
+def gguf_spec(spec: str | None) -> Path | None:
+    """The GGUF file `spec` names (None: the default model's), or None when it is not one."""
+    return resolve_spec(spec)[2]
+
+
+def load_gguf_checkpoint(
+    spec: str | None,
+    *,
+    dtype: str = "auto",
+    cache_dir: Path | None = None,
+    log: Callable[[str], None] = logger.info,
+) -> tuple[GGUFCheckpoint, transformers.PreTrainedTokenizerBase, str]:
+    """A GGUF file (spec as load_pretrained's) read as it is stored, on the CPU: its tensors
+    decoded one at a time (arch/gguf.py), never an fp32 copy of the model. Its config and
+    tokenizer are read from the file once and kept in the cache (a second start skips the
+    file's vocabulary). Returns (checkpoint, tokenizer, served name)."""
+    _, name, path = resolve_spec(spec)
+    if path is None:
+        raise ModelLoadError(f"'{spec}' is not a GGUF file")
+    torch_dtype = resolve_dtype(dtype, "cpu")
+    started = time.perf_counter()
+    fields, _ = read_index(path)
+    arch = fields.get("general.architecture")
+    if arch not in NATIVE_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path.name}: GGUF architecture {arch!r} is not read as it is stored (neuronpy "
+            f"reads {', '.join(NATIVE_ARCHITECTURES)} files so); pass --quantize none to load "
+            "it through transformers"
+        )
+    with _TRANSFORMERS:
+        config, tokenizer = _gguf_metadata(path, cache_dir or default_cache_dir(), log)
+    ArchConfig.from_hf(config)  # an architecture the layers cannot compute: refused here
+    permute = None
+    if arch in PERMUTED_ARCHITECTURES:
+        permute = (config.num_attention_heads, config.num_key_value_heads)
+    checkpoint = GGUFCheckpoint(
+        path,
+        config=config,
+        generation_config=transformers.GenerationConfig.from_model_config(config),
+        dtype=torch_dtype,
+        fingerprint=gguf_cache_key(path),
+        permute=permute,
+    )
+    log(
+        f"reading {path.name} as it is stored ({checkpoint.describe()}; computing in "
+        f"{torch_dtype}); metadata in {time.perf_counter() - started:.1f} s"
+    )
+    return checkpoint, tokenizer, name
+
+
+def _gguf_metadata(
+    path: Path, cache_dir: Path, log: Callable[[str], None]
+) -> tuple[Any, transformers.PreTrainedTokenizerBase]:
+    """A GGUF file's transformers config and tokenizer, from the cache when a start before
+    this one wrote them (the same key as the converted copies: gguf_cache_key)."""
+    entry = cache_dir / "gguf-meta" / gguf_cache_key(path)
+    if (entry / "neuronpy-cache.json").is_file():
+        try:
+            config = transformers.AutoConfig.from_pretrained(entry)
+            return config, transformers.AutoTokenizer.from_pretrained(entry)
+        except Exception as exc:  # a damaged entry: read the file again
+            log(f"ignoring the cached metadata in {entry} ({_reason(exc)})")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"could not read {path.name}: {_reason(exc)}") from exc
+    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "neuronpy-cache.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+        tmp.rename(entry)
+    except OSError as exc:  # a read-only cache costs a few seconds a start, nothing else
+        if not (entry / "neuronpy-cache.json").is_file():
+            log(f"could not cache {path.name}'s metadata in {entry.parent}: {exc}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return config, tokenizer
+
+
 def calibration_ids(hf_model: Any, tokenizer: Any, quantize: str) -> list[int]:
-    """The tokens a quantized model's activation ranges are measured on (none for "none")."""
-    if quantize == "none":
+    """The tokens the int8 mode's activation ranges are measured on (none for other modes)."""
+    if quantize != "int8":
         return []
     return list(tokenizer.encode(CALIBRATION_TEXT)[: hf_model.config.max_position_embeddings])
 

@@ -207,11 +207,11 @@ def test_model_flags_replace_the_files_models_and_flags_apply_to_every_model(
 def test_quantize_per_model_and_from_the_command_line(tmp_path: Path) -> None:
     text = TWO.replace('name = "qwen"', 'name = "qwen"\nquantize = "int8"')
     llama, qwen = load_config(write(tmp_path, text), environ={}).models
-    assert (llama.engine.quantize, qwen.engine.quantize) == ("none", "int8")
+    assert (llama.engine.quantize, qwen.engine.quantize) == ("auto", "int8")
     args = build_parser().parse_args(["serve", "--quantize", "int8"])
     assert config_from_args(args).models[0].engine.quantize == "int8"
-    with pytest.raises(ValueError, match="quantize must be one of none, int8"):
-        load_config(write(tmp_path, '[model]\nquantize = "int4"\n'), environ={})
+    with pytest.raises(ValueError, match="quantize must be one of auto, none, int4, "):
+        load_config(write(tmp_path, '[model]\nquantize = "int3"\n'), environ={})
 
 
 @pytest.mark.parametrize(
@@ -325,7 +325,7 @@ def test_every_engine_setting_is_written_in_exactly_one_table() -> None:
         ({"prefill_chunk": 0}, "prefill_chunk must be at least 1"),
         ({"prefix_cache": 1}, "prefix_cache must be true or false"),
         ({"prefix_cache_bytes": -1}, "prefix_cache_bytes must be at least 0"),
-        ({"quantize": "int4"}, "quantize must be one of none, int8"),
+        ({"quantize": "int3"}, "quantize must be one of auto, none, int4, int4-g64"),
         ({"reasoning_parser": "xml"}, "reasoning_parser must be one of auto, none, think"),
         ({"kv_budget": "lots"}, "kv_budget must be a number of bytes"),
     ],

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import openai
 import pydantic
 import pytest
 
-from neuronpy.compose import engine_from_hf
-from neuronpy.config import EngineConfig
+from neuronpy.arch.llama import LlamaModel
+from neuronpy.bench.quality import EVAL_TEXT, perplexity
+from neuronpy.compose import load_engine
+from neuronpy.config import ModelSpec
 from neuronpy.engine.engine import Engine
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import (
@@ -18,6 +21,7 @@ from neuronpy.loading import (
     default_cache_dir,
     default_model_path,
     gguf_cache_entry,
+    load_gguf_checkpoint,
     load_pretrained,
 )
 from tests.servers import RunningServer, run_server
@@ -31,10 +35,8 @@ except ModelLoadError as exc:
 
 
 def load_default() -> Engine:
-    weights = load_pretrained(None)  # converts the GGUF once into the user's cache
-    return engine_from_hf(
-        weights.hf_model, weights.tokenizer, name=weights.name, config=EngineConfig()
-    )
+    """What `neuronpy serve` builds: the GGUF read as it is stored, its Q4_1 weights kept."""
+    return load_engine(DEFAULT_MODEL_NAME, ModelSpec(device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -76,14 +78,37 @@ async def test_eight_concurrent_chats_are_batched_together(server: RunningServer
     assert after["finished"] - before["finished"] == 8
 
 
-def test_second_load_hits_the_gguf_cache(server: RunningServer) -> None:
+def test_second_dequantized_load_hits_the_gguf_cache() -> None:
+    """--quantize none converts the file through transformers once, then reads the copy."""
+    load_pretrained(None)  # converts, unless an earlier run did
     entry = gguf_cache_entry(GGUF, default_cache_dir())
-    assert (entry / "model.safetensors").is_file()  # the server's start-up filled it
+    assert (entry / "model.safetensors").is_file()
     messages: list[str] = []
     weights = load_pretrained(None, log=messages.append)
     assert any("cache hit" in m for m in messages)
     assert not any(m.startswith("converting") for m in messages)
     assert weights.name == DEFAULT_MODEL_NAME
+
+
+def test_the_default_model_keeps_its_q4_1_weights(tmp_path: Path) -> None:
+    """Read as stored: no converted copy is written, the projections stay 4-bit, the weights
+    take about what the file does, and the model is as good as its dequantized fp32 copy."""
+    messages: list[str] = []
+    checkpoint, tok, name = load_gguf_checkpoint(None, cache_dir=tmp_path, log=messages.append)
+    assert name == DEFAULT_MODEL_NAME
+    assert not (tmp_path / "gguf").exists()  # no safetensors conversion
+    assert "210 Q4_1 -> 4-bit groups of 32 (exact)" in messages[-1]
+    kept = LlamaModel.from_hf(checkpoint, quantize="auto")
+    assert "int4 g32 from Q4_1" in kept.describe_weights()
+    assert kept.weight_bytes() < 1.4 * GGUF.stat().st_size
+    # a second start reads the config and tokenizer from the cache, not the file's vocabulary
+    load_gguf_checkpoint(None, cache_dir=tmp_path)
+    assert (tmp_path / "gguf-meta").is_dir()
+    weights = load_pretrained(None, dtype="float32")
+    reference = LlamaModel.from_hf(weights.hf_model)
+    ids = tok.encode(EVAL_TEXT)
+    assert ids == weights.tokenizer.encode(EVAL_TEXT)
+    assert perplexity(kept, ids) < 1.01 * perplexity(reference, ids)
 
 
 class Country(pydantic.BaseModel):

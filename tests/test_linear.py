@@ -51,8 +51,13 @@ def test_int8_linear_is_close_and_bitwise_independent_of_other_rows() -> None:
 
 
 def test_unknown_quantize_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="int8"):
-        make_linear(torch.randn(2, 2), None, "int4")
+    with pytest.raises(ValueError, match="int8-weight"):
+        make_linear(torch.randn(2, 2), None, "int3")
+
+
+def test_int4_refuses_a_width_that_is_not_whole_groups() -> None:
+    with pytest.raises(ValueError, match="48 inputs is not a whole number of groups of 32"):
+        make_linear(torch.randn(16, 48), None, "int4")
 
 
 def test_int8_smoothing_tames_outlier_channels() -> None:

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from neuronpy.defaults import QUANTIZE_MODES
+from neuronpy.arch.quant import (
+    AnyWeight,
+    ChannelQuant,
+    GroupQuant,
+    Int4Linear,
+    Int8WeightLinear,
+    QuantEmbedding,
+    Quantized,
+    SubBlockQuant,
+    dequantized,
+)
+from neuronpy.defaults import QUANTIZE_MODES, WEIGHT_ONLY_MODES
 from neuronpy.envflags import env_flag
 
 log = logging.getLogger(__name__)
@@ -77,6 +89,19 @@ class Linear:
     def packed(self) -> bool:
         return self._packed is not None
 
+    @property
+    def kind(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return (self._packed if self._packed is not None else self.weight).dtype  # type: ignore[union-attr]
+
+    @property
+    def nbytes(self) -> int:
+        w = self._packed if self._packed is not None else self.weight
+        return w.nbytes + (0 if self.bias is None else self.bias.nbytes)  # type: ignore[union-attr]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             # (the overload itself: resolving it from the packet costs a few µs a call)
@@ -133,6 +158,12 @@ class Int8Linear:
         self._guard[0, 0], self._guard[0, -1] = 1.0, -1.0
         self.dtype = weight.dtype
 
+    kind = "int8 (W8A8)"
+
+    @property
+    def nbytes(self) -> int:
+        return self.out_features * (self.in_features + 8)  # int8 values, a scale and zero each
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features).float()  # [N, in]
@@ -146,16 +177,101 @@ class Int8Linear:
         return y.to(self.dtype).reshape(*lead, self.out_features)
 
 
+class FusedLinear:
+    """Projections that read one input, run side by side and concatenated: what a fused
+    q/k/v or gate/up becomes when a checkpoint stores its parts in different types (a
+    Q4_K_M file's Q6_K v beside Q4_K q and k)."""
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.in_features = parts[0].in_features
+        self.bias = None
+        self.kind = " + ".join(p.kind for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+AnyLinear = Linear | Int8Linear | Int4Linear | Int8WeightLinear | FusedLinear
+
+
+def int4_group(quantize: str) -> int:
+    """The group size an "int4" mode names ("int4": 32; "int4-g128": 128)."""
+    return int(quantize.partition("-g")[2] or 32)
+
+
+def head_mode(quantize: str) -> str:
+    """What the vocabulary projection becomes under `quantize`: 8 bits per channel where the
+    others get 4 (the head's errors reach every logit directly: a 4-bit head costs more
+    quality per byte saved than any other layer, so llama.cpp's and most int4 recipes keep it
+    wider); else the same as the others."""
+    return "int8-weight" if quantize.startswith("int4") else quantize
+
+
 def make_linear(
-    weight: torch.Tensor,
+    weight: AnyWeight,
     bias: torch.Tensor | None = None,
     quantize: str = "none",
     input_absmax: torch.Tensor | None = None,
-) -> Linear | Int8Linear:
-    """The linear layer for `quantize` ("none": the weight as it is; "int8": see Int8Linear,
-    smoothed with the calibrated per-channel `input_absmax` when given)."""
-    if quantize == "int8":
-        return Int8Linear(weight, bias, input_absmax)
-    if quantize != "none":
+    *,
+    dtype: torch.dtype | None = None,
+) -> AnyLinear:
+    """The linear layer `quantize` makes of `weight` (a tensor, or 4-bit groups or 8-bit
+    channels as a GGUF file held them), computing in `dtype` (the weight's own by default):
+
+    - "auto": as the checkpoint holds it: grouped 4- and 8-bit weights through the int4 kernel
+      (Int4Linear), per-channel 8-bit ones through the int8 one (Int8WeightLinear), a float
+      one as it is (Linear);
+    - "none": a float weight, dequantized if it was quantized;
+    - "int4", "int4-g64", "int4-g128": 4-bit groups of 32 (64, 128), weight-only; a 4-bit
+      weight of that group size as it is, others quantized (round to nearest, per group);
+    - "int8-weight": 8 bits per output channel, weight-only;
+    - "int8": int8 weights and activations (Int8Linear), smoothed with `input_absmax`.
+    """
+    if dtype is None:
+        dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
+    if quantize not in QUANTIZE_MODES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_MODES)}, got {quantize!r}")
-    return Linear(weight, bias)
+    if quantize == "auto":
+        if isinstance(weight, GroupQuant | SubBlockQuant):
+            return Int4Linear(weight, bias, dtype)
+        if isinstance(weight, ChannelQuant):
+            return Int8WeightLinear(weight, bias, dtype)
+        return Linear(weight.to(dtype), bias)
+    if quantize.startswith("int4"):
+        group = int4_group(quantize)
+        if not (isinstance(weight, GroupQuant) and weight.group == group and weight.bits == 4):
+            k = weight.shape[1]
+            if k % group:
+                raise ValueError(
+                    f"{quantize}: a projection of {k} inputs is not a whole number of groups "
+                    f"of {group}; choose a group size that divides it"
+                )
+            weight = GroupQuant.from_float(dequantized(weight, torch.float32), group)
+        return Int4Linear(weight, bias, dtype)
+    if quantize == "int8-weight":
+        if not isinstance(weight, ChannelQuant):
+            weight = ChannelQuant.from_float(dequantized(weight, torch.float32))
+        return Int8WeightLinear(weight, bias, dtype)
+    plain = dequantized(weight, dtype)
+    if quantize == "int8":
+        return Int8Linear(plain, bias, input_absmax)
+    return Linear(plain, bias)
+
+
+def make_embedding(
+    weight: AnyWeight, quantize: str, dtype: torch.dtype
+) -> torch.Tensor | QuantEmbedding:
+    """The token embedding `quantize` makes of `weight`: kept quantized where the checkpoint
+    is ("auto") or a weight-only mode asks it (8 bits per row from a float table: a lookup
+    costs nothing, the table's memory is what counts); else a float table of `dtype`."""
+    if isinstance(weight, Quantized) and quantize not in ("none", "int8"):
+        return QuantEmbedding(weight, dtype)
+    if isinstance(weight, torch.Tensor) and quantize in WEIGHT_ONLY_MODES:
+        return QuantEmbedding(ChannelQuant.from_float(weight), dtype)
+    return dequantized(weight, dtype)

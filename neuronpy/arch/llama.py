@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from neuronpy.arch import ops
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch
+from neuronpy.arch.quant import QuantEmbedding
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.arch.weights import AnyLinear, LayerWeights, ModelWeights, take_weights
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
@@ -36,7 +38,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ArchConfig,
-        embed: torch.Tensor,
+        embed: torch.Tensor | QuantEmbedding,
         layers: list[LayerWeights],
         norm: torch.Tensor,
         lm_head: AnyLinear,
@@ -56,6 +58,45 @@ class LlamaModel:
         self._attention: Attention | None = None  # the running forward's (see _run)
         self._handle: torch.Tensor | None = None  # what the compiled graph names it by
         self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(ids, self.embed)
+        return self.embed(ids)  # kept quantized (arch/quant.py)
+
+    def identity(self) -> dict[str, torch.Tensor]:
+        """Tensors that tell this model's weights from another's (saved sessions' fingerprint):
+        the embedding table (its stored values when quantized) and every norm."""
+        embed = self.embed if isinstance(self.embed, torch.Tensor) else self.embed.values
+        norms = {
+            f"{i}.{name}": t
+            for i, lw in enumerate(self.layers)
+            for name in ("input_norm", "post_norm")
+            if (t := getattr(lw, name)) is not None
+        }
+        return {"embed": embed, "norm": self.norm, **norms}
+
+    def _linears(self) -> list[Any]:
+        return [lin for lw in self.layers for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+
+    def weight_bytes(self) -> int:
+        """The bytes its weights take (the embedding, projections, norms)."""
+        head = getattr(self.lm_head, "nbytes", 0)
+        if getattr(self.embed, "values", None) is getattr(self.lm_head, "_q", False):
+            head = 0  # a tied head computing with the embedding's own int8 values
+        norms = sum(t.nbytes for t in self.identity().values()) - self._embed_bytes()
+        return self._embed_bytes() + sum(lin.nbytes for lin in self._linears()) + head + norms
+
+    def _embed_bytes(self) -> int:
+        return self.embed.nbytes
+
+    def describe_weights(self) -> str:
+        """What its weights are, for the load log: each projection kind and its count."""
+        kinds = Counter(lin.kind for lin in self._linears())
+        embed = self.embed.kind if isinstance(self.embed, QuantEmbedding) else str(self.dtype)
+        head = getattr(self.lm_head, "kind", "none")
+        layers = ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
+        return f"projections: {layers}; LM head: {head}; embedding: {embed.removeprefix('torch.')}"
 
     @property
     def device(self) -> torch.device:
@@ -168,7 +209,7 @@ class LlamaModel:
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, self.dtype)  # [N, D]
-        x = F.embedding(ids, self.embed)  # [N, hidden]
+        x = self._embed(ids)  # [N, hidden]
         for layer, lw in enumerate(self.layers):
             q, k, v = self._qkv(layer, lw, x, cos, sin)  # q [N, H, D]; k, v [N, KVH, D]
             x = self._finish_layer(layer, lw, x, self._attend(layer, q, k, v))

@@ -13,17 +13,22 @@ device is the split over one rank, so both paths take the weights the same way.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from neuronpy.arch.config import ArchConfig, rope_inv_freq
-from neuronpy.arch.linear import Int8Linear, Linear, make_linear
+from neuronpy.arch.linear import (
+    AnyLinear,
+    FusedLinear,
+    head_mode,
+    make_embedding,
+    make_linear,
+)
+from neuronpy.arch.quant import AnyWeight, QuantEmbedding, cat_weights, dequantized
 from neuronpy.errors import NeuronError
-
-AnyLinear = Linear | Int8Linear
 
 
 class TensorParallelError(NeuronError, ValueError):
@@ -47,7 +52,7 @@ class ModelWeights:
     """Everything LlamaModel computes with; `config` is the shard's (its local head counts)."""
 
     config: ArchConfig
-    embed: torch.Tensor  # [vocab, hidden]
+    embed: torch.Tensor | QuantEmbedding  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
     lm_head: Any  # AnyLinear, or a stand-in giving [..., 0] on ranks whose logits go unread
@@ -55,17 +60,52 @@ class ModelWeights:
     rope_scale: float
 
 
-def input_absmax(hf_model: Any, token_ids: Sequence[int]) -> dict[Any, torch.Tensor]:
-    """Calibration: each nn.Linear's largest absolute input per channel over `token_ids`."""
-    stats: dict[Any, torch.Tensor] = {}
+class Checkpoint(Protocol):
+    """A model's tensors under transformers' parameter names: a loaded transformers model's
+    (HFCheckpoint) or a file's read as they are stored (arch/gguf.py's GGUFCheckpoint)."""
 
-    def record(module: Any, inputs: tuple[torch.Tensor, ...], _output: Any) -> None:
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
-        stats[module] = torch.maximum(stats[module], x) if module in stats else x
+    config: Any  # transformers' config
+    dtype: torch.dtype  # what the model computes in
+
+    def get(self, name: str) -> AnyWeight | None:
+        """Tensor `name` (a plain tensor, or a quantized layout of arch/quant.py), or None."""
+        ...
+
+
+class HFCheckpoint:
+    """The parameters of a loaded transformers `*ForCausalLM`, as they are (no copies)."""
+
+    def __init__(self, hf_model: Any) -> None:
+        self.model = hf_model
+        self.config = hf_model.config
+        self._params = dict(hf_model.named_parameters(remove_duplicate=False))
+        self.dtype = next(iter(self._params.values())).dtype
+
+    def get(self, name: str) -> AnyWeight | None:
+        t = self._params.get(name)
+        return None if t is None else t.detach()
+
+
+def as_checkpoint(source: Any) -> Checkpoint:
+    """A Checkpoint as it is; a transformers model wrapped in one."""
+    return source if hasattr(source, "get") and hasattr(source, "dtype") else HFCheckpoint(source)
+
+
+def input_absmax(hf_model: Any, token_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Calibration: each nn.Linear's largest absolute input per channel over `token_ids`, by
+    the module's name."""
+    stats: dict[str, torch.Tensor] = {}
+
+    def recorder(name: str) -> Callable[..., None]:
+        def record(_module: Any, inputs: tuple[torch.Tensor, ...], _output: Any) -> None:
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
+            stats[name] = torch.maximum(stats[name], x) if name in stats else x
+
+        return record
 
     hooks = [
-        m.register_forward_hook(record)
-        for m in hf_model.modules()
+        m.register_forward_hook(recorder(name))
+        for name, m in hf_model.named_modules()
         if isinstance(m, torch.nn.Linear)
     ]
     try:
@@ -117,16 +157,25 @@ class _NoLogits:
         return x.new_empty(*x.shape[:-1], 0)
 
 
-def _rows(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
-    if t is None:
-        return None
-    t = t.detach()
+def _rows(t: AnyWeight | None, lo: int, hi: int) -> AnyWeight | None:
+    if t is None or (lo, hi) == (0, t.shape[0]):
+        return t
     # a slice is a copy, not a view, so that the full weight it came from can be freed
-    return t if (lo, hi) == (0, t.shape[0]) else t[lo:hi].clone()
+    return t[lo:hi].clone() if isinstance(t, torch.Tensor) else t.rows(lo, hi)
+
+
+def _cols(t: AnyWeight, lo: int, hi: int) -> AnyWeight:
+    if (lo, hi) == (0, t.shape[1]):
+        return t
+    return t[:, lo:hi].clone() if isinstance(t, torch.Tensor) else t.cols(lo, hi)
+
+
+def _plain(t: AnyWeight | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else dequantized(t, dtype)
 
 
 def take_weights(
-    hf_model: Any,
+    source: Any,
     rank: int = 0,
     world_size: int = 1,
     *,
@@ -134,85 +183,109 @@ def take_weights(
     calibration_ids: Sequence[int] = (),
     lm_head: bool = True,
 ) -> ModelWeights:
-    """Rank `rank`'s weights of a loaded transformers `*ForCausalLM` split over `world_size`
-    ranks (the whole model for 0 of 1).
+    """Rank `rank`'s weights of a checkpoint (a loaded transformers `*ForCausalLM`, or a
+    Checkpoint) split over `world_size` ranks (the whole model for 0 of 1).
 
     Rank r takes KV heads [r*KVH/N, (r+1)*KVH/N) and the query heads that attend to them (query
     head h shares KV head h // G, so those are heads [r*H/N, (r+1)*H/N)), and MLP columns
-    [r*I/N, (r+1)*I/N) of both gate and up. `quantize="int8"` turns every projection (the
-    vocabulary one included) into an int8 one (see Int8Linear) after slicing, so scales are per
-    shard, smoothed with activation ranges measured on `calibration_ids` when given.
-    `lm_head=False` leaves out the vocabulary projection (see the module docstring).
+    [r*I/N, (r+1)*I/N) of both gate and up. `quantize` says what every projection (the
+    vocabulary one included) becomes, after slicing, so that scales are per shard (see
+    make_linear); "int8" is smoothed with activation ranges measured on `calibration_ids`
+    when given (a transformers model only). `lm_head=False` leaves out the vocabulary
+    projection (see the module docstring).
     """
-    config = ArchConfig.from_hf(hf_model.config, type(hf_model).__name__)
+    ckpt = as_checkpoint(source)
+    hf_config = ckpt.config
+    dtype = ckpt.dtype
+    config = ArchConfig.from_hf(hf_config, type(getattr(ckpt, "model", ckpt)).__name__)
     local = shard_config(config, world_size)
     if not 0 <= rank < world_size:
         raise TensorParallelError(f"rank {rank} is not in [0, {world_size})")
-    stats = (
-        input_absmax(hf_model, calibration_ids) if quantize != "none" and calibration_ids else {}
-    )
+    stats: dict[str, torch.Tensor] = {}
+    if quantize == "int8" and calibration_ids and isinstance(ckpt, HFCheckpoint):
+        stats = input_absmax(ckpt.model, calibration_ids)
     d = config.head_dim
     q_lo, q_hi = rank * local.num_heads * d, (rank + 1) * local.num_heads * d
     kv_lo, kv_hi = rank * local.num_kv_heads * d, (rank + 1) * local.num_kv_heads * d
     i_lo, i_hi = rank * local.intermediate_size, (rank + 1) * local.intermediate_size
 
-    def column(parts: list[tuple[Any, int, int]]) -> AnyLinear:
-        """Rows [lo, hi) of each layer's weight (and bias), fused in this order."""
-        weight = torch.cat([_rows(lin.weight, lo, hi) for lin, lo, hi in parts])  # type: ignore[misc]
-        biases = [_rows(lin.bias, lo, hi) for lin, lo, hi in parts]
-        bias = None
+    def tensor(name: str) -> AnyWeight:
+        t = ckpt.get(name)
+        if t is None:
+            raise KeyError(f"the checkpoint has no tensor {name!r}")
+        return t
+
+    def column(parts: list[tuple[str, int, int]]) -> AnyLinear:
+        """Rows [lo, hi) of each module's weight (and bias), fused in this order."""
+        weights = [_rows(tensor(f"{m}.weight"), lo, hi) for m, lo, hi in parts]
+        biases = [_plain(_rows(ckpt.get(f"{m}.bias"), lo, hi), dtype) for m, lo, hi in parts]
         if any(b is not None for b in biases):
-            bias = torch.cat(
-                [
-                    b if b is not None else weight.new_zeros(hi - lo)
-                    for b, (_, lo, hi) in zip(biases, parts, strict=True)
-                ]
-            )
+            biases = [
+                b if b is not None else torch.zeros(hi - lo, dtype=dtype)
+                for b, (_, lo, hi) in zip(biases, parts, strict=True)
+            ]
         # every part reads the same input (the normed hidden state): the first one's ranges
-        return make_linear(weight, bias, quantize, stats.get(parts[0][0]))
+        absmax = stats.get(parts[0][0])
+        fused = cat_weights(weights)  # type: ignore[arg-type]
+        if fused is None or quantize == "none":  # parts of different layouts: side by side
+            if quantize == "none":
+                fused = torch.cat([dequantized(w, dtype) for w in weights])  # type: ignore[arg-type]
+            else:
+                return FusedLinear(
+                    [
+                        make_linear(w, b, quantize, absmax, dtype=dtype)  # type: ignore[arg-type]
+                        for w, b in zip(weights, biases, strict=True)
+                    ]
+                )
+        bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
+        return make_linear(fused, bias, quantize, absmax, dtype=dtype)
 
-    def row(lin: Any, lo: int, hi: int) -> AnyLinear:
+    def row(module: str, lo: int, hi: int) -> AnyLinear:
         """Input columns [lo, hi): a partial sum. The bias is added once, by rank 0."""
-        weight = lin.weight.detach()
-        if (lo, hi) != (0, weight.shape[1]):
-            weight = weight[:, lo:hi].clone()
-        bias = lin.bias.detach().clone() if lin.bias is not None and rank == 0 else None
-        absmax = stats.get(lin)
-        return make_linear(weight, bias, quantize, None if absmax is None else absmax[lo:hi])
+        weight = _cols(tensor(f"{module}.weight"), lo, hi)
+        bias = _plain(ckpt.get(f"{module}.bias"), dtype) if rank == 0 else None
+        absmax = stats.get(module)
+        return make_linear(
+            weight, bias, quantize, None if absmax is None else absmax[lo:hi], dtype=dtype
+        )
 
-    inner = hf_model.model
+    def norm(name: str) -> torch.Tensor:
+        return dequantized(tensor(name), dtype)
+
     layers = []
-    for layer in inner.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+    for i in range(config.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         layers.append(
             LayerWeights(
-                input_norm=layer.input_layernorm.weight.detach(),
+                input_norm=norm(f"model.layers.{i}.input_layernorm.weight"),
                 qkv=column(
                     [
-                        (attn.q_proj, q_lo, q_hi),
-                        (attn.k_proj, kv_lo, kv_hi),
-                        (attn.v_proj, kv_lo, kv_hi),
+                        (f"{attn}.q_proj", q_lo, q_hi),
+                        (f"{attn}.k_proj", kv_lo, kv_hi),
+                        (f"{attn}.v_proj", kv_lo, kv_hi),
                     ]
                 ),
-                q_norm=attn.q_norm.weight.detach() if config.qk_norm else None,
-                k_norm=attn.k_norm.weight.detach() if config.qk_norm else None,
-                o_proj=row(attn.o_proj, q_lo, q_hi),
-                post_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=column([(mlp.gate_proj, i_lo, i_hi), (mlp.up_proj, i_lo, i_hi)]),
-                down=row(mlp.down_proj, i_lo, i_hi),
+                q_norm=norm(f"{attn}.q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm else None,
+                o_proj=row(f"{attn}.o_proj", q_lo, q_hi),
+                post_norm=norm(f"model.layers.{i}.post_attention_layernorm.weight"),
+                gate_up=column([(f"{mlp}.gate_proj", i_lo, i_hi), (f"{mlp}.up_proj", i_lo, i_hi)]),
+                down=row(f"{mlp}.down_proj", i_lo, i_hi),
             )
         )
+    embed_weight = tensor("model.embed_tokens.weight")
     head: Any = _NoLogits()
-    if lm_head:
-        lin = hf_model.lm_head
-        bias = None if lin.bias is None else lin.bias.detach()
-        head = make_linear(lin.weight.detach(), bias, quantize, stats.get(lin))
-    inv_freq, scale = rope_inv_freq(hf_model.config)
+    if lm_head:  # a tied head (none of its own) computes with the embedding's very tensors
+        weight = ckpt.get("lm_head.weight")
+        bias = _plain(ckpt.get("lm_head.bias"), dtype)
+        weight = embed_weight if weight is None else weight
+        head = make_linear(weight, bias, head_mode(quantize), stats.get("lm_head"), dtype=dtype)
+    inv_freq, scale = rope_inv_freq(hf_config)
     return ModelWeights(
         config=local,
-        embed=inner.embed_tokens.weight.detach(),
+        embed=make_embedding(embed_weight, quantize, dtype),
         layers=layers,
-        norm=inner.norm.weight.detach(),
+        norm=norm("model.norm.weight"),
         lm_head=head,
         inv_freq=inv_freq,
         rope_scale=scale,

@@ -43,8 +43,6 @@ __all__ = ["Engine", "EngineStats", "RequestStream"]
 
 log = logging.getLogger(__name__)
 
-NORMS = ("input_norm", "post_norm")  # per-layer weights a fingerprint of a bare model hashes
-
 
 class Engine:
     """Serves many generations of one model through one lockstep (B, 1) decode per step."""
@@ -84,9 +82,8 @@ class Engine:
                 f"kv_budget {kv_budget} holds no token of this model's KV "
                 f"({self.kv_bytes_per_token} bytes per token)"
             )
-        norms = {f"{i}.{n}": getattr(lw, n) for i, lw in enumerate(model.layers) for n in NORMS}
         self.fingerprint = fingerprint or model_fingerprint(
-            {"embed": model.embed, "norm": model.norm, **norms}, extra=(config.quantize,)
+            model.identity(), extra=(config.quantize,)
         )
         self._worker = worker or DeviceWorker(model, name, config.prefill_chunk)
         if config.speculative == "draft" and self._worker.drafts is None:

@@ -1,0 +1,381 @@
+"""A GGUF file's tensors read as they are quantized, one tensor at a time, never through an
+fp32 copy of the whole model.
+
+What each GGML type becomes (the load log says it per type):
+- Q4_0, Q4_1, Q4_K: 4-bit groups of 32 (GroupQuant), exactly: their blocks are 32 values with a
+  scale and an offset (Q4_0: d * (q - 8); Q4_1: d * q + m; Q4_K: d * sc * q - dmin * m per
+  32-value sub-block of a 256-value super-block), which is the int4 kernel's layout.
+- Q5_0, Q5_1, Q5_K, Q8_0: 8-bit groups of 32, exactly, by the same rule (Q8_0: d * q as
+  d * (q + 128) - 128 d; the 5-bit types as their 4-bit siblings); they run as two 4-bit planes.
+- Q6_K: signed 6-bit levels with a scale per 16 values (SubBlockQuant), exactly; each
+  16-value sub-block runs as a 32-column group of the int4 kernel.
+- F32, F16, BF16: plain tensors.
+Anything else is refused by name before a tensor is read.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from neuronpy.arch.quant import AnyWeight, GroupQuant, SubBlockQuant
+from neuronpy.errors import ModelLoadError
+
+GROUP_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+GROUP8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q8_0")
+SUB_BLOCK_TYPES = ("Q6_K",)
+PLAIN_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = GROUP_TYPES + GROUP8_TYPES + SUB_BLOCK_TYPES + PLAIN_TYPES
+BECOMES = {
+    **{t: "4-bit groups of 32 (exact)" for t in GROUP_TYPES},
+    **{t: f"{t[1]}-bit groups of 32 (exact)" for t in GROUP8_TYPES},
+    **{t: "6-bit sub-blocks of 16 (exact)" for t in SUB_BLOCK_TYPES},
+    **{t: "plain" for t in PLAIN_TYPES},
+}
+
+
+def _fp16(column: np.ndarray) -> np.ndarray:
+    """[nb, 2] uint8 -> [nb] float32."""
+    return np.ascontiguousarray(column).view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] values: the low nibbles, then the high ones (GGML's order)."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def decode_groups(data: np.ndarray, kind: str, shape: tuple[int, int]) -> GroupQuant:
+    """A Q4_0 / Q4_1 / Q4_K tensor's raw rows [N, bytes] as 4-bit groups of 32."""
+    n, k = shape
+    raw = np.asarray(data, dtype=np.uint8).reshape(n, -1)
+    if kind == "Q4_K":
+        blocks = raw.reshape(-1, 144)
+        d, dmin = _fp16(blocks[:, 0:2]), _fp16(blocks[:, 2:4])
+        from gguf.quants import Q4_K  # the 6-bit scale and minimum unpacking, as GGML writes it
+
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        qs = blocks[:, 16:].reshape(-1, 4, 32)  # four chunks of 64 values, two sub-blocks each
+        q = np.stack((qs & 0x0F, qs >> 4), axis=2).reshape(-1, 8, 32)
+        scale = d[:, None] * sc.astype(np.float32)
+        low = -(dmin[:, None] * m.astype(np.float32))
+    else:
+        size = 18 if kind == "Q4_0" else 20
+        blocks = raw.reshape(-1, size)
+        d = _fp16(blocks[:, 0:2])
+        if kind == "Q4_0":
+            scale, low, qs = d, -8 * d, blocks[:, 2:]
+        else:
+            scale, low, qs = d, _fp16(blocks[:, 2:4]), blocks[:, 4:]
+        q = _nibbles(qs)
+    return GroupQuant(
+        q=torch.from_numpy(np.ascontiguousarray(q).reshape(n, k)),
+        scale=torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, k // 32)),
+        low=torch.from_numpy(np.ascontiguousarray(low, dtype=np.float32).reshape(n, k // 32)),
+        group=32,
+        kind=kind,
+    )
+
+
+# rows dequantized at a time for the 8-bit types: one tensor's fp32 copy never exists whole
+DECODE_ROWS = 4096
+
+
+def _block_scales(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each 32-value group's (scale, low) of a 5- or 8-bit type's blocks: w = scale * q + low
+    with q its unsigned level."""
+    d = _fp16(blocks[:, 0:2])
+    if kind == "Q8_0":
+        return d, -128 * d
+    if kind == "Q5_0":
+        return d, -16 * d
+    if kind == "Q5_1":
+        return d, _fp16(blocks[:, 2:4])
+    from gguf.quants import Q4_K  # Q5_K packs its sub-blocks' scales as Q4_K does
+
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    return d[:, None] * sc.astype(np.float32), -(_fp16(blocks[:, 2:4])[:, None] * m)
+
+
+def decode_groups8(tensor: TensorInfo) -> GroupQuant:
+    """A Q5_0 / Q5_1 / Q5_K / Q8_0 tensor as 5- or 8-bit groups of 32: the scales from the blocks'
+    headers, each level recovered from gguf's own dequantized value (w = scale * q + low, so
+    (w - low) / scale rounds back to q exactly)."""
+    from gguf.quants import dequantize
+
+    n, k = tensor.shape
+    size = {"Q8_0": 34, "Q5_0": 22, "Q5_1": 24, "Q5_K": 176}[tensor.kind]  # bytes a block
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, size)
+    scale, low = (
+        np.asarray(a, dtype=np.float32).reshape(n, k // 32) for a in _block_scales(raw, tensor.kind)
+    )
+    q = np.empty((n, k), dtype=np.uint8)
+    for lo in range(0, n, DECODE_ROWS):  # one tensor's fp32 copy never exists whole
+        hi = min(lo + DECODE_ROWS, n)
+        w = dequantize(tensor.data[lo:hi], tensor.qtype).reshape(hi - lo, k // 32, 32)
+        s, m = scale[lo:hi, :, None], low[lo:hi, :, None]
+        # (a scale may be negative: llama.cpp's Q5_0 signs it; zero in an all-zero group)
+        level = np.where(s != 0, (w - m) / np.where(s != 0, s, 1), 0)
+        q[lo:hi] = np.clip(np.rint(level), 0, 255).reshape(hi - lo, k)
+    return GroupQuant(
+        q=torch.from_numpy(q),
+        scale=torch.from_numpy(scale),
+        low=torch.from_numpy(low),
+        group=32,
+        kind=tensor.kind,
+        bits=8 if tensor.kind == "Q8_0" else 5,
+    )
+
+
+def decode_sub_blocks(tensor: TensorInfo) -> SubBlockQuant:
+    """A Q6_K tensor: each 16-value sub-block's scale d * sc from the block, each level
+    recovered from gguf's own dequantized value (w = scale * u)."""
+    from gguf.quants import dequantize
+
+    n, k = tensor.shape
+    raw = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, 210)
+    sc = np.ascontiguousarray(raw[:, 192:208]).view(np.int8).astype(np.float32)
+    scale = (_fp16(raw[:, 208:210])[:, None] * sc).reshape(n, k // 16)
+    u = np.empty((n, k), dtype=np.int8)
+    for lo in range(0, n, DECODE_ROWS):  # one tensor's fp32 copy never exists whole
+        hi = min(lo + DECODE_ROWS, n)
+        w = dequantize(tensor.data[lo:hi], tensor.qtype).reshape(hi - lo, k // 16, 16)
+        s = scale[lo:hi, :, None]
+        level = np.where(s != 0, w / np.where(s != 0, s, 1), 0)
+        u[lo:hi] = np.clip(np.rint(level), -32, 31).reshape(hi - lo, k)
+    return SubBlockQuant(torch.from_numpy(u), torch.from_numpy(scale), tensor.kind)
+
+
+def decode(tensor: TensorInfo) -> AnyWeight:
+    """One tensor in the layout its type becomes (see the module docstring)."""
+    kind, shape = tensor.kind, tensor.shape
+    if len(shape) == 2:
+        if kind in GROUP_TYPES:
+            return decode_groups(tensor.data, kind, shape)  # type: ignore[arg-type]
+        if kind in GROUP8_TYPES:
+            return decode_groups8(tensor)
+        if kind in SUB_BLOCK_TYPES:
+            return decode_sub_blocks(tensor)
+    from gguf.quants import dequantize
+
+    values = dequantize(np.asarray(tensor.data), tensor.qtype)
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF file: its raw bytes as rows (a view into the mapped file)."""
+
+    name: str
+    kind: str  # the GGML type's name: "Q4_1"
+    qtype: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # outermost first, as torch has it: a weight [N, K]
+    data: np.ndarray  # uint8 [rows, bytes per row]
+
+
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        n = self.scalar("<Q")  # (read before the position it moves is added to)
+        self.pos += n
+
+    def value(self, vtype: int) -> Any:
+        """A scalar or string value; an array is skipped (None): the tokenizer's arrays are
+        transformers' to read, and walking them here would cost seconds."""
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            item, count = self.scalar("<I"), self.scalar("<Q")
+            if item == _STRING:
+                for _ in range(count):
+                    self.skip_string()
+            elif item == _ARRAY:
+                for _ in range(count):
+                    self.value(_ARRAY)
+            else:
+                self.pos += count * struct.calcsize(_SCALARS[item])
+            return None
+        return self.scalar(_SCALARS[vtype])
+
+
+def read_index(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """A GGUF file's scalar metadata and its tensors, the file mapped, not read: (fields,
+    tensors). Raises ModelLoadError for a file that is not GGUF (v2 or v3)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    cur = _Cursor(memoryview(mapped))
+    try:
+        if bytes(cur.buf[:4]) != b"GGUF":
+            raise ModelLoadError(f"{path.name} is not a GGUF file")
+        cur.pos = 4
+        version = cur.scalar("<I")
+        if version not in (2, 3):
+            raise ModelLoadError(f"{path.name} is GGUF version {version}; neuronpy reads 2 and 3")
+        n_tensors, n_fields = cur.scalar("<Q"), cur.scalar("<Q")
+        fields: dict[str, Any] = {}
+        for _ in range(n_fields):
+            key = cur.string()
+            fields[key] = cur.value(cur.scalar("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
+            infos.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+        align = int(fields.get("general.alignment") or 32)
+        start = -(-cur.pos // align) * align
+        tensors = []
+        for name, dims, type_id, offset in infos:
+            qtype = GGMLQuantizationType(type_id)
+            block, size = GGML_QUANT_SIZES[qtype]
+            row = int(dims[0]) // block * size
+            rows = int(np.prod(dims[1:], dtype=np.int64)) if len(dims) > 1 else 1
+            lo = start + offset
+            data = mapped[lo : lo + rows * row].reshape(rows, row)
+            shape = tuple(int(d) for d in reversed(dims))
+            tensors.append(TensorInfo(name, qtype.name, qtype, shape, data))
+    except (struct.error, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{path.name} is not a readable GGUF file ({exc})") from None
+    return fields, tensors
+
+
+# GGUF's tensor names (llama.cpp's, one scheme for every Llama-family architecture) ->
+# transformers'. GGUF's architectures whose q and k rows llama.cpp's converter permuted.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+
+def hf_name(name: str) -> str | None:
+    """The transformers parameter a GGUF tensor is (None: one the layers do not read, e.g.
+    llama.cpp's precomputed RoPE factors)."""
+    stem, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+class GGUFCheckpoint:
+    """The tensors of one GGUF file under transformers' parameter names, read on demand.
+
+    `permute`: (query heads, KV heads) where the file holds q and k with llama.cpp's RoPE
+    row order (its Llama converter's), which is undone here row by row. `config` and
+    `generation_config` are transformers' for the file; `dtype` the model's."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        config: Any,
+        generation_config: Any,
+        dtype: torch.dtype,
+        fingerprint: str,
+        permute: tuple[int, int] | None = None,
+    ) -> None:
+        self.path = path
+        self.config = config
+        self.generation_config = generation_config
+        self.dtype = dtype
+        self.fingerprint = fingerprint
+        self._permute = permute
+        _, tensors = read_index(path)
+        self._tensors = {n: t for t in tensors if (n := hf_name(t.name)) is not None}
+        unknown = sorted({t.kind for t in self._tensors.values()} - set(SUPPORTED_TYPES))
+        if unknown:
+            raise ModelLoadError(
+                f"{path.name} holds tensors of GGML type {', '.join(unknown)}, which neuronpy "
+                f"does not read; it reads {', '.join(SUPPORTED_TYPES)}"
+            )
+
+    def types(self) -> Counter[str]:
+        """How many tensors of each GGML type the model reads."""
+        return Counter(t.kind for t in self._tensors.values())
+
+    def describe(self) -> str:
+        """One line for the load log: each type, its count, and what it became."""
+        return "; ".join(
+            f"{count} {kind} -> {BECOMES[kind]}" for kind, count in sorted(self.types().items())
+        )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str) -> AnyWeight | None:
+        """Tensor `name` decoded (None when the file has none), q and k rows in transformers'
+        order. Each call decodes anew: whoever asks keeps it."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            return None
+        weight = decode(tensor)
+        if self._permute is not None and (".q_proj." in name or ".k_proj." in name):
+            heads = self._permute[0] if ".q_proj." in name else self._permute[1]
+            weight = _take_rows(weight, _rope_rows(weight.shape[0], heads))
+        return weight
+
+
+def _rope_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation: its converter interleaves each
+    head's two rotary halves; transformers keeps them as halves."""
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+def _take_rows(weight: AnyWeight, index: torch.Tensor) -> AnyWeight:
+    if isinstance(weight, torch.Tensor):
+        return weight[index]
+    return weight.take_rows(index)

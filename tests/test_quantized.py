@@ -1,0 +1,261 @@
+"""Weights kept quantized: GGUF blocks decoded exactly, the int4/int8 weight-only layers, a
+GGUF file's model against its dequantized copy, and batched == alone in every mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from neuronpy.arch.gguf import TensorInfo, decode, decode_groups, read_index
+from neuronpy.arch.linear import make_embedding, make_linear
+from neuronpy.arch.llama import LlamaModel
+from neuronpy.arch.quant import (
+    ChannelQuant,
+    GroupQuant,
+    Int4Linear,
+    Int8WeightLinear,
+    SubBlockQuant,
+)
+from neuronpy.compose import engine_from_hf
+from neuronpy.config import EngineConfig
+from neuronpy.errors import ModelLoadError
+from tests.factories import hf_model, tokenizer
+from tests.gguf_files import checkpoint, dequantized_model, quantize_q4_k, write_gguf
+from tests.test_engine_parity import MAX_TOKENS, TEXTS, concurrently, greedy, one_at_a_time, summary
+
+
+def weights(n: int, k: int, seed: int = 0) -> np.ndarray:
+    gen = np.random.default_rng(seed)
+    w = gen.standard_normal((n, k)).astype(np.float32) * 0.05
+    w[:, 3] += 0.4  # a column of outliers, as real weights have
+    return w
+
+
+def info(data: np.ndarray, kind: str, shape: tuple[int, int]) -> TensorInfo:
+    qtype = gguf.GGMLQuantizationType[kind]
+    return TensorInfo("t", kind, qtype, shape, data.reshape(shape[0], -1))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_4bit_blocks_decode_to_exactly_what_gguf_dequantizes(kind: str) -> None:
+    w = weights(48, 512)
+    qtype = gguf.GGMLQuantizationType[kind]
+    data = quantize_q4_k(w) if kind == "Q4_K" else gguf.quants.quantize(w, qtype)
+    reference = gguf.quants.dequantize(data, qtype).reshape(48, 512)
+    groups = decode_groups(data, kind, (48, 512))
+    assert groups.group == 32 and groups.q.dtype == torch.uint8 and int(groups.q.max()) <= 15
+    # the same numbers, whatever order GGML multiplies them in: to an fp32 rounding or two
+    np.testing.assert_allclose(groups.dequantize().numpy(), reference, rtol=0, atol=2e-7)
+    assert np.abs(reference - w).max() < 0.1  # and the encoder is a real one
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1"])
+def test_5_and_8_bit_types_decode_exactly_to_groups(kind: str) -> None:
+    w = weights(40, 64)
+    qtype = gguf.GGMLQuantizationType[kind]
+    data = gguf.quants.quantize(w, qtype)
+    got = decode(info(data, kind, (40, 64)))
+    assert isinstance(got, GroupQuant) and got.bits == (8 if kind == "Q8_0" else 5)
+    assert int(got.q.max()) < 1 << got.bits
+    reference = gguf.quants.dequantize(data, qtype).reshape(40, 64)
+    np.testing.assert_allclose(got.dequantize().numpy(), reference, rtol=0, atol=2e-7)
+
+
+def test_q6_k_decodes_exactly_to_sub_blocks() -> None:
+    """Q6_K through llama.cpp's layout: the gguf package decodes it; its levels and 16-value
+    scales, recovered from a block written here, give the same values back."""
+    gen = np.random.default_rng(3)
+    n, k = 16, 256
+    blocks = np.zeros((n, 210), dtype=np.uint8)
+    blocks[:, :192] = gen.integers(0, 256, (n, 192))  # 6-bit levels: low nibbles, high pairs
+    blocks[:, 192:208] = gen.integers(-40, 40, (n, 16)).astype(np.int8).view(np.uint8)
+    blocks[:, 208:210] = np.full((n, 1), 0.01, np.float16).view(np.uint8)
+    reference = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K).reshape(n, k)
+    got = decode(info(blocks, "Q6_K", (n, k)))
+    assert isinstance(got, SubBlockQuant) and int(got.u.min()) >= -32 and int(got.u.max()) <= 31
+    np.testing.assert_allclose(got.dequantize().numpy(), reference, rtol=0, atol=1e-7)
+    lin = make_linear(got, None, "auto", dtype=torch.float32)
+    x = torch.randn(5, k)
+    ref = F.linear(x.bfloat16().float(), torch.from_numpy(reference))
+    assert (lin(x) - ref).abs().max() < 0.01 * ref.abs().max()
+    for m in range(1, 5):
+        assert torch.equal(lin(x[:m]), lin(x)[:m])
+
+
+@pytest.mark.parametrize("bits", [5, 8])
+def test_wider_groups_run_as_two_planes_as_exactly_as_one(bits: int) -> None:
+    """A 5- or 8-bit weight through the int4 kernel's two planes computes what its
+    dequantized weight does, to bf16's rounding of the products."""
+    gen = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 1 << bits, (48, 64), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(48, 2, generator=gen) * 0.01 - 0.005  # signed, as Q5_0's are
+    low = torch.randn(48, 2, generator=gen) * 0.05
+    groups = GroupQuant(q, scale, low, 32, "test", bits)
+    lin = make_linear(groups, None, "auto", dtype=torch.float32)
+    assert isinstance(lin, Int4Linear) and lin.planes == 2
+    x = torch.randn(9, 64, generator=gen)
+    ref = F.linear(x.bfloat16().float(), groups.dequantize())
+    assert (lin(x) - ref).abs().max() < 0.01 * ref.abs().max()
+
+
+def test_int4_layer_matches_its_dequantized_weight_and_rows_stand_alone() -> None:
+    w = torch.from_numpy(weights(360, 128))  # 360 outputs: padded to the kernel's 16
+    groups = GroupQuant.from_float(w, 32)
+    bias = torch.randn(360)
+    lin = make_linear(groups, bias, "auto", dtype=torch.float32)
+    assert isinstance(lin, Int4Linear) and lin.out_features == 360
+    x = torch.randn(40, 128)
+    y = lin(x)
+    ref = F.linear(x.bfloat16().float(), groups.dequantize(), bias)
+    assert y.shape == (40, 360) and y.dtype == torch.float32
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max()
+    for m in range(1, 40):  # a row's result is the same alone or among any others
+        assert torch.equal(lin(x[:m]), y[:m])
+    assert torch.equal(lin(x[[7]]), y[[7]])
+
+
+def test_int8_weight_layer_matches_and_rows_stand_alone() -> None:
+    w = torch.from_numpy(weights(96, 64))
+    lin = make_linear(w, None, "int8-weight")
+    assert isinstance(lin, Int8WeightLinear)
+    x = torch.randn(33, 64)
+    y = lin(x)
+    ref = F.linear(x, w)
+    assert (y - ref).abs().max() < 0.02 * ref.abs().max()
+    for m in (1, 2, 5, 16, 32):
+        assert torch.equal(lin(x[:m]), y[:m])
+
+
+@pytest.mark.parametrize("layout", ["groups", "channels"])
+def test_quantized_embedding_gathers_the_dequantized_rows_exactly(layout: str) -> None:
+    w = torch.from_numpy(weights(50, 64))
+    q = GroupQuant.from_float(w, 32) if layout == "groups" else ChannelQuant.from_float(w)
+    table = q.dequantize()
+    embed = make_embedding(q, "auto", torch.float32)
+    ids = torch.tensor([0, 49, 7, 7, 3])
+    assert torch.equal(embed(ids), table[ids])
+    assert embed.nbytes < table.nbytes / 3
+
+
+def test_int4_mode_refuses_what_it_cannot_group() -> None:
+    with pytest.raises(ValueError, match="choose a group size that divides it"):
+        make_linear(torch.randn(32, 96), None, "int4-g64")
+
+
+# ---- a GGUF file's model ---------------------------------------------------------------------
+
+
+def big_llama() -> transformers.PreTrainedModel:
+    """A random Llama whose widths are whole Q4_K super-blocks (256), the fixture's vocabulary."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=360,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def logits_of(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        _, hidden = model.prefill(ids)
+        return model.logits(hidden)
+
+
+# the file types these tests write: what llama.cpp's Q4_K_M, Q4_1 and Q8_0 files mostly hold
+FILES = {
+    "Q4_K_M": ("Q4_K", {"blk.1.ffn_down.weight": "Q5_1", "blk.0.attn_v.weight": "Q8_0"}),
+    "Q4_1": ("Q4_1", {"token_embd.weight": "Q8_0"}),
+    "Q8_0": ("Q8_0", {}),
+    "Q4_0": ("Q4_0", {}),
+}
+
+
+@pytest.mark.parametrize("file", list(FILES))
+def test_a_gguf_model_computes_what_its_dequantized_copy_does(file: str, tmp_path: Path) -> None:
+    source = big_llama() if file == "Q4_K_M" else hf_model("tiny-llama")
+    kind, kinds = FILES[file]
+    path = write_gguf(tmp_path / f"m-{file}.gguf", source, kind, kinds)
+    reference = LlamaModel.from_hf(dequantized_model(path, source))
+    ids = tokenizer("tiny-llama").encode("The quick brown fox jumps over the lazy dog")
+    want = logits_of(reference, ids)
+    # read as stored, dequantized: the same weights (names, q/k rows, the tied head)
+    plain = LlamaModel.from_hf(checkpoint(path, source), quantize="none")
+    torch.testing.assert_close(logits_of(plain, ids), want, rtol=1e-4, atol=1e-4)
+    # kept quantized: the same weights, bf16 products; as close as bf16 itself comes
+    kept = LlamaModel.from_hf(checkpoint(path, source), quantize="auto")
+    got = logits_of(kept, ids)
+    bf16 = LlamaModel.from_hf(checkpoint(path, source, torch.bfloat16), quantize="none")
+    bf16_error = (logits_of(bf16, ids) - want).abs().max()
+    assert (got - want).abs().max() < 3 * bf16_error + 1e-3 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    assert kept.weight_bytes() < plain.weight_bytes() / 2
+
+
+def test_an_unsupported_ggml_type_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "q2k.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    # one Q2_K block (84 bytes per 256 values): refused before any tensor is read
+    writer.add_tensor(
+        "blk.0.attn_q.weight", np.zeros((4, 84), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q2_K
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert read_index(path)[1][0].kind == "Q2_K"
+    with pytest.raises(ModelLoadError, match="GGML type Q2_K, which neuronpy does not read"):
+        checkpoint(path, hf_model("tiny-llama"))
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(64))
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        read_index(path)
+
+
+# ---- batched == alone --------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("mode", "compile"), [("gguf", "off"), ("gguf", "on"), ("int4", "off"), ("int8-weight", "off")]
+)
+async def test_quantized_parity_concurrent_equals_sequential(
+    mode: str, compile: str, tmp_path: Path
+) -> None:
+    """Greedy output batched == alone, byte for byte, with weights kept quantized (fp32
+    activations: the exact mode), from a GGUF file or quantized at load."""
+    tok = tokenizer("tiny-llama")
+    jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
+    if mode == "gguf":
+        path = write_gguf(tmp_path / "m.gguf", hf_model("tiny-llama"), "Q4_1")
+        source, quantize = checkpoint(path, hf_model("tiny-llama")), "auto"
+    else:
+        source, quantize = hf_model("tiny-llama"), mode
+
+    def engine(rows: int):
+        config = EngineConfig(max_in_flight=rows, quantize=quantize, compile=compile)
+        return engine_from_hf(source, tok, name="q", config=config)
+
+    async with engine(1) as serial:
+        expected = await one_at_a_time(serial, jobs)
+    async with engine(8) as batched:
+        assert batched.model.compiled is (compile == "on")
+        assert "int" in batched.model.describe_weights()
+        got = await concurrently(batched, jobs)
+        assert batched.stats().max_batch_size >= 3
+    assert [summary(c) for c in got] == [summary(c) for c in expected]
+    assert all(c.completion_tokens for c in got)
