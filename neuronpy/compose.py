@@ -172,7 +172,9 @@ def load_engine(name: str, spec: ModelSpec) -> Engine:
     if gguf_spec(spec.path) is not None and device == "cpu" and quantize in NATIVE_GGUF_MODES:
         source, tokenizer, _ = load_gguf_checkpoint(spec.path, dtype=spec.dtype, log=progress)
     else:
-        weights = load_pretrained(spec.path, dtype=spec.dtype, device=device, log=progress)
+        # weights quantized at load compute between the layers in fp32 (see resolve_dtype)
+        dtype = "float32" if spec.dtype == "auto" and quantize in WEIGHT_ONLY_MODES else spec.dtype
+        weights = load_pretrained(spec.path, dtype=dtype, device=device, log=progress)
         source, tokenizer = weights.hf_model, weights.tokenizer
     draft = None
     if spec.engine.draft_model:

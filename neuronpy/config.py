@@ -239,8 +239,8 @@ class ModelSpec:
 
     name: str | None = None  # the id requests send as `model`; None: derived from the path
     path: str | None = None  # a local HF directory, a .gguf file or a hub id; None: the default
-    # auto: bfloat16 on a CPU with avx512_bf16 or AMX (else float32), bfloat16 (or float16) on
-    # CUDA, float16 on MPS
+    # auto: bfloat16 on a CPU with avx512_bf16 or AMX (else float32; float32 with weights kept
+    # quantized), bfloat16 (or float16) on CUDA, float16 on MPS
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda if available, else mps, else cpu
     # ranks the model is split over (tensor parallelism; see worker/tp.py); 1: not split

@@ -231,18 +231,27 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(
-    ("mode", "compile"), [("gguf", "off"), ("gguf", "on"), ("int4", "off"), ("int8-weight", "off")]
+    ("mode", "compile"),
+    [
+        ("Q4_1", "off"),
+        ("Q4_1", "on"),
+        ("Q8_0", "off"),
+        ("Q4_K_M", "off"),
+        ("int4", "off"),
+        ("int8-weight", "off"),
+    ],
 )
 async def test_quantized_parity_concurrent_equals_sequential(
     mode: str, compile: str, tmp_path: Path
 ) -> None:
     """Greedy output batched == alone, byte for byte, with weights kept quantized (fp32
-    activations: the exact mode), from a GGUF file or quantized at load."""
+    activations: the exact mode), from a GGUF file of each kind or quantized at load."""
     tok = tokenizer("tiny-llama")
     jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
-    if mode == "gguf":
-        path = write_gguf(tmp_path / "m.gguf", hf_model("tiny-llama"), "Q4_1")
-        source, quantize = checkpoint(path, hf_model("tiny-llama")), "auto"
+    if mode in FILES:
+        model = big_llama() if mode == "Q4_K_M" else hf_model("tiny-llama")
+        path = write_gguf(tmp_path / "m.gguf", model, *FILES[mode])
+        source, quantize = checkpoint(path, model), "auto"
     else:
         source, quantize = hf_model("tiny-llama"), mode
 
@@ -259,3 +268,28 @@ async def test_quantized_parity_concurrent_equals_sequential(
         assert batched.stats().max_batch_size >= 3
     assert [summary(c) for c in got] == [summary(c) for c in expected]
     assert all(c.completion_tokens for c in got)
+
+
+def test_a_tied_quantized_head_gives_the_leading_logits_in_fp32(tmp_path: Path) -> None:
+    """The kernel's logits are bf16; the leading ones of each row are recomputed in fp32 from
+    the embedding's exact rows, row by row (so alone == batched)."""
+    source = hf_model("tiny-llama")  # a tied embedding
+    path = write_gguf(tmp_path / "tied.gguf", source, "Q4_1", {"token_embd.weight": "Q8_0"})
+    model = LlamaModel.from_hf(checkpoint(path, source), quantize="auto")
+    table = model.embed.rows(torch.arange(360), torch.float32)
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    logits = model.logits(hidden)
+    exact = hidden @ table.T
+    top = model.lm_head(hidden).float().topk(16, dim=-1).indices  # the kernel's leading 16
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    assert not torch.equal(logits, exact)  # the tail stays the kernel's
+    for row in range(5):
+        assert torch.equal(model.logits(hidden[row : row + 1]), logits[row : row + 1])
+
+
+def test_weights_kept_quantized_compute_in_fp32_by_default() -> None:
+    from neuronpy.loading import resolve_dtype
+
+    assert resolve_dtype("auto", "cpu", quantized=True) == torch.float32
+    assert resolve_dtype("bfloat16", "cpu", quantized=True) == torch.bfloat16

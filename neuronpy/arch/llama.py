@@ -16,10 +16,14 @@ import torch.nn.functional as F
 from neuronpy.arch import ops
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch
+from neuronpy.arch.linear import Linear
 from neuronpy.arch.quant import QuantEmbedding
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.arch.weights import AnyLinear, LayerWeights, ModelWeights, take_weights
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
+
+# leading logits of a row a quantized tied head recomputes in fp32 (see LlamaModel._refine)
+REFINED_LOGITS = 16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -459,7 +463,34 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., vocab] in float32."""
         with torch.inference_mode():
-            return self.lm_head(hidden).float()
+            out = self.lm_head(hidden).float()
+            if self._refines_logits:
+                out = self._refine(hidden, out)
+            return out
+
+    @property
+    def _refines_logits(self) -> bool:
+        """A quantized head tied to a quantized embedding: its logits come out of the kernel in
+        bf16, 0.125 apart at 25, coarser than the gap between two candidates often is (the
+        default model's first token for "What is the capital of France?": "The" 25.33, "L"
+        25.24 in fp32, both 25.125 in bf16). The embedding holds the same weights exactly."""
+        return (
+            self.config.tie_word_embeddings
+            and isinstance(self.embed, QuantEmbedding)
+            and not isinstance(self.lm_head, Linear)
+            and getattr(self.lm_head, "out_features", 0) == self.config.vocab_size
+        )
+
+    def _refine(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The REFINED_LOGITS leading logits of each row computed again in fp32 from the
+        embedding's exact rows: what greedy picks and the head of what sampling draws from are
+        fp32; the tail keeps the kernel's bf16. Row by row, so batched == alone still holds."""
+        flat = hidden.reshape(-1, hidden.shape[-1]).float()
+        out = logits.reshape(-1, logits.shape[-1])
+        top = out.topk(min(REFINED_LOGITS, out.shape[-1]), dim=-1).indices  # [R, k]
+        rows = self.embed.rows(top.reshape(-1), torch.float32)  # type: ignore[union-attr]
+        exact = (rows.reshape(*top.shape, -1) * flat[:, None, :]).sum(-1)
+        return out.scatter(1, top, exact).reshape(logits.shape)
 
 
 class Attention(Protocol):

@@ -378,12 +378,16 @@ class QuantEmbedding:
         return self._q.nbytes + self._scale.nbytes + low
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows(ids, self.dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` [N] of the table, dequantized to `dtype`: [N, hidden]."""
         q = self._q[ids]
         if self._low is None:
-            return (q.float() * self._scale[ids][:, None]).to(self.dtype)
+            return (q.float() * self._scale[ids][:, None]).to(dtype)
         n, k, g = ids.shape[0], self.shape[1], self._group
         if self._nibbles:
             q = torch.stack((q & 15, q >> 4), dim=-1)
         values = q.reshape(n, k // g, g)
         rows = values.float() * self._scale[ids][..., None] + self._low[ids][..., None]
-        return rows.reshape(n, k).to(self.dtype)
+        return rows.reshape(n, k).to(dtype)
