@@ -405,12 +405,16 @@ def deep_text(depth: int = DEPTH) -> str:
     return '{"a": ' * depth + "1" + "}" * depth
 
 
+HUGE = "@1e999@"  # a number literal that overflows a float
+
+
 def payload(path: str, body: dict[str, Any]) -> bytes:
-    """The body (over a valid request's fields) as bytes, its DEEP markers replaced."""
+    """The body (over a valid request's fields) as bytes, its DEEP and HUGE markers replaced."""
     defaults = {"model": MODEL, "messages": USER} if path == CHAT else {"model": MODEL}
     text = json.dumps({**defaults, **body})
     text = text.replace(json.dumps(DEEP), deep_text())
     text = text.replace(json.dumps(DEEPER), "[" * 5000 + "]" * 5000)
+    text = text.replace(json.dumps(HUGE), "1e999")
     return text.replace(DEEP_TEXT, json.dumps(deep_text())[1:-1]).encode()
 
 
@@ -458,6 +462,16 @@ CLASSES: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("deep-tool-call-arguments", CHAT, tool_call(DEEP_TEXT), "messages[1].tool_calls"),
     ("deep-unknown-field", TEXT, {"prompt": "Hi", "x": DEEP}, "x"),
     ("deeper-than-json-parses", TEXT, {"prompt": "Hi", "x": DEEPER}, None),
+    # numbers that are not finite: Python's decoder takes NaN, Infinity and 1e999 (inf)
+    ("nan-temperature", TEXT, {"prompt": "Hi", "temperature": float("nan")}, "temperature"),
+    ("infinity-unknown-field", CHAT, {"x": {"y": [1, float("inf")]}}, "x.y[1]"),
+    (
+        "minus-infinity-tool-extra-key",
+        CHAT,
+        {"tools": [{"type": "function", "function": {"name": "f", "extra": float("-inf")}}]},
+        "tools[0].function.extra",
+    ),
+    ("overflowing-exponent", TEXT, {"prompt": "Hi", "max_tokens": HUGE}, "max_tokens"),
 ]
 
 
@@ -474,6 +488,26 @@ def test_every_class_is_a_400_and_the_server_serves_on_unchanged(
         assert error["param"] == param, error
     assert server.health().status_code == 200
     assert normal(server, path) == before
+
+
+def test_a_non_finite_number_the_responses_api_would_echo_is_a_400(
+    server: RunningServer,
+) -> None:
+    """metadata is echoed back in the response object and its events: a NaN there would be
+    invalid JSON after the generation ran (and stored, a 500 on every GET). It is refused at the
+    door, naming the place, and nothing is stored."""
+    body = json.dumps(
+        {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "metadata": {"k": float("nan")}}
+    )
+    error = check_error(post(server, "/responses", body.encode()))
+    assert error["param"] == "metadata.k"
+    assert "not a finite number" in error["message"]
+    fine = json.dumps(
+        {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "metadata": {"k": "NaN"}}
+    )
+    response = post(server, "/responses", fine.encode())
+    assert response.status_code == 200, response.text
+    assert response.json()["metadata"] == {"k": "NaN"}
 
 
 def test_a_body_that_is_not_utf8_is_a_400(server: RunningServer) -> None:

@@ -3,12 +3,16 @@
 # What these rule out reaches code that cannot take it: JSON nested deep enough to overflow the
 # recursion of a chat template (`tojson`, recursive macros) or of a parser, and text that is not
 # valid Unicode (a lone surrogate, which JSON can write as "\ud800"), which the tokenizer, the
-# templates and every UTF-8 encoder (an error quoting the text included) fail on. Numbers need
-# no check here: the schema (schema.py) types every field the server reads.
+# templates and every UTF-8 encoder (an error quoting the text included) fail on, and numbers
+# that are not finite (NaN, Infinity and -Infinity, which Python's decoder takes although JSON
+# has none, and 1e999, which overflows to inf): echoed back (metadata, a tool's extra keys) they
+# make JSON no client can parse. Other numbers need no check here: the schema (schema.py)
+# types every field the server reads.
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -26,6 +30,7 @@ MAX_JSON_DEPTH = 64
 # from bytes, as strict UTF-8 decoding rejects encoded ones. A valid pair also matches (then
 # the decoded strings are checked).
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_MAYBE_NON_FINITE = re.compile(r"NaN|Infinity|[eE][+-]?\d{3}")
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 _MAX_PARAM = 200  # characters of a path an error names
 _MAX_PLACE_SEARCH = 1 << 16  # characters of a too-deep body still decoded to say where
@@ -52,6 +57,18 @@ def decode_json(raw: bytes | str, where: JsonPath = (), max_depth: int = MAX_JSO
         value = json.loads(text)
     except ValueError as exc:
         raise _invalid(exc, label, where) from None
+    # (only text that could have produced one is walked: a NaN or Infinity literal, or an
+    # exponent of three digits or more)
+    if _MAYBE_NON_FINITE.search(text):
+        bad = _first([value], _non_finite)
+        if bad is not None:
+            path = [*where, *bad[1:]]
+            place = f"'{format_path(path)}'" if path else "the request body"
+            raise InvalidRequestError(
+                f"{place} is not a finite number (NaN, Infinity and numbers beyond about 1.8e308 "
+                "are not JSON numbers)",
+                _param(path),
+            )
     # (a string given as such may hold a lone surrogate as itself, not only as an escape)
     if (isinstance(raw, str) or _SURROGATE_ESCAPE.search(text)) and not _encodes(value):
         bad = _first(value, _bad_text) or []  # ([]: the value itself)
@@ -115,6 +132,10 @@ def _param(path: JsonPath) -> str | None:
 
 def _is_container(value: object) -> bool:
     return type(value) in _CONTAINERS
+
+
+def _non_finite(key: str | int, child: object, level: int) -> bool:
+    return isinstance(child, float) and not math.isfinite(child)
 
 
 def _bad_text(key: str | int, child: object, level: int) -> bool:
