@@ -304,3 +304,31 @@ async def test_a_request_nothing_moves_on_fails_alone_and_the_loop_then_sleeps()
         )
         assert out.finish_reason is FinishReason.LENGTH and len(out.token_ids) == 5
         assert engine.healthy and engine.stats().failed == 1
+
+
+@pytest.mark.anyio
+async def test_a_stream_runs_on_while_client_work_holds_every_worker_thread() -> None:
+    """Client work (constraint compiles, large /tokenize calls) runs on anyio's worker threads;
+    the engine's waits for its device jobs must not need one. A stream that has started goes
+    on to its end while every one of those threads is held."""
+    import threading
+
+    tok = tokenizer()
+    release = threading.Event()
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    async with make_engine(max_in_flight=2) as engine, anyio.create_task_group() as tg:
+        tokens: list[int] = []
+        stream = engine.generate(tok.encode("Hello"), SamplingParams(max_tokens=12, temperature=0))
+        first = await stream.__anext__()
+        tokens.extend(first.token_ids)
+        for _ in range(int(limiter.total_tokens)):
+            tg.start_soon(anyio.to_thread.run_sync, release.wait)
+        while limiter.borrowed_tokens < limiter.total_tokens:
+            await anyio.sleep(0.01)
+        try:
+            with anyio.fail_after(300):  # a guard against a hang, not a measure of speed
+                async for event in stream:
+                    tokens.extend(event.token_ids)
+        finally:
+            release.set()
+        assert len(tokens) == 12
