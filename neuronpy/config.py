@@ -20,6 +20,7 @@ from neuronpy.defaults import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_BUFFERED_EVENTS,
+    DEFAULT_MAX_COMPILES,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_N,
     DEFAULT_MAX_QUEUE,
@@ -88,6 +89,10 @@ class EngineConfig:
     # bytes of compiled grammars (structured outputs) kept for reuse; a constraint whose
     # grammar alone is larger is refused (400)
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    # distinct constraints compiled at once (each a thread and a core); others wait, up to
+    # max_queue of them (then 503 with Retry-After); a request whose constraint is compiling
+    # already waits for that compile
+    max_compiles: int = DEFAULT_MAX_COMPILES
     # speculative decoding: "off", "ngram" (prompt lookup: drafts copied from the context) or
     # "draft" (`draft_model`, a smaller model of the same tokenizer, drafts); a request may
     # ask for another ("speculative" in its body)
@@ -116,6 +121,7 @@ class EngineConfig:
         check_int("prefix_cache_bytes", self.prefix_cache_bytes, 0)
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         check_int("grammar_cache_bytes", self.grammar_cache_bytes, 1 << 16)
+        check_int("max_compiles", self.max_compiles, 1, 256)
         check_choice("speculative", self.speculative, SPECULATIVE_METHODS)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 32)
         check_int("max_drafts_per_step", self.max_drafts_per_step, 1, 4096)
@@ -142,6 +148,7 @@ MODEL_KEYS = (
     "kv_budget",
     "reasoning_parser",
     "grammar_cache_bytes",
+    "max_compiles",
     "speculative",
     "num_speculative_tokens",
     "max_drafts_per_step",

@@ -23,6 +23,9 @@ DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 DEFAULT_CHUNK_STEPS = 0.5  # decode steps' time a joiner's prompt chunk may add to a step
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # the prefix cache's KV budget per model
 DEFAULT_GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept per model (constraints)
+# distinct constraints one model compiles at once (each takes a thread and a core); more wait,
+# up to max_queue of them (then 503 with Retry-After); one already compiling is waited for
+DEFAULT_MAX_COMPILES = 2
 DEFAULT_MAX_N = 8  # completions one request may ask for
 # 8 running sequences: on a CPU the decode step's cost is dominated by reading the weights up to
 # about this batch size, so 8 streams cost little more than one (see README, "max_in_flight").

@@ -545,3 +545,45 @@ def test_grammar_cache_serves_the_same_schema_twice_and_metrics_show_it(
     assert middle[compiled] == before[compiled] + 1 and after[compiled] == middle[compiled]
     assert after["neuronpy_grammar_compile_seconds_total"] > 0
     assert after["neuronpy_grammar_cache_bytes"] > 0
+
+
+@pytest.mark.anyio
+async def test_one_compile_per_constraint_and_at_most_max_compiles_at_once() -> None:
+    """Requests arriving together with one constraint share its single compile; distinct
+    constraints compile `max_compiles` at a time, the next `max_queue` wait for a slot, and
+    one past those is refused (503: QueueFullError, with a retry hint)."""
+    import threading
+
+    from neuronpy.errors import QueueFullError
+
+    ids = tokenizer().encode("Hello")
+    shared = Constraint("regex", r"[0-9]{3}")
+    queued = Constraint("regex", r"[a-z]{3}")
+    refused_one = Constraint("regex", r"[a-z]{4}")
+    async with make_engine(max_compiles=1, max_queue=1) as engine:
+        real, gate, started = engine.grammars.compile, threading.Event(), threading.Event()
+        calls: list[Constraint] = []
+
+        def held(constraint: Constraint, reasoning: Any = None) -> Any:
+            calls.append(constraint)
+            started.set()
+            gate.wait()
+            return real(constraint, reasoning)
+
+        engine.grammars.compile = held  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=3, temperature=0.0, constraint=shared)
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(engine.prepare, ids, params)
+            await anyio.to_thread.run_sync(started.wait)
+            tg.start_soon(engine.prepare, ids, dataclasses.replace(params, constraint=queued))
+            while len(engine._compiling) < 2:
+                await anyio.sleep(0.01)
+            assert calls == [shared]  # the second waits for the one slot
+            with pytest.raises(QueueFullError, match="max_compiles = 1") as refused:
+                await engine.prepare(ids, dataclasses.replace(params, constraint=refused_one))
+            assert refused.value.retry_after > 0
+            gate.set()
+        assert calls == [shared, queued]  # five requests, one compile; then the queued one
+        out = await engine.complete(ids, params)
+        assert re.fullmatch(r"[0-9]{3}", out.text)

@@ -32,6 +32,7 @@ from neuronpy.engine.types import Completion, GenerationEvent, SamplingParams, S
 from neuronpy.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
+    QueueFullError,
     ShuttingDownError,
     WorkerError,
 )
@@ -117,6 +118,9 @@ class Engine:
         self.grammars = Grammars(
             tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.grammar_cache_bytes
         )
+        # the constraints compiling now (see prepare): each one's end, for those waiting on it
+        self._compiling: dict[tuple[Any, Any], anyio.Event] = {}
+        self._compile_slots = anyio.Semaphore(config.max_compiles)
         self._routers: dict[int, ObjectSendStream[RouterMessage]] = {}
         self._healthy = False
         self._failure: str | None = None
@@ -268,8 +272,29 @@ class Engine:
         if params.constraint is None:
             return
         reasoning = self._reasoning(prompt_ids, params)
-        if not self.grammars.cached(params.constraint, reasoning):
-            await anyio.to_thread.run_sync(self.grammars.compile, params.constraint, reasoning)
+        key = (params.constraint, reasoning)
+        while not self.grammars.cached(*key):
+            pending = self._compiling.get(key)
+            if pending is not None:  # the same constraint is compiling: its result is ours
+                await pending.wait()
+                continue  # (compiled; or it failed, and this request's compile says why)
+            waiting = len(self._compiling) - self.config.max_compiles
+            if waiting >= self.config.max_queue:
+                raise QueueFullError(
+                    f"model {self.name!r} is compiling {self.config.max_compiles} constraints "
+                    f"and {max(waiting, 0)} more wait (max_compiles = "
+                    f"{self.config.max_compiles}, max_queue = {self.config.max_queue}); "
+                    "retry shortly",
+                    retry_after=1.0,
+                )
+            done = self._compiling[key] = anyio.Event()
+            try:
+                async with self._compile_slots:  # at most max_compiles at once; others wait
+                    await anyio.to_thread.run_sync(self.grammars.compile, *key)
+            finally:
+                del self._compiling[key]
+                done.set()
+            return
 
     def _start_router(self, request: Request, reasoning: Reasoning | None) -> RequestStream:
         """The request's sampler (with its grammar's matcher when constrained), its router task
