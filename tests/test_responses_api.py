@@ -222,7 +222,18 @@ BAD: list[tuple[dict[str, Any], int, str]] = [
     ({"input": "x", "previous_response_id": 5}, 400, "previous_response_id"),
     ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     ({"input": "x", "temperature": 9}, 400, "temperature"),
+    (
+        {
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}},
+        },
+        400,
+        "text.format.schema",
+    ),
+    ({"input": "x", "max_output_tokens": -1}, 400, "max_output_tokens"),
 ]
+# the chat request a Responses request becomes: none of its names may reach the client
+CHAT_NAMES = ("max_tokens", "response_format", "messages", "json_schema.schema")
 
 
 @pytest.mark.parametrize(("extra", "status", "param"), BAD, ids=[p for _, _, p in BAD])
@@ -231,7 +242,9 @@ def test_bad_responses_requests_are_4xx(
 ) -> None:
     response = httpx.post(f"{server.v1}/responses", json={"model": MODEL, **extra}, timeout=30)
     assert response.status_code == status, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert not any(name in error["message"] for name in CHAT_NAMES), error["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

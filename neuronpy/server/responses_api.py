@@ -362,13 +362,32 @@ def chat_body(
     return out, conversation
 
 
+def _responses_param(param: str) -> str:
+    """A chat request's parameter as the Responses request names it: `messages[2]` is
+    `input[2]`, `response_format.json_schema.schema` is `text.format.schema` (the Responses
+    format is flat), `max_tokens` is `max_output_tokens`."""
+    for chat, responses in (
+        ("response_format.json_schema", "text.format"),
+        ("response_format", "text.format"),
+    ):
+        if param == chat or param.startswith((chat + ".", chat + "[")):
+            return responses + param[len(chat) :]
+    head, dot, rest = param.partition(".")
+    base, bracket, index = head.partition("[")
+    if base in PARAMS:
+        return PARAMS[base] + bracket + index + dot + rest
+    return param
+
+
 def _renamed(exc: ApiError) -> ApiError:
-    """A chat request's error, naming the Responses request's parameter."""
+    """A chat request's error, naming the Responses request's parameter, in its `param` and
+    wherever its message quotes it."""
     if exc.param is not None:
-        head, dot, rest = exc.param.partition(".")
-        base, bracket, index = head.partition("[")
-        if base in PARAMS:
-            exc.param = PARAMS[base] + bracket + index + dot + rest
+        renamed = _responses_param(exc.param)
+        exc.message = exc.message.replace(f"'{exc.param}'", f"'{renamed}'")
+        exc.param = renamed
+    for chat in ("max_tokens", "response_format"):  # a message may quote one it does not name
+        exc.message = exc.message.replace(f"'{chat}", f"'{_responses_param(chat)}")
     return exc
 
 
