@@ -587,3 +587,62 @@ async def test_one_compile_per_constraint_and_at_most_max_compiles_at_once() -> 
         assert calls == [shared, queued]  # five requests, one compile; then the queued one
         out = await engine.complete(ids, params)
         assert re.fullmatch(r"[0-9]{3}", out.text)
+
+
+# keyword -> (a property's schema using it, a value that breaks it)
+IGNORED_BY_XGRAMMAR: dict[str, tuple[dict[str, Any], Any]] = {
+    "not": ({"type": "string", "not": {"const": "x"}}, "x"),
+    "if": ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 10}}, 20),
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),
+    "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, [1]),
+    "dependentRequired": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        {"a": 1},
+    ),
+}
+
+
+def _one_property(schema: dict[str, Any]) -> str:
+    return json.dumps({"type": "object", "properties": {"v": schema}, "required": ["v"]})
+
+
+@pytest.mark.parametrize("keyword", list(IGNORED_BY_XGRAMMAR))
+def test_keywords_the_grammar_ignores_are_refused_naming_them(keyword: str) -> None:
+    """Why they are refused: xgrammar's grammar for each accepts a value the keyword forbids
+    (if a later xgrammar enforces one, this fails: then allow it). A request using one is a
+    400 naming the keyword and where it is; a property merely named like one is fine."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from neuronpy.errors import InvalidRequestError
+
+    schema, breaking = IGNORED_BY_XGRAMMAR[keyword]
+    grammar = xgr.Grammar.from_json_schema(_one_property(schema), any_whitespace=False)
+    assert _is_grammar_accept_string(grammar, json.dumps({"v": breaking}))
+    grammars = make_grammars()
+    with pytest.raises(InvalidRequestError, match=f"uses '{keyword}' \\(at properties.v\\)"):
+        grammars.compile(Constraint("json_schema", _one_property(schema), param="p"))
+    named = json.dumps({"type": "object", "properties": {keyword: {"type": "string"}}})
+    grammars.compile(Constraint("json_schema", named, param="p"))
+
+
+def test_an_all_of_of_several_schemas_is_refused() -> None:
+    """xgrammar turns an allOf of several schemas into any JSON value at all."""
+    from neuronpy.errors import InvalidRequestError
+
+    schema = {"type": "integer", "allOf": [{"minimum": 1}, {"maximum": 9}]}
+    with pytest.raises(InvalidRequestError, match="uses 'allOf'"):
+        make_grammars().compile(Constraint("json_schema", _one_property(schema), param="p"))
+    single = {"allOf": [{"type": "integer"}]}
+    make_grammars().compile(Constraint("json_schema", _one_property(single), param="p"))
+
+
+def make_grammars() -> Any:
+    from neuronpy.engine.grammar import Grammars
+
+    tok = tokenizer()
+    return Grammars(tok, len(tok), [tok.eos_token_id or 0], 1 << 26)

@@ -361,7 +361,70 @@ def _schema(text: str, param: str) -> str:
         raise InvalidRequestError(f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
     for pattern in _patterns(schema):
         _check_repetition(pattern, param)
+    found = _unenforced(schema)
+    if found is not None:
+        keyword, where = found
+        at = f" (at {where})" if where else ""
+        raise InvalidRequestError(
+            f"'{param}' uses '{keyword}'{at}, which constrained decoding here does not enforce "
+            '(a reply could break it with finish_reason "stop"); remove it, or check the '
+            "reply yourself",
+            param,
+        )
     return text
+
+
+# JSON Schema keywords xgrammar's converter compiles away without enforcing them (checked in
+# tests/test_structured.py: its grammar accepts a value each forbids), refused rather than
+# silently broken. (unevaluatedProperties is ignored too, but strict mode already allows no
+# property the schema does not name; an allOf, where it would matter, is refused below.)
+UNENFORCED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+)
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SUBSCHEMA = ("additionalProperties", "items", "additionalItems", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _unenforced(schema: Any) -> tuple[str, str] | None:
+    """The first keyword of a JSON Schema the grammar would not enforce, and where it is
+    (keywords only: a property named "not" is no keyword); an allOf of several schemas too
+    (xgrammar turns it into any JSON). None if there is none."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for keyword in UNENFORCED_KEYWORDS:
+            if keyword in node:
+                return keyword, where
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return "allOf", where
+        for key in _SUBSCHEMA:
+            if isinstance(node.get(key), dict):
+                stack.append((node[key], f"{where}.{key}".lstrip(".")))
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                stack.extend(
+                    (sub, f"{where}.{key}[{i}]".lstrip(".")) for i, sub in enumerate(node[key])
+                )
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                stack.extend(
+                    (sub, f"{where}.{key}.{name}".lstrip(".")) for name, sub in node[key].items()
+                )
+    return None
 
 
 def _depth(value: Any) -> int:
