@@ -646,3 +646,17 @@ def make_grammars() -> Any:
 
     tok = tokenizer()
     return Grammars(tok, len(tok), [tok.eos_token_id or 0], 1 << 26)
+
+
+@pytest.mark.parametrize("grammar", ['root ::= root "a"', "root ::= x\nx ::= x"])
+def test_a_grammar_that_cannot_start_is_a_400_before_admission(grammar: str) -> None:
+    """A grammar no token can start (left recursion, a rule that is only itself) used to fail
+    its request at the first step, after admission, as a 500; it is refused when compiled."""
+    from neuronpy.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="'guided_grammar' allows no text at all"):
+        make_grammars().compile(Constraint("grammar", grammar, param="guided_grammar"))
+
+
+def test_a_grammar_of_the_empty_text_is_taken() -> None:
+    make_grammars().compile(Constraint("grammar", 'root ::= ""', param="guided_grammar"))

@@ -142,6 +142,13 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise _refused(constraint, exc) from None
         seconds = time.perf_counter() - began
+        if not _writes_anything(compiled, self.vocab_size):
+            raise InvalidRequestError(
+                f"'{constraint.param}' allows no text at all: no token can start it (a rule that "
+                "only refers to itself, such as left recursion 'root ::= root \"a\"', never "
+                "ends)",
+                constraint.param,
+            )
         size = compiled.memory_size_bytes
         if size > self.cache_bytes:
             raise InvalidRequestError(
@@ -164,6 +171,16 @@ class Grammars:
     def matcher(self, constraint: Constraint, reasoning: Reasoning | None = None) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar."""
         return Matcher(self.compile(constraint, reasoning), self.vocab_size)
+
+
+def _writes_anything(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:
+    """Whether a reply can start at all: some token (the end of the reply included, where the
+    grammar accepts the empty text) is allowed first. A grammar that allows none would fail its
+    request at its first step, after admission."""
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 class Matcher:
