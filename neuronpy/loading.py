@@ -42,6 +42,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # Bump when the layout of a cache entry changes, so old entries are never read.
 _CACHE_FORMAT = 1
+_CACHE_MARKER = "neuronpy-cache.json"  # written last into an entry: its presence means complete
 _HASH_SPAN = 1 << 20  # bytes hashed at each end of a GGUF file
 _STALE_TMP_SECONDS = 3600
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -204,7 +205,7 @@ def _gguf_metadata(
     """A GGUF file's transformers config and tokenizer, from the cache when a start before
     this one wrote them (the same key as the converted copies: gguf_cache_key)."""
     entry = cache_dir / "gguf-meta" / gguf_cache_key(path)
-    if (entry / "neuronpy-cache.json").is_file():
+    if (entry / _CACHE_MARKER).is_file():
         try:
             config = transformers.AutoConfig.from_pretrained(entry)
             return config, transformers.AutoTokenizer.from_pretrained(entry)
@@ -217,18 +218,16 @@ def _gguf_metadata(
         )
     except Exception as exc:
         raise ModelLoadError(f"could not read {path.name}: {_reason(exc)}") from exc
-    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp: Path) -> None:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "neuronpy-cache.json").write_text(json.dumps({"gguf": str(path.resolve())}))
-        tmp.rename(entry)
+        (tmp / _CACHE_MARKER).write_text(json.dumps({"gguf": str(path.resolve())}))
+
+    try:
+        _publish(entry, write)
     except OSError as exc:  # a read-only cache costs a few seconds a start, nothing else
-        if not (entry / "neuronpy-cache.json").is_file():
-            log(f"could not cache {path.name}'s metadata in {entry.parent}: {exc}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"could not cache {path.name}'s metadata in {entry.parent}: {exc}")
     return config, tokenizer
 
 
@@ -366,15 +365,13 @@ def _cached_gguf(path: Path, cache_dir: Path, log: Callable[[str], None]) -> str
     and return that directory. The entry appears atomically (rename of a
     finished temporary directory), so its existence means it is complete."""
     entry = gguf_cache_entry(path, cache_dir)
-    if (entry / "neuronpy-cache.json").is_file():
+    if (entry / _CACHE_MARKER).is_file():
         log(f"GGUF cache hit: {entry}")
         return str(entry)
     log(f"converting {path.name} to safetensors (once; cached in {entry.parent})")
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(entry)
-    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
     started = time.perf_counter()
-    try:
+
+    def convert(tmp: Path) -> None:
         model, tokenizer = _from_pretrained(
             str(path.parent), torch.float32, hub=False, gguf_file=path.name
         )
@@ -387,19 +384,33 @@ def _cached_gguf(path: Path, cache_dir: Path, log: Callable[[str], None]) -> str
         model.save_pretrained(tmp)
         del model
         source = {"gguf": str(path.resolve()), "transformers": transformers.__version__}
-        (tmp / "neuronpy-cache.json").write_text(json.dumps(source, indent=2))
+        (tmp / _CACHE_MARKER).write_text(json.dumps(source, indent=2))
+
+    try:
+        _publish(entry, convert)
+    except OSError as exc:
+        raise ModelLoadError(f"could not write the GGUF cache in {entry.parent}: {exc}") from exc
+    log(f"converted {path.name} in {time.perf_counter() - started:.1f} s")
+    return str(entry)
+
+
+def _publish(entry: Path, fill: Callable[[Path], None]) -> None:
+    """Writes cache entry `entry` atomically: `fill` writes a temporary directory beside it
+    (its _CACHE_MARKER last), which is then renamed to `entry`, so an entry that exists is
+    complete. Another process finishing the same entry first is no error. Raises OSError."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(entry)
+    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        fill(tmp)
         try:
             tmp.rename(entry)
         except OSError:
-            if not (entry / "neuronpy-cache.json").is_file():
+            if not (entry / _CACHE_MARKER).is_file():
                 raise
-            # another process finished the same conversion first: use its entry
-    except OSError as exc:
-        raise ModelLoadError(f"could not write the GGUF cache in {entry.parent}: {exc}") from exc
+            # another process finished the same entry first: use its entry
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"converted {path.name} in {time.perf_counter() - started:.1f} s")
-    return str(entry)
 
 
 def _remove_stale_tmp(entry: Path) -> None:

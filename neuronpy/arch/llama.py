@@ -88,11 +88,9 @@ class LlamaModel:
         head = getattr(self.lm_head, "nbytes", 0)
         if getattr(self.embed, "values", None) is getattr(self.lm_head, "_q", False):
             head = 0  # a tied head computing with the embedding's own int8 values
-        norms = sum(t.nbytes for t in self.identity().values()) - self._embed_bytes()
-        return self._embed_bytes() + sum(lin.nbytes for lin in self._linears()) + head + norms
-
-    def _embed_bytes(self) -> int:
-        return self.embed.nbytes
+        # (identity() holds the embedding's table and every norm)
+        tables = sum(t.nbytes for name, t in self.identity().items() if name != "embed")
+        return self.embed.nbytes + sum(lin.nbytes for lin in self._linears()) + head + tables
 
     def describe_weights(self) -> str:
         """What its weights are, for the load log: each projection kind and its count."""

@@ -227,16 +227,15 @@ def take_weights(
         # every part reads the same input (the normed hidden state): the first one's ranges
         absmax = stats.get(parts[0][0])
         fused = cat_weights(weights)  # type: ignore[arg-type]
-        if fused is None or quantize == "none":  # parts of different layouts: side by side
-            if quantize == "none":
-                fused = torch.cat([dequantized(w, dtype) for w in weights])  # type: ignore[arg-type]
-            else:
-                return FusedLinear(
-                    [
-                        make_linear(w, b, quantize, absmax, dtype=dtype)  # type: ignore[arg-type]
-                        for w, b in zip(weights, biases, strict=True)
-                    ]
-                )
+        if fused is None and quantize == "none":  # all float in the end: one weight after all
+            fused = torch.cat([dequantized(w, dtype) for w in weights])  # type: ignore[arg-type]
+        if fused is None:  # parts stored in different layouts: side by side, each its own
+            return FusedLinear(
+                [
+                    make_linear(w, b, quantize, absmax, dtype=dtype)  # type: ignore[arg-type]
+                    for w, b in zip(weights, biases, strict=True)
+                ]
+            )
         bias = None if biases[0] is None else torch.cat(biases)  # type: ignore[arg-type]
         return make_linear(fused, bias, quantize, absmax, dtype=dtype)
 
