@@ -705,16 +705,20 @@ async def _session(
     sessions: SessionStore | None, engine: Engine, rid: str, previous: str | None, keep: bool
 ) -> SessionRequest | None:
     """The response's session, with sessions on: continue from the previous response's KV
-    (when it has a session file), save its own under its id (when stored)."""
+    (when it has a session file this model can restore), save its own under its id (when
+    stored). The KV only spares a prefill: the conversation is the stored response's, so one
+    that another model saved (or that cannot be read) is skipped and the conversation is
+    prefilled, as it is without sessions."""
     if sessions is None or not engine.supports_sessions or not (keep or previous):
         return None
-    try:
-        return await open_session(
-            sessions, engine, previous or rid, save=keep, save_as=rid if keep else None
-        )
-    except ApiError as exc:  # the previous response's session: not for this model
-        exc.param = "previous_response_id"
-        raise
+    if previous is not None:
+        try:
+            return await open_session(
+                sessions, engine, previous, save=keep, save_as=rid if keep else None
+            )
+        except ApiError as exc:  # (another model's, or not a session this server reads)
+            log.info("request %s: previous response's KV not restored: %s", rid, exc.message)
+    return await open_session(sessions, engine, rid, save=True) if keep else None
 
 
 async def _options(
