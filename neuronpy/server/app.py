@@ -32,12 +32,8 @@ from neuronpy.server.models import (
 )
 from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
-from neuronpy.server.responses_api import (
-    ResponseStore,
-    create_response,
-    delete_response,
-    get_response,
-)
+from neuronpy.server.response_store import ResponseStore, StoreLimits
+from neuronpy.server.responses_api import create_response, delete_response, get_response
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
 from neuronpy.server.stream import EventStreamResponse
 from neuronpy.server.tokenize import detokenize, tokenize
@@ -58,6 +54,7 @@ def create_app(
     cors_allow_origins: Sequence[str] = (),
     cors_allow_credentials: bool = False,
     sessions_dir: str | Path | None = None,
+    stored_responses: StoreLimits | None = None,
     web: bool = True,
 ) -> Starlette:
     """The HTTP app serving `models`: {name: a blocking function that loads the model and builds
@@ -70,15 +67,17 @@ def create_app(
     A body must arrive within `body_timeout` seconds (else 408); at most `limit_concurrency`
     requests are handled at once, /health and /metrics aside (else 503); 0 turns either off.
     `sessions_dir` turns sessions on: conversations' KV saved there by name (see
-    engine/sessions.py), listed and deleted under /v1/sessions. `web`: the chat page at / and
-    the batch view at /batch (their static files need no key; what they fetch does)."""
+    engine/sessions.py), listed and deleted under /v1/sessions. `stored_responses`: the
+    Responses API's store's bounds, in memory and on disk (response_store.py). `web`: the
+    chat page at / and the batch view at /batch (their static files need no key; what they
+    fetch does)."""
     if not models:
         raise ValueError("create_app needs at least one model")
     state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
     store = SessionStore(sessions_dir) if sessions_dir is not None else None
     metrics = ServerMetrics(state)
     # stored responses (the Responses API): in memory, and beside the sessions when they are on
-    responses = ResponseStore(store.directory if store is not None else None)
+    responses = ResponseStore(store.directory if store is not None else None, stored_responses)
     limits = BodyLimits(max_body_bytes, body_timeout)
     # outermost: every response carries its x-request-id, a 401 or a CORS refusal too
     middleware = [Middleware(RequestIdMiddleware)]
@@ -171,7 +170,7 @@ def create_app(
         if rid is None:
             return await create_response(request, state, limits, metrics, responses, store)
         if request.method == "DELETE":
-            return await delete_response(responses, rid, store)
+            return await delete_response(responses, rid)
         return await get_response(responses, rid)
 
     async def tokenize_route(request: Request) -> Response:

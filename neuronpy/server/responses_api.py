@@ -11,18 +11,10 @@ new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
-import re
-import stat
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -43,14 +35,12 @@ from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import BodyLimits, parse_request, read_json, requested_model
+from neuronpy.server.response_store import ResponseStore, check_metadata
 from neuronpy.server.responses import Reply
 from neuronpy.server.sessions import open_session
 
 log = logging.getLogger(__name__)
 
-MAX_STORED_BYTES = 64 << 20  # stored responses' JSON in memory, together; the oldest go first
-RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")  # what the server names a response
-RESPONSE_SUFFIX = ".response.json"  # beside the sessions (not named like one)
 HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -66,133 +56,25 @@ PARAMS = {
 ROLES = ("user", "system", "developer", "assistant")
 
 
-# ---- the store ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Stored:
-    response: dict[str, Any]  # what GET returns
-    conversation: list[dict[str, Any]]  # chat messages: its input (no instructions), its reply
-    size: int = 0
-
-
-class ResponseStore:
-    """Stored responses: in memory, the oldest dropped first past `max_bytes` of their JSON;
-    and with a `directory` (the sessions directory) also on disk, one JSON file each, so that
-    they outlive a restart (their KV is a session file beside them, see `create_response`).
-    A file read back is untrusted: one that is not a stored response is as good as absent."""
-
-    def __init__(self, directory: Path | None = None, max_bytes: int = MAX_STORED_BYTES) -> None:
-        self.directory = directory
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[str, Stored] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def _file(self, rid: str) -> Path | None:
-        if self.directory is None or not RESPONSE_ID.match(rid):
-            return None
-        return self.directory / f"{rid}{RESPONSE_SUFFIX}"
-
-    def _remember(self, rid: str, stored: Stored) -> None:
-        with self._lock:
-            old = self._items.pop(rid, None)
-            if old is not None:
-                self._bytes -= old.size
-            self._items[rid] = stored
-            self._bytes += stored.size
-            while self._bytes > self.max_bytes and len(self._items) > 1:
-                _, dropped = self._items.popitem(last=False)
-                self._bytes -= dropped.size
-
-    async def put(self, rid: str, stored: Stored) -> None:
-        text = json.dumps({"response": stored.response, "conversation": stored.conversation})
-        stored.size = len(text)
-        self._remember(rid, stored)
-        path = self._file(rid)
-        if path is not None:
-            try:
-                await anyio.to_thread.run_sync(_write_atomically, path, text)
-            except OSError as exc:
-                log.warning("stored response %s not written to disk: %s", rid, exc.strerror)
-
-    async def get(self, rid: str) -> Stored | None:
-        with self._lock:
-            found = self._items.get(rid)
-        if found is not None:
-            return found
-        path = self._file(rid)
-        if path is None:
-            return None
-        found = await anyio.to_thread.run_sync(_read_stored, path)
-        if found is not None:
-            self._remember(rid, found)
-        return found
-
-    async def delete(self, rid: str) -> bool:
-        with self._lock:
-            stored = self._items.pop(rid, None)
-            if stored is not None:
-                self._bytes -= stored.size
-        path = self._file(rid)
-        on_disk = False
-        if path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                await anyio.to_thread.run_sync(path.unlink)
-                on_disk = True
-        return stored is not None or on_disk
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-def _read_stored(path: Path) -> Stored | None:
-    """A stored response's file, or None when there is none or it is not one (a regular file
-    of at most MAX_STORED_BYTES holding a response and a conversation of messages)."""
-    try:
-        info = os.lstat(path)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_STORED_BYTES:
-            return None
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    response, conversation = data.get("response"), data.get("conversation")
-    if not isinstance(response, dict) or not isinstance(conversation, list):
-        return None
-    if not all(isinstance(m, dict) for m in conversation):
-        return None
-    return Stored(response, conversation, info.st_size)
+# ---- the stored responses' routes --------------------------------------------------------------
 
 
 def _not_found(rid: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"no response with id {rid[:100]!r}", param=param, code="not_found")
 
 
-async def get_response(store: ResponseStore, rid: str) -> JSONResponse:
+async def get_response(store: ResponseStore, rid: str) -> Response:
+    """GET /v1/responses/{id}: the stored response's JSON as it is held."""
     stored = await store.get(rid)
     if stored is None:
         raise _not_found(rid)
-    return JSONResponse(stored.response)
+    return Response(stored.response, media_type="application/json")
 
 
-async def delete_response(
-    store: ResponseStore, rid: str, sessions: SessionStore | None = None
-) -> JSONResponse:
-    """Deletes a stored response and, with sessions on, its KV's session file."""
+async def delete_response(store: ResponseStore, rid: str) -> JSONResponse:
+    """Deletes a stored response and, with sessions on, its file and its KV's session file."""
     if not await store.delete(rid):
         raise _not_found(rid)
-    if sessions is not None and RESPONSE_ID.match(rid):
-        with contextlib.suppress(InvalidRequestError):
-            await anyio.to_thread.run_sync(sessions.delete, rid)
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
@@ -682,7 +564,7 @@ async def create_response(
 
     async def stored(response: dict[str, Any]) -> None:
         if keep and response["status"] != "failed":
-            await store.put(rid, Stored(response, [*conversation, builder.reply_message()]))
+            await store.put(rid, response, [*conversation, builder.reply_message()])
 
     if stream:
         return _Streamed(copy, builder, engine, stored)  # type: ignore[return-value]
@@ -724,7 +606,12 @@ async def _session(
 async def _options(
     body: dict[str, Any], store: ResponseStore
 ) -> tuple[list[dict[str, Any]], bool, bool]:
-    """The stored conversation it continues, whether it streams, whether it is stored."""
+    """The stored conversation it continues, whether it streams, whether it is stored; and
+    `metadata` checked (it is echoed and stored)."""
+    try:
+        check_metadata(body.get("metadata"))
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
     stream = body.get("stream", False)
     keep = body.get("store", True)
     for name, value in (("stream", stream), ("store", keep)):
@@ -740,7 +627,7 @@ async def _options(
         found = await store.get(previous)
         if found is None:
             raise _not_found(previous, "previous_response_id")
-        history = [dict(m) for m in found.conversation]
+        history = found.messages()
     if body.get("input") is None:
         raise ApiError(400, "'input' is required", param="input")
     return history, bool(stream), keep is not False
