@@ -1,8 +1,8 @@
 """The Responses API's store on real servers on loopback: what it holds costs in memory what it
 counts; `metadata` is held to OpenAI's limits; a stored response's file read back is untrusted
 input (anything but what the server writes is absent: a clean 404); the files on disk are
-bounded, the oldest removed; and a follow-up sent to another model than its previous
-response's replays the conversation there."""
+bounded, the oldest removed; the sessions listing does not hand out response ids; and a
+follow-up sent to another model than its previous response's replays the conversation there."""
 
 from __future__ import annotations
 
@@ -433,6 +433,28 @@ def test_stored_responses_on_disk_are_bounded_the_oldest_removed(tmp_path: Path)
         assert _on_disk(tmp_path) == ({newest}, {newest})
         api.responses.delete(newest)
         assert _on_disk(tmp_path) == (set(), set())
+
+
+# ---- the sessions listing -----------------------------------------------------------------------
+
+
+def test_the_sessions_listing_shows_no_stored_responses_kv(server: RunningServer) -> None:
+    """A stored response's KV is a session named by its id; listing them would hand every
+    key holder every client's response ids (and so their conversations). Sessions a client
+    named are listed; a response's is shown only to whoever names it."""
+    api = client(server)
+    out = api.responses.create(model=MODEL, input="Secret", max_output_tokens=3, temperature=0.0)
+    api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_body={"session": "named-by-me"},
+    )
+    listed = [s["id"] for s in httpx.get(f"{server.v1}/sessions", timeout=30).json()["data"]]
+    assert "named-by-me" in listed
+    assert not [name for name in listed if name.startswith("resp_")], listed
+    shown = httpx.get(f"{server.v1}/sessions/{out.id}", timeout=30)
+    assert shown.status_code == 200 and shown.json()["id"] == out.id
 
 
 # ---- follow-ups across models -------------------------------------------------------------------

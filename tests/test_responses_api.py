@@ -282,8 +282,9 @@ def test_with_sessions_a_stored_response_and_its_kv_outlive_a_restart(tmp_path: 
     with run_server(fixture_model(MODEL), sessions_dir=tmp_path) as server:
         api = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=60)
         first = api.responses.create(input="Tell me a story", **kwargs)
-        sessions = httpx.get(f"{server.v1}/sessions").json()["data"]
-        assert [s["id"] for s in sessions] == [first.id]
+        # its KV is a session named by its id: shown to whoever names it, never listed
+        assert httpx.get(f"{server.v1}/sessions/{first.id}").json()["tokens"] > 0
+        assert httpx.get(f"{server.v1}/sessions").json()["data"] == []
     with run_server(fixture_model(MODEL), sessions_dir=tmp_path) as restarted:
         api = openai.OpenAI(base_url=restarted.v1, api_key="unused", max_retries=0, timeout=60)
         assert api.responses.retrieve(first.id).output_text == first.output_text
@@ -302,7 +303,7 @@ def test_with_sessions_a_stored_response_and_its_kv_outlive_a_restart(tmp_path: 
         )
         assert follow.output_text == replay.output_text
         api.responses.delete(first.id)
-        assert httpx.get(f"{restarted.v1}/sessions").json()["data"] == []
+        assert httpx.get(f"{restarted.v1}/sessions/{first.id}").status_code == 404
         with pytest.raises(openai.NotFoundError):
             api.responses.retrieve(first.id)
 

@@ -13,6 +13,7 @@ from neuronpy.engine.types import SessionRequest
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.errors import ApiError, api_error
 from neuronpy.server.requests import ParsedRequest
+from neuronpy.server.response_store import RESPONSE_ID
 
 SESSIONS_OFF = (
     "sessions are off on this server; start it with --sessions-dir DIR ([server] sessions_dir)"
@@ -71,10 +72,14 @@ async def open_session(
 
 
 async def list_sessions(store: SessionStore) -> dict[str, Any]:
-    """Every session in the directory; one that cannot be read is listed with why (so that it
-    can be found and deleted), not a failure of the whole list."""
+    """Every session in the directory that a client named; one that cannot be read is listed
+    with why (so that it can be found and deleted), not a failure of the whole list. The KV of
+    stored responses (sessions named by a response's id, `resp_<hex>`) is not listed: an id is
+    what lets its holder read the response, and the listing must not hand it to every key
+    holder. (Whoever holds one may still show or delete its session by name.)"""
     data = []
-    for name in await _in_thread(store.names):
+    names = await _in_thread(store.names)
+    for name in (n for n in names if not RESPONSE_ID.fullmatch(n)):
         try:
             info = await anyio.to_thread.run_sync(store.info, name)
         except InvalidRequestError as exc:
