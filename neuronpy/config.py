@@ -20,8 +20,11 @@ from neuronpy.defaults import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_MAX_BUFFERED_EVENTS,
+    DEFAULT_MAX_COMPILE_BYTES,
+    DEFAULT_MAX_COMPILE_SECONDS,
     DEFAULT_MAX_COMPILES,
     DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_MAX_MASK_MS,
     DEFAULT_MAX_N,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PREFILL_CHUNK,
@@ -93,6 +96,13 @@ class EngineConfig:
     # max_queue of them (then 503 with Retry-After); a request whose constraint is compiling
     # already waits for that compile
     max_compiles: int = DEFAULT_MAX_COMPILES
+    # one constraint's compile: seconds and bytes of memory (a child process that is stopped
+    # there; the request is a 400 naming the bound); 0 seconds: no bounds, on a thread
+    max_compile_seconds: float = DEFAULT_MAX_COMPILE_SECONDS
+    max_compile_bytes: int | str = DEFAULT_MAX_COMPILE_BYTES
+    # milliseconds one row's constraint may take for a token (mask and advance); a row over it
+    # for two tokens in a row ends with finish_reason "error" (the batch waits for every row)
+    max_mask_ms: float = DEFAULT_MAX_MASK_MS
     # speculative decoding: "off", "ngram" (prompt lookup: drafts copied from the context) or
     # "draft" (`draft_model`, a smaller model of the same tokenizer, drafts); a request may
     # ask for another ("speculative" in its body)
@@ -122,6 +132,8 @@ class EngineConfig:
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         check_int("grammar_cache_bytes", self.grammar_cache_bytes, 1 << 16)
         check_int("max_compiles", self.max_compiles, 1, 256)
+        check_seconds("max_compile_seconds", self.max_compile_seconds)
+        check_number("max_mask_ms", self.max_mask_ms, 0.1, 1e6)
         check_choice("speculative", self.speculative, SPECULATIVE_METHODS)
         check_int("num_speculative_tokens", self.num_speculative_tokens, 0, 32)
         check_int("max_drafts_per_step", self.max_drafts_per_step, 1, 4096)
@@ -132,6 +144,11 @@ class EngineConfig:
         if self.speculative == "draft" and not self.draft_model:
             raise ValueError('speculative = "draft" needs a draft_model')
         object.__setattr__(self, "kv_budget", parse_size("kv_budget", self.kv_budget))
+        compile_bytes = parse_size("max_compile_bytes", self.max_compile_bytes)
+        check_int("max_compile_bytes", compile_bytes, 16 << 20)
+        object.__setattr__(self, "max_compile_bytes", compile_bytes)
+        object.__setattr__(self, "max_compile_seconds", float(self.max_compile_seconds))
+        object.__setattr__(self, "max_mask_ms", float(self.max_mask_ms))
         object.__setattr__(self, "queue_timeout", float(self.queue_timeout))
         object.__setattr__(self, "chunk_steps", float(self.chunk_steps))
 
@@ -149,6 +166,9 @@ MODEL_KEYS = (
     "reasoning_parser",
     "grammar_cache_bytes",
     "max_compiles",
+    "max_compile_seconds",
+    "max_compile_bytes",
+    "max_mask_ms",
     "speculative",
     "num_speculative_tokens",
     "max_drafts_per_step",

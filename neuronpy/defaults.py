@@ -26,6 +26,16 @@ DEFAULT_GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept per model (cons
 # distinct constraints one model compiles at once (each takes a thread and a core); more wait,
 # up to max_queue of them (then 503 with Retry-After); one already compiling is waited for
 DEFAULT_MAX_COMPILES = 2
+# One compile's bounds (its cost is not its text's size: 200 optional characters in a row take
+# 25 s; see engine/compile_child.py). The largest constraints the text limits allow that are
+# not built to be slow (64 KiB of choices, a schema of 800 properties) take under 0.5 s here.
+DEFAULT_MAX_COMPILE_SECONDS = 10.0
+DEFAULT_MAX_COMPILE_BYTES = 1 << 30
+# Milliseconds one row's constraint may take for one token (its mask and its advance) before
+# the batch stops waiting for it: a row over it twice in a row ends (finish_reason "error").
+# Ordinary grammars take under 0.3 ms a token on a 49k vocabulary; nested unbounded repetition
+# ((\w+\s*)*) grows with every token, past 10 ms by the hundredth.
+DEFAULT_MAX_MASK_MS = 20.0
 DEFAULT_MAX_N = 8  # completions one request may ask for
 # 8 running sequences: on a CPU the decode step's cost is dominated by reading the weights up to
 # about this batch size, so 8 streams cost little more than one (see README, "max_in_flight").

@@ -564,11 +564,11 @@ async def test_one_compile_per_constraint_and_at_most_max_compiles_at_once() -> 
         real, gate, started = engine.grammars.compile, threading.Event(), threading.Event()
         calls: list[Constraint] = []
 
-        def held(constraint: Constraint, reasoning: Any = None) -> Any:
+        def held(constraint: Constraint, reasoning: Any = None, cancelled: Any = None) -> Any:
             calls.append(constraint)
             started.set()
             gate.wait()
-            return real(constraint, reasoning)
+            return real(constraint, reasoning, cancelled)
 
         engine.grammars.compile = held  # type: ignore[method-assign]
         params = SamplingParams(max_tokens=3, temperature=0.0, constraint=shared)

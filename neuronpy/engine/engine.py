@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -16,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig
+from neuronpy.engine.compile_child import CompileCancelled
 from neuronpy.engine.costs import MIN_CHUNK
 from neuronpy.engine.counters import EngineStats, StepProfile
 from neuronpy.engine.grammar import Grammars, Reasoning
@@ -32,6 +35,7 @@ from neuronpy.engine.types import Completion, GenerationEvent, SamplingParams, S
 from neuronpy.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
+    NeuronError,
     QueueFullError,
     ShuttingDownError,
     WorkerError,
@@ -43,6 +47,16 @@ from neuronpy.worker.worker import DeviceWorker
 __all__ = ["Engine", "EngineStats", "RequestStream"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Compile:
+    """One constraint's compile, shared by the requests waiting for it (Engine.prepare)."""
+
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    waiters: int = 0
+    error: Exception | None = None  # why it failed, for every waiter
 
 
 class Engine:
@@ -115,11 +129,18 @@ class Engine:
             on_saved=self._saved,
             spawn=self._spawn,
         )
+        assert isinstance(config.max_compile_bytes, int)
         self.grammars = Grammars(
-            tokenizer, self.vocab_size, sorted(self.eos_token_ids), config.grammar_cache_bytes
+            tokenizer,
+            self.vocab_size,
+            sorted(self.eos_token_ids),
+            config.grammar_cache_bytes,
+            compile_seconds=config.max_compile_seconds,
+            compile_bytes=config.max_compile_bytes,
+            token_seconds=config.max_mask_ms / 1000,
         )
-        # the constraints compiling now (see prepare): each one's end, for those waiting on it
-        self._compiling: dict[tuple[Any, Any], anyio.Event] = {}
+        # the constraints compiling or waiting to (see prepare), each with those waiting on it
+        self._compiling: dict[tuple[Any, Any], _Compile] = {}
         self._compile_slots = anyio.Semaphore(config.max_compiles)
         self._routers: dict[int, ObjectSendStream[RouterMessage]] = {}
         self._healthy = False
@@ -268,33 +289,58 @@ class Engine:
     async def prepare(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Compiles the request's constraint (if any, and not cached) on a thread, so that
         `submit` does not block the event loop on it; InvalidRequestError naming the
-        constraint's field when it cannot be compiled."""
+        constraint's field when it cannot be compiled.
+
+        One compile per distinct constraint, however many requests wait for it (they share its
+        result, or its error); at most max_compiles at once, and past those max_queue waiting
+        (then QueueFullError). A compile every waiter has given up on (cancelled: its client
+        went away) is not started, or is stopped."""
         if params.constraint is None:
             return
-        reasoning = self._reasoning(prompt_ids, params)
-        key = (params.constraint, reasoning)
+        key = (params.constraint, self._reasoning(prompt_ids, params))
         while not self.grammars.cached(*key):
             pending = self._compiling.get(key)
-            if pending is not None:  # the same constraint is compiling: its result is ours
-                await pending.wait()
-                continue  # (compiled; or it failed, and this request's compile says why)
-            waiting = len(self._compiling) - self.config.max_compiles
-            if waiting >= self.config.max_queue:
-                raise QueueFullError(
-                    f"model {self.name!r} is compiling {self.config.max_compiles} constraints "
-                    f"and {max(waiting, 0)} more wait (max_compiles = "
-                    f"{self.config.max_compiles}, max_queue = {self.config.max_queue}); "
-                    "retry shortly",
-                    retry_after=1.0,
-                )
-            done = self._compiling[key] = anyio.Event()
+            if pending is None:
+                waiting = len(self._compiling) - self.config.max_compiles
+                if waiting >= self.config.max_queue:
+                    raise QueueFullError(
+                        f"model {self.name!r} is compiling {self.config.max_compiles} "
+                        f"constraints and {max(waiting, 0)} more wait (max_compiles = "
+                        f"{self.config.max_compiles}, max_queue = {self.config.max_queue}); "
+                        "retry shortly",
+                        retry_after=1.0,
+                    )
+                pending = self._compiling[key] = _Compile()
+                assert self._tg is not None
+                self._tg.start_soon(self._compile, key, pending, name="neuronpy-compile")
+            pending.waiters += 1
             try:
-                async with self._compile_slots:  # at most max_compiles at once; others wait
-                    await anyio.to_thread.run_sync(self.grammars.compile, *key)
+                await pending.done.wait()
             finally:
-                del self._compiling[key]
-                done.set()
-            return
+                pending.waiters -= 1
+                if pending.waiters == 0 and not pending.done.is_set():
+                    pending.cancelled.set()  # nobody waits for it any more
+            if pending.error is not None:
+                raise copy.copy(pending.error)
+
+    async def _compile(self, key: tuple[Any, Any], pending: _Compile) -> None:
+        """Compiles `key` for those waiting on `pending`, when a slot is free and somebody
+        still waits."""
+        try:
+            async with self._compile_slots:  # at most max_compiles at once; others wait
+                if not pending.cancelled.is_set():
+                    await anyio.to_thread.run_sync(
+                        lambda: self.grammars.compile(*key, cancelled=pending.cancelled)
+                    )
+        except CompileCancelled:
+            log.info("a constraint's compile was stopped: no request waits for it any more")
+        except Exception as exc:  # (a NeuronError: the request's 4xx; else its 500 alone)
+            if not isinstance(exc, NeuronError):
+                log.exception("compiling a constraint failed")
+            pending.error = exc
+        finally:
+            del self._compiling[key]
+            pending.done.set()
 
     def _start_router(self, request: Request, reasoning: Reasoning | None) -> RequestStream:
         """The request's sampler (with its grammar's matcher when constrained), its router task

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -19,11 +20,27 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+try:  # the regex parser of Python's re module (3.11+; sre_parse before)
+    import re._parser as _sre  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover
+    import sre_parse as _sre  # type: ignore[no-redef]
+
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from neuronpy.defaults import DEFAULT_GRAMMAR_CACHE_BYTES
+from neuronpy.defaults import (
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    DEFAULT_MAX_COMPILE_BYTES,
+    DEFAULT_MAX_COMPILE_SECONDS,
+    DEFAULT_MAX_MASK_MS,
+)
+from neuronpy.engine.compile_child import (
+    CAN_FORK,
+    CompileCancelled,
+    CompileLimitError,
+    compile_in_child,
+)
 from neuronpy.engine.reasoning import REASONING_MARKERS
 from neuronpy.engine.tools import TOOL_CALL_END, TOOL_CALL_START
 from neuronpy.engine.types import Constraint
@@ -37,6 +54,8 @@ MAX_SCHEMA_DEPTH = 32  # nesting of a JSON Schema's objects and arrays
 # 0.04 s). A product above this is refused.
 MAX_NESTED_REPETITION = 1024
 _COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", None))
+_ATOMIC = getattr(_sre, "ATOMIC_GROUP", None)  # (Python 3.11+)
 COMPILE_THREADS = 2
 # xgrammar's errors start "[13:03:32] /project/cpp/json_schema_converter.cc:5082: "
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -61,11 +80,20 @@ class Grammars:
         vocab_size: int,
         stop_ids: Sequence[int],
         cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+        compile_seconds: float = DEFAULT_MAX_COMPILE_SECONDS,
+        compile_bytes: int = DEFAULT_MAX_COMPILE_BYTES,
+        token_seconds: float = DEFAULT_MAX_MASK_MS / 1000,
     ) -> None:
+        """`compile_seconds` and `compile_bytes` bound one compile (0 seconds: no bound, and
+        compiles run on the calling thread); `token_seconds` one request's matcher on one
+        token (see Matcher)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_ids = sorted(stop_ids)
         self.cache_bytes = cache_bytes
+        self.compile_seconds_bound = compile_seconds
+        self.compile_bytes_bound = compile_bytes
+        self.token_seconds = token_seconds
         self._compiler: xgr.GrammarCompiler | None = None  # made on first use (~0.1-1 s)
         self._info: xgr.TokenizerInfo | None = None
         self._lock = threading.Lock()  # the cache's
@@ -111,11 +139,15 @@ class Grammars:
             return (constraint, reasoning) in self._cache
 
     def compile(
-        self, constraint: Constraint, reasoning: Reasoning | None = None
+        self,
+        constraint: Constraint,
+        reasoning: Reasoning | None = None,
+        cancelled: threading.Event | None = None,
     ) -> xgr.CompiledGrammar:
         """The compiled grammar of `constraint` (cached). `reasoning`: the reply's reasoning
         block, which comes before the constraint (None: none). InvalidRequestError naming the
-        constraint's field when it cannot be compiled."""
+        constraint's field when it cannot be compiled, or not within the compile's bounds;
+        CompileCancelled when `cancelled` is set before it is done."""
         key = (constraint, reasoning)
         with self._lock:
             hit = self._cache.get(key)
@@ -136,8 +168,15 @@ class Grammars:
             grammar = _grammar(constraint)
             if reasoning is not None:
                 grammar = _after_reasoning(grammar, *reasoning)
-            compiled = compiler.compile_grammar(grammar)
-        except InvalidRequestError:
+            compiled = self._compile(compiler, grammar, cancelled)
+        except CompileLimitError as exc:
+            raise InvalidRequestError(
+                f"'{constraint.param}' is too costly to compile: {exc} (this server's bounds: "
+                f"max_compile_seconds = {self.compile_seconds_bound:g}, max_compile_bytes = "
+                f"{self.compile_bytes_bound})",
+                constraint.param,
+            ) from None
+        except (InvalidRequestError, CompileCancelled):
             raise
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise _refused(constraint, exc) from None
@@ -168,9 +207,30 @@ class Grammars:
                 self._bytes -= evicted.memory_size_bytes
         return compiled
 
+    def _compile(
+        self,
+        compiler: xgr.GrammarCompiler,
+        grammar: xgr.Grammar,
+        cancelled: threading.Event | None,
+    ) -> xgr.CompiledGrammar:
+        if not CAN_FORK or self.compile_seconds_bound <= 0:
+            return compiler.compile_grammar(grammar)
+        info = self._info
+        assert info is not None
+        # (a compiler of its own: the parent's thread pool has no threads in the child)
+        return compile_in_child(
+            lambda: xgr.GrammarCompiler(
+                info, max_threads=COMPILE_THREADS, cache_enabled=False
+            ).compile_grammar(grammar),
+            info,
+            self.compile_seconds_bound,
+            self.compile_bytes_bound,
+            cancelled,
+        )
+
     def matcher(self, constraint: Constraint, reasoning: Reasoning | None = None) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar."""
-        return Matcher(self.compile(constraint, reasoning), self.vocab_size)
+        return Matcher(self.compile(constraint, reasoning), self.vocab_size, self.token_seconds)
 
 
 def _writes_anything(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:
@@ -186,36 +246,55 @@ def _writes_anything(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:
 class Matcher:
     """One request's place in its grammar. `fill_ahead` (any thread, never waits) computes the
     next token's bitmask; `mask` (the sampling thread) applies it, computing it first if
-    nobody has; `accept` advances by the chosen token. A lock keeps the three apart."""
+    nobody has; `accept` advances by the chosen token. A lock keeps the three apart.
 
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    The lockstep batch waits for every row's mask, so one row's matcher must not set the pace:
+    one whose work on a token (its mask and its advance) takes more than `token_seconds` twice
+    in a row stops, and its next mask is a GrammarError (that row ends; the others go on). Twice,
+    so that one stall of the machine does not end a request; the work of a grammar that grows
+    with every token (nested unbounded repetition) only grows."""
+
+    def __init__(
+        self, compiled: xgr.CompiledGrammar, vocab_size: int, token_seconds: float = math.inf
+    ) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._vocab_size = vocab_size
         self._lock = threading.Lock()
         self._filled = False
         self.filled_ahead = 0  # masks computed while a forward ran (for the bench)
+        self.token_seconds = token_seconds
+        self._spent = 0.0  # seconds of work on the current token so far
+        self._slow = 0  # tokens in a row that took longer than token_seconds
+        self._stopped: str | None = None  # why it stopped (too slow)
 
     def fill_ahead(self) -> None:
         if self._filled or not self._lock.acquire(blocking=False):
             return
         try:
-            if not self._filled and not self._matcher.is_terminated():
+            if not self._filled and self._stopped is None and not self._matcher.is_terminated():
                 self._fill()
                 self.filled_ahead += 1
         finally:
             self._lock.release()
 
     def _fill(self) -> None:
+        began = time.perf_counter()
         self._matcher.fill_next_token_bitmask(self._bitmask)
+        self._spent += time.perf_counter() - began
         self._filled = True
+
+    def _check(self) -> None:
+        if self._stopped is not None:
+            raise GrammarError(self._stopped)
+        if self._matcher.is_terminated():
+            raise GrammarError("the reply's grammar is complete and allows no more tokens")
 
     def mask(self, logits: torch.Tensor) -> None:
         """Sets the logits ([vocab] float32, a copy) of tokens the grammar forbids to -inf;
-        GrammarError when it forbids every one."""
+        GrammarError when it forbids every one, or the matcher stopped (too slow)."""
         with self._lock:
-            if self._matcher.is_terminated():
-                raise GrammarError("the reply's grammar is complete and allows no more tokens")
+            self._check()
             if not self._filled:
                 self._fill()
             width = min(logits.shape[0], self._vocab_size)
@@ -229,7 +308,7 @@ class Matcher:
         """Whether the grammar allows `token` next (a greedy row whose plain argmax it allows
         needs no mask: the masked argmax is that token)."""
         with self._lock:
-            if self._matcher.is_terminated():
+            if self._stopped is not None or self._matcher.is_terminated():
                 return False
             if not self._filled:
                 self._fill()
@@ -240,7 +319,18 @@ class Matcher:
     def accept(self, token: int) -> None:
         with self._lock:
             self._filled = False
-            if not self._matcher.accept_token(token):
+            began = time.perf_counter()
+            accepted = self._matcher.accept_token(token)
+            spent, self._spent = self._spent + time.perf_counter() - began, 0.0
+            self._slow = self._slow + 1 if spent > self.token_seconds else 0
+            if self._slow >= 2:
+                self._stopped = (
+                    f"the constraint took {spent * 1000:.0f} ms for one token, past this "
+                    f"server's bound of {self.token_seconds * 1000:g} ms (max_mask_ms): its "
+                    "work grows with every token (nested unbounded repetition, such as "
+                    "(a+)* or (\\w+\\s*)*, does)"
+                )
+            if not accepted:
                 raise GrammarError(f"the reply's grammar refused token {token}")
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
@@ -314,6 +404,78 @@ def _check_repetition(text: str, param: str, quoted: bool = False) -> None:
         )
 
 
+def _check_regex(text: str, param: str) -> None:
+    """A regex's repetitions checked before it is compiled: counted ones nested past
+    MAX_NESTED_REPETITION, and unbounded repetition of what may be empty or is itself one
+    unbounded repetition ((a*)*, (a?b*)+, (a+)+): the same language as without the outer one,
+    and a matcher whose work on each token grows with the tokens before it (by the hundredth,
+    (a*)* takes 500 ms a token on a 49k vocabulary), so refused by name."""
+    _check_repetition(text, param)
+    found = _redundant_repeat(text)
+    if found is not None:
+        raise InvalidRequestError(
+            f"'{param}' repeats without bound a part that {found}, such as (a*)* or (a+)+: "
+            "write the inner repetition alone (the same text matches); nested like this, "
+            "matching it grows slower with every token",
+            param,
+        )
+
+
+def _redundant_repeat(pattern: str) -> str | None:
+    """How an unbounded repetition in `pattern` is redundant ("may be empty", "is itself an
+    unbounded repetition"), or None (none is, or Python's regex parser, whose syntax is
+    nearly the one xgrammar reads, cannot parse it: the run-time bound is then the guard)."""
+    try:
+        tree = _sre.parse(pattern)
+        stack = [list(tree)]
+        while stack:
+            for op, arg in stack.pop():
+                if op in _REPEATS:
+                    _, high, body = arg
+                    if high == _sre.MAXREPEAT and _nullable(body):
+                        return "may be empty"
+                    if high == _sre.MAXREPEAT and _one_unbounded(body):
+                        return "is itself an unbounded repetition"
+                    stack.append(list(body))
+                elif op == _sre.SUBPATTERN:
+                    stack.append(list(arg[-1]))
+                elif op == _sre.BRANCH:
+                    stack.extend(list(b) for b in arg[1])
+                elif op == _ATOMIC:
+                    stack.append(list(arg))
+    except Exception:  # (re.error, RecursionError, and what else a private parser may raise)
+        return None
+    return None
+
+
+def _nullable(items: Any) -> bool:
+    """Whether a parsed regex sequence matches the empty text."""
+    for op, arg in items:
+        if op in _REPEATS:
+            if arg[0] > 0 and not _nullable(arg[2]):
+                return False
+        elif op == _sre.SUBPATTERN:
+            if not _nullable(arg[-1]):
+                return False
+        elif op == _ATOMIC:
+            if not _nullable(arg):
+                return False
+        elif op == _sre.BRANCH:
+            if not any(_nullable(b) for b in arg[1]):
+                return False
+        elif op not in (_sre.AT, _sre.ASSERT, _sre.ASSERT_NOT):
+            return False  # a character (or a back-reference: not counted as empty)
+    return True
+
+
+def _one_unbounded(items: Any) -> bool:
+    """Whether a parsed regex sequence is one unbounded repetition (in groups or not)."""
+    while len(items) == 1 and items[0][0] in (_sre.SUBPATTERN, _ATOMIC):
+        op, arg = items[0]
+        items = arg[-1] if op == _sre.SUBPATTERN else arg
+    return len(items) == 1 and items[0][0] in _REPEATS and items[0][1][1] == _sre.MAXREPEAT
+
+
 def _patterns(schema: Any) -> list[str]:
     """Every regex in a JSON Schema: `pattern` values and `patternProperties` keys."""
     found, stack = [], [schema]
@@ -336,7 +498,7 @@ def _grammar(c: Constraint) -> xgr.Grammar:
     if c.kind == "json_schema":
         return _json_grammar(_schema(c.spec, c.param))
     if c.kind == "regex":
-        _check_repetition(c.spec, c.param)
+        _check_regex(c.spec, c.param)
         return xgr.Grammar.from_regex(c.spec)
     if c.kind == "choice":
         literals = " | ".join(_literal(choice) for choice in c.choices)
@@ -377,7 +539,7 @@ def _schema(text: str, param: str) -> str:
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise InvalidRequestError(f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
     for pattern in _patterns(schema):
-        _check_repetition(pattern, param)
+        _check_regex(pattern, param)
     found = _unenforced(schema)
     if found is not None:
         keyword, where = found

@@ -97,6 +97,13 @@ class Constraint:
                     f"{MAX_CHOICE_CHARS} characters",
                     self.param,
                 )
+            total = sum(len(c) for c in self.choices)
+            if total > MAX_CONSTRAINT_CHARS:  # (as a schema's or a grammar's text is)
+                raise InvalidRequestError(
+                    f"'{self.param}' takes at most {MAX_CONSTRAINT_CHARS} characters of choices "
+                    f"together, got {total}",
+                    self.param,
+                )
         elif self.kind not in ("json_object",) and not self.spec:
             raise InvalidRequestError(f"'{self.param}' is empty", self.param)
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
@@ -18,7 +19,7 @@ from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import NeuronError
-from neuronpy.server.copies import Copy, gather, prompt_totals
+from neuronpy.server.copies import Copy, cancel_on_disconnect, gather, prompt_totals
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.logprobs import token_texts
 from neuronpy.server.metrics import ServerMetrics
@@ -77,7 +78,9 @@ async def generate(
             (ids, req.sampling_params(len(ids), engine.context_len, reasoning)) for ids in prompts
         ]
         session = await session_request(store, engine, req)
-        groups = await _admit(engine, plans, req.n, session, req.param_names)
+        groups = await _admit(request.receive, engine, plans, req.n, session, req.param_names)
+        if groups is None:
+            return Response(status_code=499)  # it left while its constraint compiled
     except ApiError as exc:
         metrics.reject(model, exc)
         log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
@@ -124,26 +127,50 @@ def refuse_unshown_tools(model: ServedModel, req: ParsedRequest) -> None:
 
 
 async def _admit(
+    receive: Receive,
     engine: Engine,
     plans: Sequence[tuple[list[int], SamplingParams]],
     n: int,
     session: SessionRequest | None,
     names: dict[str, str],
-) -> list[list[RequestStream]]:
+) -> list[list[RequestStream]] | None:
     """Each prompt's n copies admitted, or none of them: every prompt is checked first, and a
-    refusal at admission (a full queue) cancels those admitted before it."""
+    refusal at admission (a full queue) cancels those admitted before it. None: the client
+    left while the constraints compiled."""
     groups: list[list[RequestStream]] = []
     try:
         for ids, params in plans:
             engine.validate(ids, params)
+        if not await prepare_while_connected(receive, engine, plans):
+            return None
         for ids, params in plans:
-            await engine.prepare(ids, params)  # a constraint's grammar, on a thread
             groups.append(engine.submit_many(ids, params, n, session))
     except NeuronError as exc:
         for stream in (s for group in groups for s in group):
             stream.cancel()
         raise api_error(exc, names) from None
     return groups
+
+
+async def prepare_while_connected(
+    receive: Receive, engine: Engine, plans: Sequence[tuple[Sequence[int], SamplingParams]]
+) -> bool:
+    """Compiles the plans' constraints (Engine.prepare, on threads) while the client is there:
+    False when it disconnects first, which stops a compile no other request waits for. Its
+    errors (NeuronError) are raised. The request's body must have been read."""
+    failed: list[NeuronError] = []
+
+    async def prepare() -> None:
+        try:
+            for ids, params in plans:
+                await engine.prepare(ids, params)
+        except NeuronError as exc:
+            failed.append(exc)
+
+    connected = await cancel_on_disconnect(receive, prepare)
+    if failed:
+        raise failed[0]
+    return connected
 
 
 async def _gather(request: Request, copies: Sequence[Copy], engine: Engine) -> Response:

@@ -64,6 +64,9 @@ class ServedModel:
             self.engine.stop_admitting(SHUTTING_DOWN)
 
 
+TOKENIZE_THREADS = 4  # /tokenize and /detokenize calls running at once, on threads
+
+
 @dataclass
 class ServerState:
     """Every served model, by name, in the configured order."""
@@ -75,6 +78,16 @@ class ServerState:
     _drain: anyio.Event | None = field(default=None, init=False, repr=False)
     _hurry: anyio.Event | None = field(default=None, init=False, repr=False)
     _shutdown_requests: int = field(default=0, init=False, repr=False)
+    _tokenize_threads: anyio.CapacityLimiter | None = field(default=None, init=False, repr=False)
+
+    @property
+    def tokenize_threads(self) -> anyio.CapacityLimiter:
+        """The threads /tokenize and /detokenize may hold at once (TOKENIZE_THREADS; more
+        wait): of the pool that tokenizes every request's prompt, a flood of them may never
+        hold it all. (Made on the app's event loop, at first use.)"""
+        if self._tokenize_threads is None:
+            self._tokenize_threads = anyio.CapacityLimiter(TOKENIZE_THREADS)
+        return self._tokenize_threads
 
     def request_shutdown(self) -> bool:
         """Begin a graceful shutdown; safe to call from a signal handler or another thread. The

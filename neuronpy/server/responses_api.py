@@ -30,7 +30,7 @@ from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.jsontext import one_line
 from neuronpy.server.copies import Copy, Events, gather, stream
 from neuronpy.server.errors import ApiError, api_error, failure
-from neuronpy.server.flow import refuse_unshown_tools
+from neuronpy.server.flow import prepare_while_connected, refuse_unshown_tools
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
@@ -550,7 +550,8 @@ async def create_response(
         params = req.sampling_params(len(prompt_ids), engine.context_len, reasoning)
         session = await _session(sessions, engine, rid, body.get("previous_response_id"), keep)
         try:
-            await engine.prepare(prompt_ids, params)
+            if not await prepare_while_connected(request.receive, engine, [(prompt_ids, params)]):
+                return Response(status_code=499)  # it left while its constraint compiled
             (stream_,) = engine.submit_many(prompt_ids, params, 1, session)
         except NeuronError as exc:
             raise _renamed(api_error(exc, req.param_names)) from None

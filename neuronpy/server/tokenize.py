@@ -30,7 +30,9 @@ async def tokenize(request: Request, state: ServerState, limits: BodyLimits) -> 
     try:
         if body.get("messages") is not None:
             messages, tools = parse_messages(body["messages"]), parse_tools(body)
-            ids = await anyio.to_thread.run_sync(render_chat, tokenizer, messages, tools.tools)
+            ids = await anyio.to_thread.run_sync(
+                render_chat, tokenizer, messages, tools.tools, limiter=state.tokenize_threads
+            )
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -39,7 +41,8 @@ async def tokenize(request: Request, state: ServerState, limits: BodyLimits) -> 
                 )
             special = fields.optional(body, "add_special_tokens", bool, True)
             ids = await anyio.to_thread.run_sync(
-                lambda: tokenizer.encode(prompt, add_special_tokens=special)
+                lambda: tokenizer.encode(prompt, add_special_tokens=special),
+                limiter=state.tokenize_threads,
             )
     except InvalidRequestError as exc:
         raise api_error(exc) from None
@@ -64,5 +67,7 @@ async def detokenize(request: Request, state: ServerState, limits: BodyLimits) -
             f"'tokens' holds ids outside the vocabulary (0 to {engine.vocab_size - 1}): {bad[:10]}",
             param="tokens",
         )
-    text = await anyio.to_thread.run_sync(lambda: engine.tokenizer.decode(tokens))
+    text = await anyio.to_thread.run_sync(
+        lambda: engine.tokenizer.decode(tokens), limiter=state.tokenize_threads
+    )
     return JSONResponse({"prompt": text})
