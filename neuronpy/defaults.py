@@ -27,8 +27,9 @@ DEFAULT_GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept per model (cons
 # up to max_queue of them (then 503 with Retry-After); one already compiling is waited for
 DEFAULT_MAX_COMPILES = 2
 # One compile's bounds (its cost is not its text's size: 200 optional characters in a row take
-# 25 s; see engine/compile_child.py). The largest constraints the text limits allow that are
-# not built to be slow (64 KiB of choices, a schema of 800 properties) take under 0.5 s here.
+# 25 s; see engine/compile_child.py): wall time, and heap beyond the server's. The largest
+# constraints the text limits allow that are not built to be slow (64 KiB of choices, a schema
+# of 800 properties) take under 1 s here, tried in the child and then compiled.
 DEFAULT_MAX_COMPILE_SECONDS = 10.0
 DEFAULT_MAX_COMPILE_BYTES = 1 << 30
 # Milliseconds one row's constraint may take for one token (its mask and its advance) before

@@ -25,6 +25,7 @@ from tests.servers import fixture_model, run_server
 
 needs_fork = pytest.mark.skipif(not CAN_FORK, reason="compiles are bounded in a forked child")
 
+
 # n optional characters in a row: small text, compile cost far beyond it (on the tiny
 # fixture's 360-token vocabulary 400 take 0.5 s in-process, 1500 pass 1 GiB within 15 s)
 def optional_run(n: int) -> Constraint:
@@ -97,7 +98,7 @@ def test_choices_are_held_to_the_text_limit_together() -> None:
 @needs_fork
 def test_a_compile_past_its_time_bound_is_a_400_naming_it_and_leaves_no_process() -> None:
     before = children()
-    with pytest.raises(InvalidRequestError, match="longer than 0.5 s") as refused:
+    with pytest.raises(InvalidRequestError, match=r"longer than 0\.5 s") as refused:
         grammars(compile_seconds=0.5).compile(optional_run(1500))
     assert "max_compile_seconds = 0.5" in str(refused.value)
     assert refused.value.param == "guided_grammar"
@@ -184,7 +185,7 @@ def test_a_matcher_over_its_token_bound_twice_in_a_row_stops() -> None:
 async def test_a_row_whose_constraint_grows_with_every_token_ends_alone() -> None:
     """A grammar whose matcher's work grows with each token (nested unbounded repetition,
     here through a rule no regex check sees) ends its own request with finish_reason error
-    once past max_mask_ms; the requests beside it, constrained or not, run to their end."""
+    once past max_mask_ms; the request beside it runs to its end, and the engine goes on."""
     tok = tokenizer()
     a = tok.encode("a", add_special_tokens=False)[-1]
     growing = Constraint("grammar", 'root ::= x "b"\nx ::= ("a" | x x)*', param="guided_grammar")
@@ -211,9 +212,9 @@ async def test_a_row_whose_constraint_grows_with_every_token_ends_alone() -> Non
         assert sum(len(e.token_ids) for e in events["slow"]) < 400
         assert events["plain"][-1].finish_reason is FinishReason.LENGTH
         assert sum(len(e.token_ids) for e in events["plain"]) == 30
-        ok = dataclasses.replace(plain, constraint=Constraint("regex", "[a-z]{5}"), max_tokens=8)
-        out = await engine.complete(ids, ok)
-        assert len(out.text) == 5 and engine.healthy
+        # (no constrained request beside: at 0.1 ms a busy machine could stop an ordinary one)
+        out = await engine.complete(ids, dataclasses.replace(plain, max_tokens=5))
+        assert len(out.token_ids) == 5 and engine.healthy
 
 
 # ---- over HTTP ----------------------------------------------------------------------------------

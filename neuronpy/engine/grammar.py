@@ -39,7 +39,7 @@ from neuronpy.engine.compile_child import (
     CAN_FORK,
     CompileCancelled,
     CompileLimitError,
-    compile_in_child,
+    try_in_child,
 )
 from neuronpy.engine.reasoning import REASONING_MARKERS
 from neuronpy.engine.tools import TOOL_CALL_END, TOOL_CALL_START
@@ -213,20 +213,21 @@ class Grammars:
         grammar: xgr.Grammar,
         cancelled: threading.Event | None,
     ) -> xgr.CompiledGrammar:
-        if not CAN_FORK or self.compile_seconds_bound <= 0:
-            return compiler.compile_grammar(grammar)
-        info = self._info
-        assert info is not None
-        # (a compiler of its own: the parent's thread pool has no threads in the child)
-        return compile_in_child(
-            lambda: xgr.GrammarCompiler(
-                info, max_threads=COMPILE_THREADS, cache_enabled=False
-            ).compile_grammar(grammar),
-            info,
-            self.compile_seconds_bound,
-            self.compile_bytes_bound,
-            cancelled,
-        )
+        """`grammar` compiled, once a child process has compiled it within the bounds (see
+        compile_child.py; without them, at once)."""
+        if CAN_FORK and self.compile_seconds_bound > 0:
+            info = self._info
+            assert info is not None
+            # (a compiler of its own: the parent's thread pool has no threads in the child)
+            try_in_child(
+                lambda: xgr.GrammarCompiler(
+                    info, max_threads=COMPILE_THREADS, cache_enabled=False
+                ).compile_grammar(grammar),
+                self.compile_seconds_bound,
+                self.compile_bytes_bound,
+                cancelled,
+            )
+        return compiler.compile_grammar(grammar)
 
     def matcher(self, constraint: Constraint, reasoning: Reasoning | None = None) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar."""
