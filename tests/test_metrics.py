@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from neuronpy.errors import QueueFullError, ShuttingDownError
 from neuronpy.server.app import create_app
-from neuronpy.server.errors import ApiError, api_error, rejection_reason
+from neuronpy.server.errors import ApiError, api_error
+from neuronpy.server.metrics import rejection_reason
 from neuronpy.server.models import ServedModel
 from tests.servers import RunningServer, fixture_model, run_server
 

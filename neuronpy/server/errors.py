@@ -20,24 +20,10 @@ from neuronpy.errors import (
     ShuttingDownError,
 )
 
-if TYPE_CHECKING:  # (models.py builds its errors here)
+if TYPE_CHECKING:
     from neuronpy.engine.engine import Engine
-    from neuronpy.server.models import ServedModel
 
 log = logging.getLogger(__name__)
-
-# Why a request was refused (a metric label); queue_timeout is the engine's count, the others
-# the server's (see rejection_reason).
-REJECT_REASONS = (
-    "invalid_request",  # 4xx: bad body, bad parameter, unknown model, prompt too long
-    "queue_full",  # max_in_flight running and max_queue waiting
-    "queue_timeout",  # admitted, then waited past queue_timeout without a row
-    "loading",  # the model is not ready yet
-    "shutting_down",  # the server stopped admitting
-    "unhealthy",  # the model failed (its worker, or its start)
-    "error",  # any other 5xx before admission
-    "concurrency_limit",  # limit_concurrency requests were being handled (before any was read)
-)
 
 
 class ApiError(Exception):
@@ -114,21 +100,6 @@ def failure(last: GenerationEvent | None, engine: Engine) -> ApiError | None:
     if not engine.healthy:
         return unavailable(error or "the model is unavailable")
     return ApiError(500, error or "generation failed", type="server_error")
-
-
-def rejection_reason(error: ApiError, model: ServedModel | None) -> str:
-    """Which of REJECT_REASONS an error answered before admission stands for. `model` is the
-    served model the request named, None if it named none the server serves."""
-    cause = error.__context__  # the engine's error an ApiError was made from, if any
-    if isinstance(cause, QueueFullError):
-        return "queue_full"
-    if isinstance(cause, ShuttingDownError) or (model is not None and model.status == "stopping"):
-        return "shutting_down"
-    if error.status < 500:
-        return "invalid_request"
-    if model is not None and model.status == "loading":
-        return "loading"
-    return "unhealthy" if error.status == 503 else "error"
 
 
 # ---- starlette's exception handlers ----------------------------------------------------------

@@ -19,7 +19,8 @@ from prometheus_client.utils import floatToGoString
 from neuronpy.engine.engine import EngineStats
 from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.types import FinishReason, GenerationEvent
-from neuronpy.server.errors import REJECT_REASONS, ApiError, rejection_reason
+from neuronpy.errors import QueueFullError, ShuttingDownError
+from neuronpy.server.errors import ApiError
 from neuronpy.server.models import ServedModel, ServerState
 
 NO_MODEL = ""  # the model label of requests refused before a served model was chosen
@@ -150,6 +151,35 @@ ENGINE_COUNTERS = (
         "Tokens the verifying rows emitted: drafts that stood and one of the model's own each.",
     ),
 )
+
+
+# Why a request was refused (a metric label); queue_timeout is the engine's count, the others
+# the server's (see rejection_reason).
+REJECT_REASONS = (
+    "invalid_request",  # 4xx: bad body, bad parameter, unknown model, prompt too long
+    "queue_full",  # max_in_flight running and max_queue waiting
+    "queue_timeout",  # admitted, then waited past queue_timeout without a row
+    "loading",  # the model is not ready yet
+    "shutting_down",  # the server stopped admitting
+    "unhealthy",  # the model failed (its worker, or its start)
+    "error",  # any other 5xx before admission
+    "concurrency_limit",  # limit_concurrency requests were being handled (before any was read)
+)
+
+
+def rejection_reason(error: ApiError, model: ServedModel | None) -> str:
+    """Which of REJECT_REASONS an error answered before admission stands for. `model` is the
+    served model the request named, None if it named none the server serves."""
+    cause = error.__context__  # the engine's error an ApiError was made from, if any
+    if isinstance(cause, QueueFullError):
+        return "queue_full"
+    if isinstance(cause, ShuttingDownError) or (model is not None and model.status == "stopping"):
+        return "shutting_down"
+    if error.status < 500:
+        return "invalid_request"
+    if model is not None and model.status == "loading":
+        return "loading"
+    return "unhealthy" if error.status == 503 else "error"
 
 
 class ServerMetrics:
