@@ -39,14 +39,15 @@ DEFAULT_MAX_COMPILE_BYTES = 1 << 30
 DEFAULT_MAX_MASK_MS = 20.0
 DEFAULT_MAX_N = 8  # completions one request may ask for
 # 8 running sequences: on a CPU the decode step's cost is dominated by reading the weights up to
-# about this batch size, so 8 streams cost little more than one (see README, "max_in_flight").
+# about this batch size, so 8 streams cost little more than one (see docs/serving.md, "What
+# max_in_flight does").
 DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_MAX_QUEUE = 64
 # events a request's consumer may leave unread before the request is ended (a stalled reader)
 DEFAULT_MAX_BUFFERED_EVENTS = 1024
 DEFAULT_QUEUE_TIMEOUT = 60.0  # seconds a request may wait for a row; 0: no deadline
 DEFAULT_DRAIN_TIMEOUT = 30.0  # seconds in-flight requests get to finish on SIGTERM
-# What one client can hold (see README, "Limits, overload and shutdown"): a connection's
+# What one client can hold (see docs/serving.md, "Limits, overload and shutdown"): a connection's
 # request head must arrive within HEADER_TIMEOUT seconds of its opening (or of the previous
 # response), a request's body within BODY_TIMEOUT seconds (4 MiB at about 1 Mbit/s); at most
 # LIMIT_CONCURRENCY requests are handled at once, /health and /metrics aside. 0: no limit.

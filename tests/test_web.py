@@ -1,7 +1,7 @@
 """The web page in a real headless browser: Debian's chromium, driven by playwright through
 `executable_path` (nothing is downloaded), against a real server on the tiny fixtures. The
 models' replies are scripted (tests/scripted.py) so that the page's rendering can be checked
-exactly. NEURONPY_SCREENSHOTS=DIR saves the README's screenshots there."""
+exactly. NEURONPY_SCREENSHOTS=DIR saves the screenshots of docs/api.md ("The web page") there."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class OutputFormat:
             raise InvalidRequestError(f"unknown reasoning parser {self.reasoning!r}")
 
 
-# What a constrained request may ask (engine/grammar.py compiles it; README "Structured outputs")
+# What a constrained request may ask (engine/grammar.py compiles it; docs/structured-outputs.md)
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "tools")
 MAX_CONSTRAINT_CHARS = 64 << 10  # a schema's, regex's or grammar's text
 MAX_CHOICES = 256
