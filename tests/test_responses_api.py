@@ -231,9 +231,63 @@ BAD: list[tuple[dict[str, Any], int, str]] = [
         "text.format.schema",
     ),
     ({"input": "x", "max_output_tokens": -1}, 400, "max_output_tokens"),
+    # (the engine's words for the chat request's max_tokens)
+    ({"input": "x", "max_output_tokens": 10**6}, 400, "max_output_tokens"),
+    ({"input": "x", "text": "json"}, 400, "text"),
+    # a Responses tool is flat: no 'function' under it, as chat's has
+    ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, 400, "tools[0].name"),
+    (
+        {"input": "x", "tools": [{"type": "function", "name": "f", "description": 5}]},
+        400,
+        "tools[0].description",
+    ),
+    (
+        {"input": "x", "tools": [{"type": "function", "name": "f"}] * 2},
+        400,
+        "tools[1].name",
+    ),
+    # an item's own field, whatever message the item becomes (instructions come before)
+    (
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "user", "content": "x"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"},
+            ],
+        },
+        400,
+        "input[1].arguments",
+    ),
+    (
+        {
+            "input": [
+                {"role": "user", "content": "x"},
+                {"type": "function_call_output", "call_id": "", "output": "12"},
+            ]
+        },
+        400,
+        "input[1].call_id",
+    ),
+    (
+        {
+            "input": "x",
+            "tools": [{"type": "function", "name": "f"}],
+            "tool_choice": "required",
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": CHOICE}},
+        },
+        400,
+        "tool_choice",
+    ),
 ]
 # the chat request a Responses request becomes: none of its names may reach the client
-CHAT_NAMES = ("max_tokens", "response_format", "messages", "json_schema.schema")
+CHAT_NAMES = (
+    "max_tokens",
+    "response_format",
+    "messages",
+    "json_schema.schema",
+    ".function.",
+    "tool_call",
+)
 
 
 @pytest.mark.parametrize(("extra", "status", "param"), BAD, ids=[p for _, _, p in BAD])

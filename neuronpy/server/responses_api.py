@@ -12,6 +12,7 @@ new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from neuronpy.server.requests import BodyLimits, parse_request, read_json, reque
 from neuronpy.server.response_store import ResponseStore, check_metadata
 from neuronpy.server.responses import Reply
 from neuronpy.server.sessions import open_session
+from neuronpy.server.structure import decode_json
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ PARAMS = {
     "tools": "tools",
 }
 ROLES = ("user", "system", "developer", "assistant")
+_TOOL_FUNCTION = re.compile(r"(tools\[\d+\])\.function(?=\.|$)")  # chat's tools[i].function
+_MAX_TOKENS = re.compile(r"\bmax_tokens\b")
 
 
 # ---- the stored responses' routes --------------------------------------------------------------
@@ -102,13 +106,14 @@ def input_messages(value: object) -> list[dict[str, Any]]:
                 )
             out.append({"role": role, "content": _text(item.get("content"), where)})
         elif kind == "function_call":
+            arguments = _string(item, "arguments", where)
+            # JSON, as chat's checks take it (the template writes it parsed): checked here, so
+            # that the error names this item rather than the chat message it becomes
+            decode_json(arguments, ("input", i, "arguments"))
             call = {
                 "id": _string(item, "call_id", where),
                 "type": "function",
-                "function": {
-                    "name": _string(item, "name", where),
-                    "arguments": _string(item, "arguments", where),
-                },
+                "function": {"name": _string(item, "name", where), "arguments": arguments},
             }
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
@@ -118,13 +123,12 @@ def input_messages(value: object) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             content = output if isinstance(output, str) else _text(output, where)
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": _string(item, "call_id", where),
-                    "content": content,
-                }
-            )
+            call_id = _string(item, "call_id", where)
+            if not call_id:
+                raise InvalidRequestError(
+                    f"'{where}.call_id' must be a non-empty string", f"{where}.call_id"
+                )
+            out.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
             continue  # the template is given no earlier reasoning
         else:
@@ -195,7 +199,9 @@ def chat_format(text: object) -> dict[str, Any] | None:
     schema and strict at the top level, not under json_schema as chat has them)."""
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise InvalidRequestError("'text' must be an object", "text")
+    fmt = text.get("format")
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
@@ -246,14 +252,18 @@ def chat_body(
 
 def _responses_param(param: str) -> str:
     """A chat request's parameter as the Responses request names it: `messages[2]` is
-    `input[2]`, `response_format.json_schema.schema` is `text.format.schema` (the Responses
-    format is flat), `max_tokens` is `max_output_tokens`."""
+    `input[2]`, `response_format.json_schema.schema` is `text.format.schema` and
+    `tools[0].function.name` is `tools[0].name` (the Responses format and tools are flat),
+    `max_tokens` is `max_output_tokens`."""
     for chat, responses in (
         ("response_format.json_schema", "text.format"),
         ("response_format", "text.format"),
     ):
         if param == chat or param.startswith((chat + ".", chat + "[")):
             return responses + param[len(chat) :]
+    tool = _TOOL_FUNCTION.match(param)
+    if tool is not None:
+        return tool[1] + param[tool.end() :]
     head, dot, rest = param.partition(".")
     base, bracket, index = head.partition("[")
     if base in PARAMS:
@@ -263,13 +273,19 @@ def _responses_param(param: str) -> str:
 
 def _renamed(exc: ApiError) -> ApiError:
     """A chat request's error, naming the Responses request's parameter, in its `param` and
-    wherever its message quotes it."""
+    wherever its message names it (quoted, or a path such as tools[0].function.name as it is);
+    and the chat parameters a message names beside it (another constraint's field, the
+    engine's "max_tokens")."""
     if exc.param is not None:
         renamed = _responses_param(exc.param)
         exc.message = exc.message.replace(f"'{exc.param}'", f"'{renamed}'")
+        if renamed != exc.param and ("." in exc.param or "[" in exc.param):
+            where = re.compile(rf"(?<![\w.\]]){re.escape(exc.param)}(?!\w)")
+            exc.message = where.sub(renamed, exc.message)
         exc.param = renamed
-    for chat in ("max_tokens", "response_format"):  # a message may quote one it does not name
+    for chat in ("response_format.json_schema", "response_format"):
         exc.message = exc.message.replace(f"'{chat}", f"'{_responses_param(chat)}")
+    exc.message = _MAX_TOKENS.sub("max_output_tokens", exc.message)
     return exc
 
 
