@@ -1,5 +1,6 @@
-"""Constrained decoding: a request's Constraint compiled by xgrammar, and each request's
-matcher, which masks its logits row to the tokens the grammar allows next.
+"""Constrained decoding: a request's Constraint compiled by xgrammar (its grammar from
+constraint_grammar.py), and each request's matcher, which masks its logits row to the tokens
+the grammar allows next.
 
 A compiled grammar is shared by every request with the same constraint (a cache bounded in
 bytes); a matcher is one request's position in it. The runner fills a matcher's bitmask on the
@@ -10,7 +11,6 @@ without a constraint never touch any of this.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -18,12 +18,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
-
-try:  # the regex parser of Python's re module (3.11+; sre_parse before)
-    import re._parser as _sre  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover
-    import sre_parse as _sre  # type: ignore[no-redef]
 
 import torch
 import xgrammar as xgr
@@ -41,28 +35,15 @@ from neuronpy.engine.compile_child import (
     CompileLimitError,
     try_in_child,
 )
-from neuronpy.engine.reasoning import REASONING_MARKERS
-from neuronpy.engine.tools import TOOL_CALL_END, TOOL_CALL_START
+from neuronpy.engine.constraint_grammar import Reasoning, grammar_of
 from neuronpy.engine.types import Constraint
 from neuronpy.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-MAX_SCHEMA_DEPTH = 32  # nesting of a JSON Schema's objects and arrays
-# Counted repetition nested in counted repetition, (x{1,50}){1,50}, compiles in time that grows
-# far faster than the product of the counts (that one: 75 s on this 2-core machine, 16x16:
-# 0.04 s). A product above this is refused.
-MAX_NESTED_REPETITION = 1024
-_COUNT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
-_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, getattr(_sre, "POSSESSIVE_REPEAT", None))
-_ATOMIC = getattr(_sre, "ATOMIC_GROUP", None)  # (Python 3.11+)
 COMPILE_THREADS = 2
 # xgrammar's errors start "[13:03:32] /project/cpp/json_schema_converter.cc:5082: "
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
-
-# A reply's reasoning block before its constraint: (the reasoning parser, whether the prompt
-# opened the block, so that the reply starts inside it); None: the reply has none.
-Reasoning = tuple[str, bool]
 
 
 class GrammarError(Exception):
@@ -165,9 +146,7 @@ class Grammars:
             ) from None
         began = time.perf_counter()
         try:
-            grammar = _grammar(constraint)
-            if reasoning is not None:
-                grammar = _after_reasoning(grammar, *reasoning)
+            grammar = grammar_of(constraint, reasoning)
             compiled = self._compile(compiler, grammar, cancelled)
         except CompileLimitError as exc:
             raise InvalidRequestError(
@@ -350,330 +329,6 @@ class Matcher:
     @property
     def complete(self) -> bool:
         return self._matcher.is_terminated()
-
-
-# ---- constraint -> grammar ----------------------------------------------------------------------
-
-
-def _nested_repetition(text: str, quoted: bool = False) -> int:
-    """The largest product of counted repetitions nested in one another in a regex (or, with
-    `quoted`, an EBNF grammar, whose "..." literals are skipped)."""
-    stack, last, worst, i = [1], 1, 1, 0
-    while i < len(text):
-        c = text[i]
-        count = _COUNT.match(text, i)
-        if count is not None:
-            bound = max(1, int(count.group(2) or count.group(1)))
-            if last > 1:  # a counted group holding counted repetition
-                worst = max(worst, last * bound)
-            stack[-1] = max(stack[-1], last * bound)
-            last, i = 1, count.end()
-            continue
-        if c == "\\":
-            i += 2
-        elif c == "[":
-            i += 1
-            while i < len(text) and text[i] != "]":
-                i += 2 if text[i] == "\\" else 1
-            i += 1
-        elif quoted and c == '"':
-            i += 1
-            while i < len(text) and text[i] != '"':
-                i += 2 if text[i] == "\\" else 1
-            i += 1
-        elif c == "(":
-            stack.append(1)
-            i += 1
-            continue
-        elif c == ")" and len(stack) > 1:
-            last = stack.pop()
-            i += 1
-            continue
-        else:
-            i += 1
-        last = 1
-    return worst
-
-
-def _check_repetition(text: str, param: str, quoted: bool = False) -> None:
-    if _nested_repetition(text, quoted) > MAX_NESTED_REPETITION:
-        raise InvalidRequestError(
-            f"'{param}' nests counted repetitions whose counts multiply past "
-            f"{MAX_NESTED_REPETITION} (such as (x{{1,50}}){{1,50}}): it would take too long to "
-            "compile",
-            param,
-        )
-
-
-def _check_regex(text: str, param: str) -> None:
-    """A regex's repetitions checked before it is compiled: counted ones nested past
-    MAX_NESTED_REPETITION, and unbounded repetition of what may be empty or is itself one
-    unbounded repetition ((a*)*, (a?b*)+, (a+)+): the same language as without the outer one,
-    and a matcher whose work on each token grows with the tokens before it (by the hundredth,
-    (a*)* takes 500 ms a token on a 49k vocabulary), so refused by name."""
-    _check_repetition(text, param)
-    found = _redundant_repeat(text)
-    if found is not None:
-        raise InvalidRequestError(
-            f"'{param}' repeats without bound a part that {found}, such as (a*)* or (a+)+: "
-            "write the inner repetition alone (the same text matches); nested like this, "
-            "matching it grows slower with every token",
-            param,
-        )
-
-
-def _redundant_repeat(pattern: str) -> str | None:
-    """How an unbounded repetition in `pattern` is redundant ("may be empty", "is itself an
-    unbounded repetition"), or None (none is, or Python's regex parser, whose syntax is
-    nearly the one xgrammar reads, cannot parse it: the run-time bound is then the guard)."""
-    try:
-        tree = _sre.parse(pattern)
-        stack = [list(tree)]
-        while stack:
-            for op, arg in stack.pop():
-                if op in _REPEATS:
-                    _, high, body = arg
-                    if high == _sre.MAXREPEAT and _nullable(body):
-                        return "may be empty"
-                    if high == _sre.MAXREPEAT and _one_unbounded(body):
-                        return "is itself an unbounded repetition"
-                    stack.append(list(body))
-                elif op == _sre.SUBPATTERN:
-                    stack.append(list(arg[-1]))
-                elif op == _sre.BRANCH:
-                    stack.extend(list(b) for b in arg[1])
-                elif op == _ATOMIC:
-                    stack.append(list(arg))
-    except Exception:  # (re.error, RecursionError, and what else a private parser may raise)
-        return None
-    return None
-
-
-def _nullable(items: Any) -> bool:
-    """Whether a parsed regex sequence matches the empty text."""
-    for op, arg in items:
-        if op in _REPEATS:
-            if arg[0] > 0 and not _nullable(arg[2]):
-                return False
-        elif op == _sre.SUBPATTERN:
-            if not _nullable(arg[-1]):
-                return False
-        elif op == _ATOMIC:
-            if not _nullable(arg):
-                return False
-        elif op == _sre.BRANCH:
-            if not any(_nullable(b) for b in arg[1]):
-                return False
-        elif op not in (_sre.AT, _sre.ASSERT, _sre.ASSERT_NOT):
-            return False  # a character (or a back-reference: not counted as empty)
-    return True
-
-
-def _one_unbounded(items: Any) -> bool:
-    """Whether a parsed regex sequence is one unbounded repetition (in groups or not)."""
-    while len(items) == 1 and items[0][0] in (_sre.SUBPATTERN, _ATOMIC):
-        op, arg = items[0]
-        items = arg[-1] if op == _sre.SUBPATTERN else arg
-    return len(items) == 1 and items[0][0] in _REPEATS and items[0][1][1] == _sre.MAXREPEAT
-
-
-def _patterns(schema: Any) -> list[str]:
-    """Every regex in a JSON Schema: `pattern` values and `patternProperties` keys."""
-    found, stack = [], [schema]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            if isinstance(item.get("pattern"), str):
-                found.append(item["pattern"])
-            if isinstance(item.get("patternProperties"), dict):
-                found.extend(item["patternProperties"])
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return found
-
-
-def _grammar(c: Constraint) -> xgr.Grammar:
-    if c.kind == "json_object":
-        return _json_grammar('{"type": "object"}', strict=False)
-    if c.kind == "json_schema":
-        return _json_grammar(_schema(c.spec, c.param))
-    if c.kind == "regex":
-        _check_regex(c.spec, c.param)
-        return xgr.Grammar.from_regex(c.spec)
-    if c.kind == "choice":
-        literals = " | ".join(_literal(choice) for choice in c.choices)
-        return xgr.Grammar.from_ebnf(f"root ::= {literals}")
-    if c.kind == "grammar":
-        _check_repetition(c.spec, c.param, quoted=True)
-        return xgr.Grammar.from_ebnf(c.spec)
-    assert c.kind == "tools"
-    return _tool_calls(c)
-
-
-# xgrammar (0.2.9) writes a string with minLength/maxLength as characters of this class, which
-# lets control characters through (JSON forbids them unescaped): such a string is then refused
-# by any strict JSON parser. Ours keeps them out (and escapes, as xgrammar's does).
-_LOOSE_CHARACTER = r"[^\"\\\r\n]"
-_JSON_CHARACTER = r"[^\0-\x1f\"\\]"
-
-
-def _json_grammar(schema: str, strict: bool = True) -> xgr.Grammar:
-    """The grammar of JSON text valid against `schema`, compact (one space after `:` and
-    `,`, no newlines: small models otherwise loop on whitespace)."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-    text = str(grammar)
-    if _LOOSE_CHARACTER not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTER, _JSON_CHARACTER))
-
-
-def _schema(text: str, param: str) -> str:
-    """A JSON Schema's text, checked: valid JSON, an object (or a boolean), not too deep, no
-    regex in it too slow to compile."""
-    try:
-        schema = json.loads(text)
-    except (ValueError, RecursionError):
-        raise InvalidRequestError(f"'{param}' is not valid JSON", param) from None
-    if not isinstance(schema, (dict, bool)):
-        raise InvalidRequestError(f"'{param}' must be a JSON Schema object", param)
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
-        raise InvalidRequestError(f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
-    for pattern in _patterns(schema):
-        _check_regex(pattern, param)
-    found = _unenforced(schema)
-    if found is not None:
-        keyword, where = found
-        at = f" (at {where})" if where else ""
-        raise InvalidRequestError(
-            f"'{param}' uses '{keyword}'{at}, which constrained decoding here does not enforce "
-            '(a reply could break it with finish_reason "stop"); remove it, or check the '
-            "reply yourself",
-            param,
-        )
-    return text
-
-
-# JSON Schema keywords xgrammar's converter compiles away without enforcing them (checked in
-# tests/test_structured.py: its grammar accepts a value each forbids), refused rather than
-# silently broken. (unevaluatedProperties is ignored too, but strict mode already allows no
-# property the schema does not name; an allOf, where it would matter, is refused below.)
-UNENFORCED_KEYWORDS = (
-    "not",
-    "if",
-    "then",
-    "else",
-    "uniqueItems",
-    "contains",
-    "minContains",
-    "maxContains",
-    "dependentRequired",
-    "dependentSchemas",
-    "dependencies",
-)
-# keywords whose value is a schema, a list of schemas, or a map of names to schemas
-_SUBSCHEMA = ("additionalProperties", "items", "additionalItems", "contains")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-
-
-def _unenforced(schema: Any) -> tuple[str, str] | None:
-    """The first keyword of a JSON Schema the grammar would not enforce, and where it is
-    (keywords only: a property named "not" is no keyword); an allOf of several schemas too
-    (xgrammar turns it into any JSON). None if there is none."""
-    stack: list[tuple[Any, str]] = [(schema, "")]
-    while stack:
-        node, where = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        for keyword in UNENFORCED_KEYWORDS:
-            if keyword in node:
-                return keyword, where
-        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            return "allOf", where
-        for key in _SUBSCHEMA:
-            if isinstance(node.get(key), dict):
-                stack.append((node[key], f"{where}.{key}".lstrip(".")))
-        for key in _SUBSCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                stack.extend(
-                    (sub, f"{where}.{key}[{i}]".lstrip(".")) for i, sub in enumerate(node[key])
-                )
-        for key in _SUBSCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                stack.extend(
-                    (sub, f"{where}.{key}.{name}".lstrip(".")) for name, sub in node[key].items()
-                )
-    return None
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of a JSON value, without recursing (a hostile schema is deep)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = list(item.values())
-        if isinstance(item, list):
-            deepest = max(deepest, depth)
-            if depth > MAX_SCHEMA_DEPTH:
-                return depth
-            stack.extend((child, depth + 1) for child in item)
-    return deepest
-
-
-def _literal(text: str) -> str:
-    """`text` as an EBNF string literal (JSON's escapes are xgrammar's)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
-def _tool_calls(c: Constraint) -> xgr.Grammar:
-    """One or more `<tool_call>` blocks (exactly one when parallel calls are off), each naming
-    one of the tools, its arguments valid against that tool's parameters schema."""
-    spec = json.loads(c.spec)
-    tags = []
-    for tool in spec["tools"]:
-        params = tool.get("parameters") or {"type": "object", "properties": {}}
-        arguments = _json_grammar(_schema(json.dumps(params), c.param))
-        name = json.dumps(tool["name"])
-        tags.append(
-            {
-                "type": "tag",
-                "begin": f'{TOOL_CALL_START}\n{{"name": {name}, "arguments": ',
-                "content": {"type": "grammar", "grammar": str(arguments)},
-                "end": f"}}\n{TOOL_CALL_END}",
-            }
-        )
-    calls = {
-        "type": "tags_with_separator",
-        "tags": tags,
-        "separator": "\n",
-        "at_least_one": True,
-        "stop_after_first": not spec.get("parallel", True),
-    }
-    return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": calls}))
-
-
-def _after_reasoning(grammar: xgr.Grammar, parser: str, opened: bool) -> xgr.Grammar:
-    """`grammar` after a reasoning block: any text up to the end marker and a little
-    whitespace; the block may be left out, unless the prompt opened it."""
-    start, end = REASONING_MARKERS[parser]
-    think: dict[str, Any] = {
-        "type": "tag",
-        "begin": "" if opened else start,
-        "content": {"type": "any_text"},
-        "end": end,
-    }
-    # a few newlines after the block (Qwen3 writes two); unbounded, small models loop on them
-    block: dict[str, Any] = {
-        "type": "sequence",
-        "elements": [think, {"type": "grammar", "grammar": "root ::= [ \\t\\n]{0,4}"}],
-    }
-    if not opened:
-        block = {"type": "optional", "content": block}
-    elements = [block, {"type": "grammar", "grammar": str(grammar)}]
-    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
-    return xgr.Grammar.from_structural_tag(json.dumps(tag))
 
 
 def _refused(c: Constraint, exc: Exception) -> InvalidRequestError:
