@@ -151,9 +151,9 @@ async def test_a_compile_nobody_waits_for_any_more_is_stopped() -> None:
                     await anyio.sleep(0.02)
                 first.cancel()
                 await anyio.sleep(0.2)
-                assert len(children() - before) == 1 and len(engine._compiling) == 1
+                assert len(children() - before) == 1 and len(engine.compiles.pending) == 1
                 second.cancel()
-                while engine._compiling or children() - before:
+                while engine.compiles.pending or children() - before:
                     await anyio.sleep(0.02)
         assert not engine.grammars.cached(params.constraint)
         assert engine.healthy

@@ -577,7 +577,7 @@ async def test_one_compile_per_constraint_and_at_most_max_compiles_at_once() -> 
                 tg.start_soon(engine.prepare, ids, params)
             await anyio.to_thread.run_sync(started.wait)
             tg.start_soon(engine.prepare, ids, dataclasses.replace(params, constraint=queued))
-            while len(engine._compiling) < 2:
+            while len(engine.compiles.pending) < 2:
                 await anyio.sleep(0.01)
             assert calls == [shared]  # the second waits for the one slot
             with pytest.raises(QueueFullError, match="max_compiles = 1") as refused:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -18,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig
-from neuronpy.engine.compile_child import CompileCancelled
+from neuronpy.engine.compiles import Compiles
 from neuronpy.engine.costs import MIN_CHUNK
 from neuronpy.engine.counters import EngineStats, StepProfile
 from neuronpy.engine.grammar import Grammars, Reasoning
@@ -35,8 +33,6 @@ from neuronpy.engine.types import Completion, GenerationEvent, SamplingParams, S
 from neuronpy.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
-    NeuronError,
-    QueueFullError,
     ShuttingDownError,
     WorkerError,
 )
@@ -47,16 +43,6 @@ from neuronpy.worker.worker import DeviceWorker
 __all__ = ["Engine", "EngineStats", "RequestStream"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class _Compile:
-    """One constraint's compile, shared by the requests waiting for it (Engine.prepare)."""
-
-    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
-    cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
-    waiters: int = 0
-    error: Exception | None = None  # why it failed, for every waiter
 
 
 class Engine:
@@ -139,9 +125,7 @@ class Engine:
             compile_bytes=config.max_compile_bytes,
             token_seconds=config.max_mask_ms / 1000,
         )
-        # the constraints compiling or waiting to (see prepare), each with those waiting on it
-        self._compiling: dict[tuple[Any, Any], _Compile] = {}
-        self._compile_slots = anyio.Semaphore(config.max_compiles)
+        self.compiles = Compiles(self.grammars, name, config.max_compiles, config.max_queue)
         self._routers: dict[int, ObjectSendStream[RouterMessage]] = {}
         self._healthy = False
         self._failure: str | None = None
@@ -159,6 +143,7 @@ class Engine:
         await self._tg.__aenter__()
         self._healthy = True
         self._tg.start_soon(self._loop, name=f"neuronpy-engine-{self.name}")
+        self.compiles.start(self._tg)
         self._tg.start_soon(self._warm_grammars, name=f"neuronpy-grammars-{self.name}")
         return self
 
@@ -289,58 +274,10 @@ class Engine:
     async def prepare(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Compiles the request's constraint (if any, and not cached) on a thread, so that
         `submit` does not block the event loop on it; InvalidRequestError naming the
-        constraint's field when it cannot be compiled.
-
-        One compile per distinct constraint, however many requests wait for it (they share its
-        result, or its error); at most max_compiles at once, and past those max_queue waiting
-        (then QueueFullError). A compile every waiter has given up on (cancelled: its client
-        went away) is not started, or is stopped."""
-        if params.constraint is None:
-            return
-        key = (params.constraint, self._reasoning(prompt_ids, params))
-        while not self.grammars.cached(*key):
-            pending = self._compiling.get(key)
-            if pending is None:
-                waiting = len(self._compiling) - self.config.max_compiles
-                if waiting >= self.config.max_queue:
-                    raise QueueFullError(
-                        f"model {self.name!r} is compiling {self.config.max_compiles} "
-                        f"constraints and {max(waiting, 0)} more wait (max_compiles = "
-                        f"{self.config.max_compiles}, max_queue = {self.config.max_queue}); "
-                        "retry shortly",
-                        retry_after=1.0,
-                    )
-                pending = self._compiling[key] = _Compile()
-                assert self._tg is not None
-                self._tg.start_soon(self._compile, key, pending, name="neuronpy-compile")
-            pending.waiters += 1
-            try:
-                await pending.done.wait()
-            finally:
-                pending.waiters -= 1
-                if pending.waiters == 0 and not pending.done.is_set():
-                    pending.cancelled.set()  # nobody waits for it any more
-            if pending.error is not None:
-                raise copy.copy(pending.error)
-
-    async def _compile(self, key: tuple[Any, Any], pending: _Compile) -> None:
-        """Compiles `key` for those waiting on `pending`, when a slot is free and somebody
-        still waits."""
-        try:
-            async with self._compile_slots:  # at most max_compiles at once; others wait
-                if not pending.cancelled.is_set():
-                    await anyio.to_thread.run_sync(
-                        lambda: self.grammars.compile(*key, cancelled=pending.cancelled)
-                    )
-        except CompileCancelled:
-            log.info("a constraint's compile was stopped: no request waits for it any more")
-        except Exception as exc:  # (a NeuronError: the request's 4xx; else its 500 alone)
-            if not isinstance(exc, NeuronError):
-                log.exception("compiling a constraint failed")
-            pending.error = exc
-        finally:
-            del self._compiling[key]
-            pending.done.set()
+        constraint's field when it cannot be compiled, QueueFullError past max_compiles
+        compiling and max_queue waiting (see Compiles)."""
+        if params.constraint is not None:
+            await self.compiles.compile(params.constraint, self._reasoning(prompt_ids, params))
 
     def _start_router(self, request: Request, reasoning: Reasoning | None) -> RequestStream:
         """The request's sampler (with its grammar's matcher when constrained), its router task
