@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from neuronpy.bench import cli, metrics, report
+from neuronpy.bench import cli, memory, metrics, report
 from neuronpy.bench.metrics import RequestRecord
 from neuronpy.bench.runner import BenchConfig, Progress, Weights, quick_config, run_bench
 from neuronpy.bench.workloads import PromptSource, poisson_rate, w1, w2, w4
@@ -121,8 +121,8 @@ def test_engine_delta_split_and_batch() -> None:
 
 
 def test_peak_rss_is_readable() -> None:
-    metrics.reset_peak_rss()
-    assert metrics.peak_rss_mb() > 0
+    memory.reset_peak_rss()
+    assert memory.peak_rss_mb() > 0
 
 
 # ---- workloads ---------------------------------------------------------------------------------

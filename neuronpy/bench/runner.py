@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronpy.bench import metrics
+from neuronpy.bench import memory, metrics
 from neuronpy.bench.peers import (
     HF_CB,
     HF_SERIAL,
@@ -278,12 +278,12 @@ def _measure(
     def session() -> dict[str, Any]:
         try:
             system.start(warmup)
-            reset = metrics.reset_peak_rss()
-            metrics.reset_device_peak()
-            rss_start = metrics.rss_mb()
+            reset = memory.reset_peak_rss()
+            memory.reset_device_peak()
+            rss_start = memory.rss_mb()
             out = system.run(workload)
-            peak = metrics.peak_rss_mb()
-            device_peak = metrics.device_peak_mb()
+            peak = memory.peak_rss_mb()
+            device_peak = memory.device_peak_mb()
             step_profile = system.profile(workload) if profile else None
         finally:
             system.close()
