@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from neuronpy.bench import cli, memory, metrics, report
+from neuronpy.bench.config import BenchConfig, Progress, quick_config
+from neuronpy.bench.lineup import Weights
 from neuronpy.bench.metrics import RequestRecord
-from neuronpy.bench.runner import BenchConfig, Progress, Weights, quick_config, run_bench
+from neuronpy.bench.runner import run_bench
 from neuronpy.bench.workloads import PromptSource, poisson_rate, w1, w2, w4
 from tests.factories import hf_model, tokenizer
 

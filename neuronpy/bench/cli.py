@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from neuronpy.bench.config import BenchConfig, quick_config
 from neuronpy.bench.peers import PEER_HELP, PEERS
 from neuronpy.bench.workloads import WORKLOADS
 from neuronpy.defaults import DTYPES, QUANTIZE_MODES
@@ -247,9 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A BenchConfig: --quick's sizes (or the defaults) with the given flags on top."""
-    from neuronpy.bench.runner import BenchConfig, quick_config
 
     base = quick_config() if args.quick else BenchConfig()
     drive = args.drive or ("http" if args.url else "engine")

@@ -23,8 +23,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from neuronpy.bench.config import BenchConfig, Progress
+from neuronpy.bench.lineup import Weights
 from neuronpy.bench.peers import HF_CB, NEURONPY
-from neuronpy.bench.runner import BenchConfig, Progress, Weights, run_bench
+from neuronpy.bench.runner import run_bench
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.1-8B's shape

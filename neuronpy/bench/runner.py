@@ -1,6 +1,6 @@
-"""Runs the benchmark: loads the model once, starts neuronpy and its peers on the same weights,
-runs every workload point on every system (repeats interleaved, so drift hits all of them
-alike), and gathers the results into one JSON-ready dict."""
+"""Runs the benchmark: loads the model once, starts neuronpy and its peers on the same weights
+(lineup.py), runs every workload point on every system (repeats interleaved, so drift hits all
+of them alike), and gathers the results into one JSON-ready dict."""
 
 from __future__ import annotations
 
@@ -10,30 +10,19 @@ import logging
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from neuronpy.bench import memory, metrics
+from neuronpy.bench.config import BenchConfig, Progress
+from neuronpy.bench.lineup import Weights, build_systems, load_weights, vocabulary
 from neuronpy.bench.peers import (
-    HF_CB,
-    HF_SERIAL,
-    HF_STATIC,
     NEURONPY,
-    NEURONPY_EAGER,
-    NEURONPY_ONE_DEVICE,
     NEURONPY_SERIAL,
     NEURONPY_SPEC,
-    PEERS,
     WARMUP_TOKENS,
-    HfContinuousBatching,
-    HfGenerate,
-    NeuronpyEngine,
-    NeuronpyHttp,
     System,
-    engine_label,
     in_fresh_thread,
 )
 from neuronpy.bench.workloads import (
@@ -54,202 +43,6 @@ from neuronpy.bench.workloads import (
 log = logging.getLogger(__name__)
 
 W4_DECODERS = 7
-
-
-@dataclass
-class BenchConfig:
-    """Everything a run depends on (written into the JSON)."""
-
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"
-    device: str = "auto"
-    max_in_flight: int | None = None  # None: the largest K (at least 8 for W2-W4)
-    quantize: str | None = None  # neuronpy's weight mode, where the engine has one ("int8")
-    chunk_steps: float | None = None  # neuronpy's EngineConfig.chunk_steps (None: its default)
-    tensor_parallel: int = 1  # ranks neuronpy's model is split over (> 1 adds a 1-device peer)
-    workloads: tuple[str, ...] = ("W1",)
-    ks: tuple[int, ...] = (1, 2, 4, 8, 16)
-    prompt_len: int = 128
-    output_len: int = 128
-    repeats: int = 3
-    peers: tuple[str, ...] = PEERS
-    drive: str = "engine"  # "engine" (in-process) or "http"
-    url: str | None = None  # drive == "http": a running server; None: start one on loopback
-    seed: int = 0
-    w2_loads: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)
-    requests: int = 32  # W2 and W3
-    prompt_range: tuple[int, int] = (32, 512)  # W2 and W3
-    output_range: tuple[int, int] = (16, 256)  # W2 and W3
-    long_prompt: int = 2000  # W4
-    w4_decode_len: int = 256  # W4: enough tokens for the decoders to outlast the join
-    cb_max_batch_tokens: int = 512  # transformers' continuous batching: tokens per forward
-    # neuronpy with speculative decoding ("ngram") beside it, as neuronpy-spec; None: not run
-    speculative: str | None = None
-    num_speculative_tokens: int | None = None
-    quick: bool = False
-
-    def resolved_max_in_flight(self) -> int:
-        if self.max_in_flight is not None:
-            return self.max_in_flight
-        need = max(self.ks)
-        if set(self.workloads) & {"W2", "W3", "W4"}:
-            need = max(need, 8)
-        return need
-
-
-def quick_config(**overrides: Any) -> BenchConfig:
-    """Small sizes for a smoke run (minutes on a laptop CPU)."""
-    base = BenchConfig(
-        ks=(1, 2),
-        prompt_len=32,
-        output_len=16,
-        repeats=1,
-        w2_loads=(0.75,),
-        requests=8,
-        prompt_range=(16, 64),
-        output_range=(8, 32),
-        long_prompt=256,
-        w4_decode_len=48,
-        quick=True,
-    )
-    return dataclasses.replace(base, **overrides)
-
-
-@dataclass
-class Weights:
-    hf_model: Any
-    tokenizer: Any
-    name: str
-    source: str = ""
-
-
-@dataclass
-class Progress:
-    """Where progress lines go (stderr by default; tests pass a no-op)."""
-
-    write: Callable[[str], None] = field(
-        default=lambda line: print(line, file=sys.stderr, flush=True)
-    )
-
-
-def load_weights(config: BenchConfig, progress: Progress) -> Weights:
-    from neuronpy.loading import load_pretrained
-
-    # in a thread of its own, so that its OpenMP team does not outlive it (see peers.py)
-    loaded = in_fresh_thread(
-        lambda: load_pretrained(
-            config.model, dtype=config.dtype, device=config.device, log=progress.write
-        )
-    )
-    return Weights(loaded.hf_model, loaded.tokenizer, loaded.name, loaded.source)
-
-
-def _engine_config(
-    config: BenchConfig,
-    max_in_flight: int,
-    max_queue: int,
-    speculative: bool = False,
-    compile: str = "auto",
-) -> Any:
-    from neuronpy.config import EngineConfig
-
-    options: dict[str, Any] = {"max_in_flight": max_in_flight, "max_queue": max_queue}
-    if compile != "auto":
-        options["compile"] = compile
-    if speculative:
-        options["speculative"] = config.speculative
-        if config.num_speculative_tokens is not None:
-            options["num_speculative_tokens"] = config.num_speculative_tokens
-    if config.quantize not in (None, "none"):
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
-        if "quantize" not in names:
-            raise ValueError("this neuronpy build has no quantize option")
-        options["quantize"] = config.quantize
-    if config.chunk_steps is not None:
-        options["chunk_steps"] = config.chunk_steps
-    return EngineConfig(**options)
-
-
-def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
-    """neuronpy first, then the selected peers in the order of PEERS."""
-    from neuronpy.compose import engine_from_hf, start_tensor_parallel
-
-    width = config.resolved_max_in_flight()
-    queue = max(4096, config.requests, max(config.ks))
-
-    def loader(engine_config: Any, split: bool = True) -> Callable[[], Any]:
-        """Builds the engine: split over --tensor-parallel ranks unless `split` is False."""
-        if split and config.tensor_parallel > 1:
-            return lambda: start_tensor_parallel(
-                config.model,
-                config.tensor_parallel,
-                name=weights.name,
-                config=engine_config,
-                dtype=config.dtype,
-                device=config.device,
-            )
-        return lambda: engine_from_hf(
-            weights.hf_model, weights.tokenizer, name=weights.name, config=engine_config
-        )
-
-    def neuronpy(
-        name: str, max_in_flight: int, url: str | None, spec: bool = False, compile: str = "auto"
-    ) -> System:
-        engine_config = _engine_config(config, max_in_flight, queue, spec, compile)
-        if config.drive == "http" and url is not None:
-            return NeuronpyHttp(name, url=url, model=weights.name)
-        if config.drive == "http":
-            system = NeuronpyHttp(name, load_engine=loader(engine_config), model=weights.name)
-            system.description += f" ({engine_label(engine_config)})"
-            return system
-        return NeuronpyEngine(name, engine_config, loader(engine_config))
-
-    systems = [neuronpy(NEURONPY, width, config.url)]
-    if config.speculative:
-        if config.drive == "http" and config.url is not None:
-            raise ValueError("--speculative starts a server of its own: it cannot use --url")
-        spec = neuronpy(NEURONPY_SPEC, width, None, spec=True)
-        spec.description += f" (speculative {config.speculative})"
-        systems.append(spec)
-    if config.tensor_parallel > 1 and config.drive == "engine":
-        one = _engine_config(config, width, queue)
-        systems.append(NeuronpyEngine(NEURONPY_ONE_DEVICE, one, loader(one, split=False)))
-        systems[0].description += f" (tensor parallel over {config.tensor_parallel} ranks)"
-    for peer in config.peers:
-        if peer == NEURONPY_SERIAL:
-            # over HTTP it gets a loopback server of its own, even when neuronpy is at --url
-            serial = neuronpy(NEURONPY_SERIAL, 1, None)
-            serial.workloads = frozenset({"W1", "W2", "W3", "W5"})  # W4's join needs a batch
-            systems.append(serial)
-        elif peer == NEURONPY_EAGER:
-            systems.append(neuronpy(NEURONPY_EAGER, width, None, compile="off"))
-        elif peer == HF_SERIAL:
-            systems.append(
-                HfGenerate(
-                    HF_SERIAL, weights.hf_model, weights.tokenizer, static=False, batch_size=1
-                )
-            )
-        elif peer == HF_STATIC:
-            systems.append(
-                HfGenerate(
-                    HF_STATIC, weights.hf_model, weights.tokenizer, static=True, batch_size=width
-                )
-            )
-        elif peer == HF_CB:
-            systems.append(
-                HfContinuousBatching(
-                    HF_CB, weights.hf_model, max_batch_tokens=config.cb_max_batch_tokens
-                )
-            )
-        else:
-            raise ValueError(f"unknown peer {peer!r}; choose from {', '.join(PEERS)}")
-    return systems
-
-
-def _vocab(weights: Weights) -> tuple[int, list[int]]:
-    vocab = int(weights.hf_model.config.vocab_size)
-    with_tokenizer = len(weights.tokenizer) if hasattr(weights.tokenizer, "__len__") else vocab
-    return min(vocab, with_tokenizer), list(getattr(weights.tokenizer, "all_special_ids", []) or [])
 
 
 def _warmup(source: PromptSource, config: BenchConfig) -> Workload:
@@ -380,7 +173,7 @@ def run_bench(
     if any(k < 1 for k in config.ks) or not config.ks:
         raise ValueError("every K must be at least 1")
     weights = weights or load_weights(config, progress)
-    vocab, special = _vocab(weights)
+    vocab, special = vocabulary(weights)
     source = PromptSource(vocab, special, seed=config.seed)
     context_len = getattr(weights.hf_model.config, "max_position_embeddings", None)
     systems = build_systems(config, weights)
