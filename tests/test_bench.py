@@ -13,7 +13,7 @@ import torch
 from neuronpy.bench import cli, memory, metrics, report
 from neuronpy.bench.config import BenchConfig, Progress, quick_config
 from neuronpy.bench.lineup import Weights
-from neuronpy.bench.metrics import RequestRecord
+from neuronpy.bench.records import RequestRecord
 from neuronpy.bench.runner import run_bench
 from neuronpy.bench.workloads import PromptSource, poisson_rate, w1, w2, w4
 from tests.factories import hf_model, tokenizer
@@ -34,21 +34,21 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 
 def test_request_record_ttft_tpot_itl_e2el() -> None:
-    r = RequestRecord(sent=1.0, chunk_times=[1.5, 1.7, 2.0, 2.5], output_tokens=4)
+    r = RequestRecord(sent=1.0, chunk_times=(1.5, 1.7, 2.0, 2.5), output_tokens=4)
     assert r.ttft == pytest.approx(0.5)
     assert r.e2el == pytest.approx(1.5)
     assert r.tpot == pytest.approx((1.5 - 0.5) / 3)
     assert r.itls == pytest.approx([0.2, 0.3, 0.5])
     # TPOT counts tokens, not chunks: 2 chunks carrying 5 tokens
-    r2 = RequestRecord(sent=0.0, chunk_times=[0.1, 0.9], output_tokens=5)
+    r2 = RequestRecord(sent=0.0, chunk_times=(0.1, 0.9), output_tokens=5)
     assert r2.tpot == pytest.approx(0.8 / 4)
-    assert RequestRecord(sent=0.0, chunk_times=[0.3], output_tokens=1).tpot is None
+    assert RequestRecord(sent=0.0, chunk_times=(0.3,), output_tokens=1).tpot is None
 
 
 def test_summarize_pools_itl_and_averages_tpot_per_request() -> None:
-    a = RequestRecord(sent=0.0, chunk_times=[0.1, 0.2, 0.4], output_tokens=3, prompt_tokens=5)
-    b = RequestRecord(sent=0.5, chunk_times=[1.0, 1.3], output_tokens=2, prompt_tokens=7)
-    one = RequestRecord(sent=0.0, chunk_times=[0.2], output_tokens=1, prompt_tokens=1)
+    a = RequestRecord(sent=0.0, chunk_times=(0.1, 0.2, 0.4), output_tokens=3, prompt_tokens=5)
+    b = RequestRecord(sent=0.5, chunk_times=(1.0, 1.3), output_tokens=2, prompt_tokens=7)
+    one = RequestRecord(sent=0.0, chunk_times=(0.2,), output_tokens=1, prompt_tokens=1)
     bad = RequestRecord(sent=0.0, error="boom")
     s = metrics.summarize([a, b, one, bad])
     assert s["duration_s"] == pytest.approx(1.3)  # first send to last chunk
@@ -75,8 +75,8 @@ def test_summarize_pools_itl_and_averages_tpot_per_request() -> None:
 def test_scaling_efficiency_and_parity() -> None:
     assert metrics.scaling_efficiency(80.0, 8, 16.0) == pytest.approx(0.625)
     assert metrics.scaling_efficiency(80.0, 8, 0.0) is None
-    same = RequestRecord(sent=0, chunk_times=[1], token_ids=[1, 2, 3])
-    other = RequestRecord(sent=0, chunk_times=[1], token_ids=[1, 2, 9])
+    same = RequestRecord(sent=0, chunk_times=(1,), token_ids=(1, 2, 3))
+    other = RequestRecord(sent=0, chunk_times=(1,), token_ids=(1, 2, 9))
     p = metrics.parity([same, other], [same, same])
     assert p is not None
     assert (p["identical"], p["total"], p["identical_share"]) == (1, 2, 0.5)
@@ -90,10 +90,10 @@ def test_scaling_efficiency_and_parity() -> None:
 def test_join_stall_takes_the_gaps_overlapping_the_join() -> None:
     decoders = [
         # the join window is [0.25, 0.8]: the join's send to its second token
-        RequestRecord(sent=0, chunk_times=[0.0, 0.1, 0.2, 0.7, 0.8], tag="decode"),
-        RequestRecord(sent=0, chunk_times=[0.0, 0.1, 0.2, 0.3, 0.9, 1.0], tag="decode"),
+        RequestRecord(sent=0, chunk_times=(0.0, 0.1, 0.2, 0.7, 0.8), tag="decode"),
+        RequestRecord(sent=0, chunk_times=(0.0, 0.1, 0.2, 0.3, 0.9, 1.0), tag="decode"),
     ]
-    join = RequestRecord(sent=0.25, chunk_times=[0.6, 0.8], output_tokens=2, tag="join")
+    join = RequestRecord(sent=0.25, chunk_times=(0.6, 0.8), output_tokens=2, tag="join")
     j = metrics.join_stall([*decoders, join])
     assert j is not None
     assert j["decoder_itl_p50_ms"] == pytest.approx(100.0)
@@ -243,12 +243,12 @@ def test_plot_writes_a_png(quick_results: dict, tmp_path) -> None:
 
 
 def test_a_failing_peer_is_reported_not_fatal(monkeypatch) -> None:
-    from neuronpy.bench import peers
+    from neuronpy.bench.systems import hf_generate
 
     def broken(self, workload):
         raise RuntimeError("peer fell over")
 
-    monkeypatch.setattr(peers.HfGenerate, "run", broken)
+    monkeypatch.setattr(hf_generate.HfGenerate, "run", broken)
     config = quick_config(ks=(1,), prompt_len=16, output_len=4, peers=("hf-generate",))
     results = run_bench(config, weights=_weights(), progress=SILENT)
     point = results["workloads"]["W1"]["points"][0]

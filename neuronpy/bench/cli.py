@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronpy.bench.config import BenchConfig, quick_config
-from neuronpy.bench.peers import PEER_HELP, PEERS
+from neuronpy.bench.systems import PEER_HELP, PEERS
 from neuronpy.bench.workloads import WORKLOADS
 from neuronpy.defaults import DTYPES, QUANTIZE_MODES
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuronpy.bench.peers import PEERS
+from neuronpy.bench.systems import PEERS
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from neuronpy.bench.config import BenchConfig, Progress
 from neuronpy.bench.lineup import Weights
-from neuronpy.bench.peers import HF_CB, NEURONPY
 from neuronpy.bench.runner import run_bench
+from neuronpy.bench.systems import HF_CB, NEURONPY
 
 SHAPES: dict[str, dict[str, Any]] = {
     # Llama-3.1-8B's shape

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuronpy.bench.config import BenchConfig, Progress
-from neuronpy.bench.peers import (
+from neuronpy.bench.systems import (
     HF_CB,
     HF_SERIAL,
     HF_STATIC,
@@ -18,15 +18,21 @@ from neuronpy.bench.peers import (
     NEURONPY_SERIAL,
     NEURONPY_SPEC,
     PEERS,
-    HfContinuousBatching,
-    HfGenerate,
-    NeuronpyEngine,
-    NeuronpyHttp,
     System,
-    engine_label,
-    in_fresh_thread,
 )
+from neuronpy.bench.systems.hf_batching import HfContinuousBatching
+from neuronpy.bench.systems.hf_generate import HfGenerate
+from neuronpy.bench.systems.neuronpy_engine import NeuronpyEngine, engine_label
+from neuronpy.bench.systems.neuronpy_server import NeuronpyHttp
+from neuronpy.bench.threads import in_fresh_thread
+from neuronpy.bench.workloads import WORKLOADS
 from neuronpy.config import EngineConfig
+
+if TYPE_CHECKING:
+    from neuronpy.engine.engine import Engine
+
+# neuronpy-serial's workloads: W4's join needs a batch to join
+SERIAL_WORKLOADS = frozenset({"W1", "W2", "W3", "W5"})
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,7 @@ class Weights:
 def load_weights(config: BenchConfig, progress: Progress) -> Weights:
     from neuronpy.loading import load_pretrained
 
-    # in a thread of its own, so that its OpenMP team does not outlive it (see peers.py)
+    # in a thread of its own, so that its OpenMP team does not outlive it (see threads.py)
     loaded = in_fresh_thread(
         lambda: load_pretrained(
             config.model, dtype=config.dtype, device=config.device, log=progress.write
@@ -79,8 +85,9 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
 
     width = config.resolved_max_in_flight()
     queue = max(4096, config.requests, max(config.ks))
+    http = config.drive == "http"
 
-    def loader(settings: EngineConfig, split: bool = True) -> Callable[[], Any]:
+    def loader(settings: EngineConfig, split: bool = True) -> Callable[[], Engine]:
         """Builds the engine: split over --tensor-parallel ranks unless `split` is False."""
         if split and config.tensor_parallel > 1:
             return lambda: start_tensor_parallel(
@@ -96,34 +103,46 @@ def build_systems(config: BenchConfig, weights: Weights) -> list[System]:
         )
 
     def neuronpy(
-        name: str, max_in_flight: int, url: str | None, spec: bool = False, compile: str = "auto"
+        name: str,
+        max_in_flight: int,
+        url: str | None,
+        *,
+        spec: bool = False,
+        compile: str = "auto",
+        notes: tuple[str, ...] = (),
+        workloads: frozenset[str] = frozenset(WORKLOADS),
     ) -> System:
+        """neuronpy as `name`: at `url` over HTTP, else built here (served on loopback with
+        --drive http)."""
         settings = engine_config(config, max_in_flight, queue, spec, compile)
-        if config.drive == "http" and url is not None:
-            return NeuronpyHttp(name, url=url, model=weights.name)
-        if config.drive == "http":
-            system = NeuronpyHttp(name, load_engine=loader(settings), model=weights.name)
-            system.description += f" ({engine_label(settings)})"
-            return system
-        return NeuronpyEngine(name, settings, loader(settings))
+        if http and url is not None:
+            return NeuronpyHttp(name, url=url, model=weights.name, notes=notes, workloads=workloads)
+        if http:
+            return NeuronpyHttp(
+                name,
+                load_engine=loader(settings),
+                model=weights.name,
+                notes=(engine_label(settings), *notes),
+                workloads=workloads,
+            )
+        return NeuronpyEngine(name, settings, loader(settings), notes=notes, workloads=workloads)
 
-    systems = [neuronpy(NEURONPY, width, config.url)]
+    # in-process and split over ranks: the same engine on one device beside it
+    one_device_too = config.tensor_parallel > 1 and not http
+    tp_note = (f"tensor parallel over {config.tensor_parallel} ranks",) if one_device_too else ()
+    systems = [neuronpy(NEURONPY, width, config.url, notes=tp_note)]
     if config.speculative:
-        if config.drive == "http" and config.url is not None:
+        if http and config.url is not None:
             raise ValueError("--speculative starts a server of its own: it cannot use --url")
-        spec = neuronpy(NEURONPY_SPEC, width, None, spec=True)
-        spec.description += f" (speculative {config.speculative})"
-        systems.append(spec)
-    if config.tensor_parallel > 1 and config.drive == "engine":
+        note = f"speculative {config.speculative}"
+        systems.append(neuronpy(NEURONPY_SPEC, width, None, spec=True, notes=(note,)))
+    if one_device_too:
         one = engine_config(config, width, queue)
         systems.append(NeuronpyEngine(NEURONPY_ONE_DEVICE, one, loader(one, split=False)))
-        systems[0].description += f" (tensor parallel over {config.tensor_parallel} ranks)"
     for peer in config.peers:
         if peer == NEURONPY_SERIAL:
             # over HTTP it gets a loopback server of its own, even when neuronpy is at --url
-            serial = neuronpy(NEURONPY_SERIAL, 1, None)
-            serial.workloads = frozenset({"W1", "W2", "W3", "W5"})  # W4's join needs a batch
-            systems.append(serial)
+            systems.append(neuronpy(NEURONPY_SERIAL, 1, None, workloads=SERIAL_WORKLOADS))
         elif peer == NEURONPY_EAGER:
             systems.append(neuronpy(NEURONPY_EAGER, width, None, compile="off"))
         elif peer == HF_SERIAL:

@@ -15,49 +15,9 @@ import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class RequestRecord:
-    """What a client saw of one request. Times are seconds since the workload started."""
-
-    sent: float  # when the request was sent (for a queued serial peer: when it arrived)
-    chunk_times: list[float] = field(default_factory=list)  # one per chunk carrying tokens
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    token_ids: list[int] | None = None  # where the system reports them (parity)
-    text: str | None = None  # where the system reports it (parity over HTTP)
-    tag: str = ""
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and bool(self.chunk_times)
-
-    @property
-    def ttft(self) -> float:
-        return self.chunk_times[0] - self.sent
-
-    @property
-    def e2el(self) -> float:
-        return self.chunk_times[-1] - self.sent
-
-    @property
-    def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2el - self.ttft) / (self.output_tokens - 1)
-
-    @property
-    def itls(self) -> list[float]:
-        t = self.chunk_times
-        return [b - a for a, b in itertools.pairwise(t)]
-
-    @property
-    def end(self) -> float:
-        return self.chunk_times[-1] if self.chunk_times else self.sent
+from neuronpy.bench.records import RequestRecord
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -205,7 +165,8 @@ def engine_delta(
     before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, duration: float
 ) -> dict[str, Any] | None:
     """The engine's own figures over one run, from two snapshots of its counters (see
-    `systems.engine_snapshot`): decode steps/s, mean batch size, the time split, padding."""
+    `systems.neuronpy_engine.engine_snapshot`): decode steps/s, mean batch size, the time
+    split, padding."""
     if before is None or after is None:
         return None
     delta = {

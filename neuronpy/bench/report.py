@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from neuronpy.bench.peers import NEURONPY, NEURONPY_SERIAL, NEURONPY_SPEC
+from neuronpy.bench.systems import NEURONPY, NEURONPY_SERIAL, NEURONPY_SPEC
 
 
 def _num(value: Any, digits: int = 1) -> str:

@@ -17,14 +17,8 @@ from typing import Any
 from neuronpy.bench import memory, metrics
 from neuronpy.bench.config import BenchConfig, Progress
 from neuronpy.bench.lineup import Weights, build_systems, load_weights, vocabulary
-from neuronpy.bench.peers import (
-    NEURONPY,
-    NEURONPY_SERIAL,
-    NEURONPY_SPEC,
-    WARMUP_TOKENS,
-    System,
-    in_fresh_thread,
-)
+from neuronpy.bench.systems import NEURONPY, NEURONPY_SERIAL, NEURONPY_SPEC, WARMUP_TOKENS, System
+from neuronpy.bench.threads import in_fresh_thread
 from neuronpy.bench.workloads import (
     DESCRIPTIONS,
     WORKLOADS,
@@ -295,7 +289,7 @@ def _run_point(
     warmup: Workload,
     progress: Progress,
 ) -> dict[str, Any]:
-    active = [s for s in systems if s.applies(workload)]
+    active = [s for s in systems if workload.name in s.workloads]
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in active}
     for rep in range(repeats):
         # each repeat starts with the next system, so none always runs first
