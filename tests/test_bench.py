@@ -13,7 +13,8 @@ import torch
 from neuronpy.bench import cli, memory, metrics, report
 from neuronpy.bench.config import BenchConfig, Progress, quick_config
 from neuronpy.bench.lineup import Weights
-from neuronpy.bench.records import RequestRecord
+from neuronpy.bench.records import Divergence, RequestRecord, Run
+from neuronpy.bench.results import BenchResults
 from neuronpy.bench.runner import run_bench
 from neuronpy.bench.workloads import PromptSource, poisson_rate, w1, w2, w4
 from tests.factories import hf_model, tokenizer
@@ -51,25 +52,43 @@ def test_summarize_pools_itl_and_averages_tpot_per_request() -> None:
     one = RequestRecord(sent=0.0, chunk_times=(0.2,), output_tokens=1, prompt_tokens=1)
     bad = RequestRecord(sent=0.0, error="boom")
     s = metrics.summarize([a, b, one, bad])
-    assert s["duration_s"] == pytest.approx(1.3)  # first send to last chunk
-    assert (s["completed"], s["failed"], s["errors"]) == (3, 1, ["boom"])
-    assert s["output_tokens"] == 6 and s["input_tokens"] == 13
-    assert s["output_tok_s"] == pytest.approx(6 / 1.3)
-    assert s["request_s"] == pytest.approx(3 / 1.3)
+    assert s.duration_s == pytest.approx(1.3)  # first send to last chunk
+    assert (s.completed, s.failed, s.errors) == (3, 1, ("boom",))
+    assert s.output_tokens == 6 and s.input_tokens == 13
+    assert s.output_tok_s == pytest.approx(6 / 1.3)
+    assert s.request_s == pytest.approx(3 / 1.3)
     # TTFT per request: 0.1, 0.5, 0.2 s
-    assert s["ttft_ms"]["p50"] == pytest.approx(200.0)
-    assert s["ttft_ms"]["mean"] == pytest.approx(800 / 3)
+    assert s.ttft_ms.p50 == pytest.approx(200.0)
+    assert s.ttft_ms.mean == pytest.approx(800 / 3)
     # TPOT over requests with 2+ tokens: a (0.4-0.1)/2 = 0.15, b 0.3/1 = 0.3
-    assert s["tpot_ms"]["n"] == 2
-    assert s["tpot_ms"]["mean"] == pytest.approx(225.0)
+    assert s.tpot_ms.n == 2
+    assert s.tpot_ms.mean == pytest.approx(225.0)
     # ITL pooled: 0.1, 0.2 (a) and 0.3 (b)
-    assert s["itl_ms"]["n"] == 3
-    assert s["itl_ms"]["p50"] == pytest.approx(200.0)
-    assert s["itl_ms"]["max"] == pytest.approx(300.0)
-    assert s["itl_ms"]["p99"] == pytest.approx(298.0)
+    assert s.itl_ms.n == 3
+    assert s.itl_ms.p50 == pytest.approx(200.0)
+    assert s.itl_ms.max == pytest.approx(300.0)
+    assert s.itl_ms.p99 == pytest.approx(298.0)
     # E2EL: 0.4, 0.8, 0.2
-    assert s["e2el_ms"]["p50"] == pytest.approx(400.0)
-    assert metrics.summarize([a], duration=2.0)["output_tok_s"] == pytest.approx(1.5)
+    assert s.e2el_ms.p50 == pytest.approx(400.0)
+    assert metrics.summarize([a], duration=2.0).output_tok_s == pytest.approx(1.5)
+    # the results file's keys
+    assert list(s.to_json()) == [
+        "requests",
+        "completed",
+        "failed",
+        "errors",
+        "duration_s",
+        "input_tokens",
+        "output_tokens",
+        "output_tok_s",
+        "request_s",
+        "ttft_ms",
+        "tpot_ms",
+        "itl_ms",
+        "e2el_ms",
+    ]
+    assert s.to_json()["errors"] == ["boom"]
+    assert list(s.to_json()["ttft_ms"]) == ["mean", "p50", "p90", "p99", "max", "n"]
 
 
 def test_scaling_efficiency_and_parity() -> None:
@@ -79,11 +98,12 @@ def test_scaling_efficiency_and_parity() -> None:
     other = RequestRecord(sent=0, chunk_times=(1,), token_ids=(1, 2, 9))
     p = metrics.parity([same, other], [same, same])
     assert p is not None
-    assert (p["identical"], p["total"], p["identical_share"]) == (1, 2, 0.5)
-    assert p["first_divergence"] == [{"request": 1, "position": 2}]
+    assert (p.identical, p.total, p.identical_share) == (1, 2, 0.5)
+    assert p.first_divergence == (Divergence(request=1, position=2),)
+    assert p.to_json()["first_divergence"] == [{"request": 1, "position": 2}]
     texts = metrics.parity([RequestRecord(sent=0, text="abc")], [RequestRecord(sent=0, text="abd")])
-    assert texts is not None and texts["compared"] == "text"
-    assert texts["first_divergence"] == [{"request": 0, "position": 2}]
+    assert texts is not None and texts.compared == "text"
+    assert texts.first_divergence == (Divergence(request=0, position=2),)
     assert metrics.parity([RequestRecord(sent=0)], [RequestRecord(sent=0)]) is None
 
 
@@ -96,13 +116,13 @@ def test_join_stall_takes_the_gaps_overlapping_the_join() -> None:
     join = RequestRecord(sent=0.25, chunk_times=(0.6, 0.8), output_tokens=2, tag="join")
     j = metrics.join_stall([*decoders, join])
     assert j is not None
-    assert j["decoder_itl_p50_ms"] == pytest.approx(100.0)
-    assert j["decoder_itl_max_during_join_ms"] == pytest.approx(600.0)
-    assert j["stall_ratio"] == pytest.approx(6.0)
-    assert j["join_ttft_ms"] == pytest.approx(350.0)
+    assert j.decoder_itl_p50_ms == pytest.approx(100.0)
+    assert j.decoder_itl_max_during_join_ms == pytest.approx(600.0)
+    assert j.stall_ratio == pytest.approx(6.0)
+    assert j.join_ttft_ms == pytest.approx(350.0)
     # overlapping the window: 0.2-0.7, 0.7-0.8 and 0.2-0.3, 0.3-0.9; not 0.9-1.0
-    assert j["gaps_during_join"] == 4
-    assert j["decoders_outlived_join"] is True
+    assert j.gaps_during_join == 4
+    assert j.decoders_outlived_join is True
     assert metrics.join_stall(decoders) is None
 
 
@@ -113,12 +133,27 @@ def test_engine_delta_split_and_batch() -> None:
     after["timing"] = {"forward": 2.0, "sampling": 0.3}
     d = metrics.engine_delta(before, after, duration=2.0)
     assert d is not None
-    assert d["decode_steps"] == 20 and d["decode_steps_per_s"] == pytest.approx(10.0)
-    assert d["mean_batch_size"] == pytest.approx(4.0)
-    assert d["time_s"] == pytest.approx({"forward": 1.0, "sampling": 0.2, "other": 0.8})
-    assert d["time_share"]["forward"] == pytest.approx(0.5)
-    assert "max_batch_size" not in d["counters"] and "running" not in d["counters"]
-    assert d["padding_waste"] is None
+    assert d.decode_steps == 20 and d.decode_steps_per_s == pytest.approx(10.0)
+    assert d.mean_batch_size == pytest.approx(4.0)
+    assert d.time_s == pytest.approx({"forward": 1.0, "sampling": 0.2, "other": 0.8})
+    assert d.time_share is not None and d.time_share["forward"] == pytest.approx(0.5)
+    assert "max_batch_size" not in d.counters and "running" not in d.counters
+    assert d.padding_waste is None
+    assert set(d.to_json()) == {
+        "counters",
+        "decode_steps",
+        "decode_steps_per_s",
+        "mean_batch_size",
+        "max_batch_size_so_far",
+        "time_s",
+        "time_share",
+        "ms_per_step",
+        "padding_waste",
+    }
+    # without a time split (a server without /stats timing): time_s null, no shares
+    untimed = metrics.engine_delta({"decode_steps": 1}, {"decode_steps": 3}, duration=1.0)
+    assert untimed is not None and untimed.time_s is None
+    assert "time_share" not in untimed.to_json() and untimed.to_json()["time_s"] is None
     assert metrics.engine_delta(None, after, 1.0) is None
 
 
@@ -159,13 +194,14 @@ SILENT = Progress(write=lambda line: None)
 
 
 @pytest.fixture(scope="module")
-def quick_results() -> dict:
+def quick_results() -> BenchResults:
     config = quick_config(ks=(1, 2), prompt_len=16, output_len=8, peers=("hf-generate",))
     return run_bench(config, weights=_weights(), progress=SILENT, argv=["--quick"])
 
 
-def test_quick_w1_in_process_with_a_peer(quick_results: dict, tmp_path) -> None:
-    results = quick_results
+def test_quick_w1_in_process_with_a_peer(quick_results: BenchResults, tmp_path) -> None:
+    """The results file as docs/benchmarks.md's readers know it: its keys and figures."""
+    results = quick_results.to_json()
     assert set(results) == {"meta", "config", "systems", "workloads"}
     assert results["meta"]["model"] == "tiny-llama"
     assert set(results["systems"]) == {"neuronpy", "hf-generate"}
@@ -185,6 +221,8 @@ def test_quick_w1_in_process_with_a_peer(quick_results: dict, tmp_path) -> None:
             assert r["ttft_ms"]["max"] <= r["e2el_ms"]["max"]
             assert r["memory"]["rss_peak_mb"] > 0
             assert r["repeats_output_tok_s"] == [r["output_tok_s"]]
+            assert r["repeats_median_output_tok_s"] == r["output_tok_s"]
+            assert "join" not in r and "error" not in r  # W4's, and a failed run's
         engine = point["results"]["neuronpy"]["engine"]
         assert engine["mean_batch_size"] == pytest.approx(k, rel=0.3)
         assert engine["decode_steps"] >= 7  # the first token comes from the prefill
@@ -195,8 +233,15 @@ def test_quick_w1_in_process_with_a_peer(quick_results: dict, tmp_path) -> None:
     efficiency = results["workloads"]["W1"]["scaling_efficiency"]
     assert efficiency["neuronpy"]["1"] == pytest.approx(1.0)
     assert efficiency["neuronpy"]["2"] > 0
+    assert results["config"]["max_in_flight"] == 2 and results["config"]["ks"] == [1, 2]
+    assert results["meta"]["command"] == "neuronpy bench --quick"
+    assert "parity" not in points[0] and "speculation" not in points[0]  # no such peers ran
+    # the same figures, typed
+    typed = quick_results.workloads["W1"].points[1]
+    assert typed.rate("neuronpy") == points[1]["results"]["neuronpy"]["output_tok_s"]
+    assert typed.results["hf-generate"].step_profile is None
     # the outputs: table, JSON and plot
-    table = report.format_report(results)
+    table = report.format_report(quick_results)
     for text in (
         "W1 closed loop",
         "neuronpy",
@@ -206,7 +251,7 @@ def test_quick_w1_in_process_with_a_peer(quick_results: dict, tmp_path) -> None:
         "K=2",
     ):
         assert text in table
-    path = report.write_json(results, tmp_path / "out" / "bench.json")
+    path = report.write_json(quick_results, tmp_path / "out" / "bench.json")
     loaded = json.loads(path.read_text())
     assert loaded["workloads"]["W1"]["points"][1]["results"]["neuronpy"]["output_tokens"] == 16
     assert "_records" not in json.dumps(loaded) and "_info" not in json.dumps(loaded)
@@ -217,11 +262,11 @@ def test_w1_says_where_neuronpys_decode_steps_go() -> None:
     report's line for it."""
     config = quick_config(ks=(2,), prompt_len=16, output_len=160, peers=())
     results = run_bench(config, weights=_weights(), progress=SILENT)
-    (point,) = results["workloads"]["W1"]["points"]
-    prof = point["results"]["neuronpy"]["step_profile"]
-    assert prof is not None and prof["decode_steps"] > 0
-    assert prof["mean_batch_size"] == pytest.approx(2, rel=0.3)
-    ms = prof["per_step_ms"]
+    (point,) = results.workloads["W1"].points
+    prof = point.results["neuronpy"].step_profile
+    assert prof is not None and prof.decode_steps > 0
+    assert prof.mean_batch_size == pytest.approx(2, rel=0.3)
+    ms = prof.per_step_ms
     assert ms["linear"] > 0 and ms["attention"] > 0 and ms["step"] > 0
     parts = sum(ms[k] for k in ("linear", "attention", "other ops", "worker python"))
     assert parts + ms["worker idle"] == pytest.approx(ms["step"], rel=0.05)
@@ -229,14 +274,16 @@ def test_w1_says_where_neuronpys_decode_steps_go() -> None:
     assert "K=2 neuronpy profiled: step" in table and "event loop CPU" in table
 
 
-def test_plot_degrades_without_matplotlib(quick_results: dict, tmp_path, monkeypatch) -> None:
+def test_plot_degrades_without_matplotlib(
+    quick_results: BenchResults, tmp_path, monkeypatch
+) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     path, message = report.plot_throughput(quick_results, tmp_path / "plot.png")
     assert path is None and "matplotlib" in message
     assert not (tmp_path / "plot.png").exists()
 
 
-def test_plot_writes_a_png(quick_results: dict, tmp_path) -> None:
+def test_plot_writes_a_png(quick_results: BenchResults, tmp_path) -> None:
     pytest.importorskip("matplotlib")
     path, _ = report.plot_throughput(quick_results, tmp_path / "plot.png")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -251,9 +298,12 @@ def test_a_failing_peer_is_reported_not_fatal(monkeypatch) -> None:
     monkeypatch.setattr(hf_generate.HfGenerate, "run", broken)
     config = quick_config(ks=(1,), prompt_len=16, output_len=4, peers=("hf-generate",))
     results = run_bench(config, weights=_weights(), progress=SILENT)
-    point = results["workloads"]["W1"]["points"][0]
+    point = results.to_json()["workloads"]["W1"]["points"][0]
     assert point["results"]["neuronpy"]["output_tokens"] == 4
-    assert "peer fell over" in point["results"]["hf-generate"]["error"]
+    failed = point["results"]["hf-generate"]
+    assert "peer fell over" in failed["error"] and failed["wall_s"] >= 0
+    assert failed["repeats_output_tok_s"] == [None]
+    assert failed["repeats_median_output_tok_s"] is None
     assert "neuronpy/hf-generate" not in point["ratios"]
     assert "peer fell over" in report.format_report(results)
 
@@ -261,10 +311,12 @@ def test_a_failing_peer_is_reported_not_fatal(monkeypatch) -> None:
 def test_quick_w1_over_http() -> None:
     config = quick_config(ks=(2,), prompt_len=16, output_len=8, peers=(), drive="http")
     results = run_bench(config, weights=_weights(), progress=SILENT)
-    r = results["workloads"]["W1"]["points"][0]["results"]["neuronpy"]
-    assert results["systems"]["neuronpy"]["drive"] == "http"
-    assert (r["completed"], r["output_tokens"]) == (2, 16)
-    assert r["engine"]["mean_batch_size"] == pytest.approx(2, rel=0.3)
+    r = results.workloads["W1"].points[0].results["neuronpy"].run
+    assert results.systems["neuronpy"]["drive"] == "http"
+    assert results.systems["neuronpy"]["model"] == "tiny-llama"
+    assert isinstance(r, Run) and (r.summary.completed, r.summary.output_tokens) == (2, 16)
+    assert r.engine is not None and r.engine.mean_batch_size == pytest.approx(2, rel=0.3)
+    assert all(rec.text for rec in r.records)  # kept for parity over HTTP
 
 
 # ---- the command line ---------------------------------------------------------------------------
@@ -305,12 +357,12 @@ def test_w5_runs_w1s_streams_constrained_beside_w1(drive: str) -> None:
         drive=drive,
     )
     results = run_bench(config, weights=_weights(), progress=SILENT)
-    (point,) = results["workloads"]["W5"]["points"]
-    assert set(point["results"]) == {"neuronpy", "neuronpy-serial"}  # hf has no constraints
-    ours = point["results"]["neuronpy"]
-    assert ours["output_tokens"] == 2 * 12 and "error" not in ours
-    assert point["parity"]["identical"] == point["parity"]["total"] == 2
-    assert point["ratios"]["W5/W1"] > 0
+    (point,) = results.workloads["W5"].points
+    assert set(point.results) == {"neuronpy", "neuronpy-serial"}  # hf has no constraints
+    ours = point.results["neuronpy"].run
+    assert isinstance(ours, Run) and ours.summary.output_tokens == 2 * 12
+    assert point.parity is not None and point.parity.identical == point.parity.total == 2
+    assert point.ratios["W5/W1"] > 0
     assert "constrained / unconstrained (W5 / W1)" in report.format_report(results)
 
 
@@ -341,14 +393,17 @@ def test_w6_and_speculation_beside_neuronpy() -> None:
         ks=(2,), output_len=24, peers=(), workloads=("W1", "W6"), speculative="ngram"
     )
     results = run_bench(config, weights=_weights(), progress=SILENT)
-    (point,) = results["workloads"]["W6"]["points"]
-    assert set(point["results"]) == {"neuronpy", "neuronpy-spec"}
-    assert point["spec_parity"]["identical"] == point["spec_parity"]["total"] == 2
-    assert point["ratios"]["spec/off"] > 0
-    assert point["speculation"]["draft_tokens"] > 0
+    (point,) = results.workloads["W6"].points
+    assert set(point.results) == {"neuronpy", "neuronpy-spec"}
+    same = point.spec_parity
+    assert same is not None and same.identical == same.total == 2
+    assert point.ratios["spec/off"] > 0
+    assert point.speculation is not None and point.speculation.draft_tokens > 0
+    doc = results.to_json()["workloads"]["W6"]["points"][0]
+    assert {"spec_parity", "speculation"} <= set(doc) and "parity" not in doc
     assert "speculative / not (neuronpy-spec / neuronpy)" in report.format_report(results)
     prompts = grounded_prompts(tokenizer("tiny-llama"), 2, max_len=512 - 24)
-    assert point["params"]["prompt_len"] == max(len(p) for p in prompts) > 100
+    assert point.params["prompt_len"] == max(len(p) for p in prompts) > 100
     assert grounded_messages(0) != grounded_messages(1) and grounded_messages(
         0
     ) == grounded_messages(0)

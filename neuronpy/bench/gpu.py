@@ -25,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from neuronpy.bench.config import BenchConfig, Progress
 from neuronpy.bench.lineup import Weights
+from neuronpy.bench.results import BenchResults
 from neuronpy.bench.runner import run_bench
 from neuronpy.bench.systems import HF_CB, NEURONPY
 
@@ -95,9 +96,9 @@ def weight_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def report(results: dict[str, Any], bandwidth: float, nbytes: int) -> tuple[str, dict[str, Any]]:
+def report(results: BenchResults, bandwidth: float, nbytes: int) -> tuple[str, dict[str, Any]]:
     """The table, and the figures against the targets."""
-    points = results["workloads"]["W1"]["points"]
+    points = results.workloads["W1"].points
     roofline = bandwidth / nbytes  # steps/s if a step only read every weight once
     lines = [
         f"weights {nbytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e9:.0f} GB/s: "
@@ -106,9 +107,8 @@ def report(results: dict[str, Any], bandwidth: float, nbytes: int) -> tuple[str,
     ]
     summary: dict[str, Any] = {"roofline_tok_s": roofline, "bandwidth_bytes_s": bandwidth}
     for p in points:
-        k = p["params"]["k"]
-        ours = p["results"].get(NEURONPY, {}).get("output_tok_s")
-        theirs = p["results"].get(HF_CB, {}).get("output_tok_s")
+        k = p.params["k"]
+        ours, theirs = p.rate(NEURONPY), p.rate(HF_CB)
         ratio = ours / theirs if ours and theirs else None
         shown = [f"{v:.1f}" if v else "-" for v in (ours, theirs)]
         lines.append(
@@ -166,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     text, summary = report(results, bandwidth, nbytes)
     print(text)
     if args.out is not None:
-        args.out.write_text(json.dumps({"summary": summary, "bench": results}, default=str))
+        args.out.write_text(
+            json.dumps({"summary": summary, "bench": results.to_json()}, default=str)
+        )
     return 0
 
 

@@ -11,13 +11,23 @@ Percentiles interpolate linearly between order statistics (numpy's default metho
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from neuronpy.bench.records import RequestRecord
+from neuronpy.bench.records import (
+    Distribution,
+    Divergence,
+    EngineFigures,
+    JoinStall,
+    Parity,
+    RequestRecord,
+    RunSummary,
+    span,
+)
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -33,44 +43,42 @@ def percentile(values: Sequence[float], p: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
 
 
-def distribution(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | None]:
+def distribution(values: Sequence[float], scale: float = 1000.0) -> Distribution:
     """mean / p50 / p90 / p99 / max of `values` times `scale` (seconds to ms by default)."""
     if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None, "n": 0}
-    return {
-        "mean": statistics.fmean(values) * scale,
-        "p50": percentile(values, 50) * scale,
-        "p90": percentile(values, 90) * scale,
-        "p99": percentile(values, 99) * scale,
-        "max": max(values) * scale,
-        "n": len(values),
-    }
+        return Distribution(mean=None, p50=None, p90=None, p99=None, max=None, n=0)
+    return Distribution(
+        mean=statistics.fmean(values) * scale,
+        p50=percentile(values, 50) * scale,
+        p90=percentile(values, 90) * scale,
+        p99=percentile(values, 99) * scale,
+        max=max(values) * scale,
+        n=len(values),
+    )
 
 
-def summarize(records: Sequence[RequestRecord], duration: float | None = None) -> dict[str, Any]:
+def summarize(records: Sequence[RequestRecord], duration: float | None = None) -> RunSummary:
     """The run's metrics. `duration` defaults to the first send to the last chunk received."""
     done = [r for r in records if r.ok]
-    failed = len(records) - len(done)
     if duration is None:
-        start = min((r.sent for r in records), default=0.0)
-        duration = max((r.end for r in records), default=start) - start
+        duration = span(tuple(records))
     output_tokens = sum(r.output_tokens for r in done)
     tpots = [t for r in done if (t := r.tpot) is not None]
-    return {
-        "requests": len(records),
-        "completed": len(done),
-        "failed": failed,
-        "errors": sorted({r.error for r in records if r.error})[:5],
-        "duration_s": duration,
-        "input_tokens": sum(r.prompt_tokens for r in done),
-        "output_tokens": output_tokens,
-        "output_tok_s": output_tokens / duration if duration > 0 else None,
-        "request_s": len(done) / duration if duration > 0 else None,
-        "ttft_ms": distribution([r.ttft for r in done]),
-        "tpot_ms": distribution(tpots),
-        "itl_ms": distribution([g for r in done for g in r.itls]),
-        "e2el_ms": distribution([r.e2el for r in done]),
-    }
+    return RunSummary(
+        requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
+        errors=tuple(sorted({r.error for r in records if r.error})[:5]),
+        duration_s=duration,
+        input_tokens=sum(r.prompt_tokens for r in done),
+        output_tokens=output_tokens,
+        output_tok_s=output_tokens / duration if duration > 0 else None,
+        request_s=len(done) / duration if duration > 0 else None,
+        ttft_ms=distribution([r.ttft for r in done]),
+        tpot_ms=distribution(tpots),
+        itl_ms=distribution([g for r in done for g in r.itls]),
+        e2el_ms=distribution([r.e2el for r in done]),
+    )
 
 
 def scaling_efficiency(tok_s_at_k: float, k: int, tok_s_at_1: float) -> float | None:
@@ -80,9 +88,7 @@ def scaling_efficiency(tok_s_at_k: float, k: int, tok_s_at_1: float) -> float | 
     return tok_s_at_k / (k * tok_s_at_1)
 
 
-def parity(
-    batched: Sequence[RequestRecord], alone: Sequence[RequestRecord]
-) -> dict[str, Any] | None:
+def parity(batched: Sequence[RequestRecord], alone: Sequence[RequestRecord]) -> Parity | None:
     """Greedy parity of the same requests run batched and run one at a time: the share of
     identical completions, and where the others first diverge (token index, or character
     index when only text is known). None when neither ids nor text were recorded."""
@@ -108,17 +114,17 @@ def parity(
         at = next(
             (j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y))
         )
-        divergences.append({"request": i, "position": at})
-    return {
-        "compared": "token_ids" if use_ids else "text",
-        "identical": same,
-        "total": len(batched),
-        "identical_share": same / len(batched),
-        "first_divergence": divergences,
-    }
+        divergences.append(Divergence(request=i, position=at))
+    return Parity(
+        compared="token_ids" if use_ids else "text",
+        identical=same,
+        total=len(batched),
+        identical_share=same / len(batched),
+        first_divergence=tuple(divergences),
+    )
 
 
-def join_stall(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+def join_stall(records: Sequence[RequestRecord]) -> JoinStall | None:
     """W4: the decoding streams' inter-token gaps while the long prompt joins, against their
     median gap. The join window runs from the long request's send to its second token (its
     prefill, the rebatch that adds it, and the first step it shares); a decoder's gap counts
@@ -142,17 +148,16 @@ def join_stall(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
         return None
     median = percentile(gaps, 50)
     worst = max(during) if during else None
-    return {
-        "join_sent_s": start,
-        "join_window_s": end - start,
-        "join_ttft_ms": join.ttft * 1000,
-        "decoder_itl_p50_ms": median * 1000,
-        "decoder_itl_max_during_join_ms": worst * 1000 if worst is not None else None,
-        "stall_ratio": worst / median if worst is not None and median > 0 else None,
-        "gaps_during_join": len(during),
-        # every decoder still streaming after the window: the window was fully observed
-        "decoders_outlived_join": all(r.end >= end for r in decoders),
-    }
+    return JoinStall(
+        join_sent_s=start,
+        join_window_s=end - start,
+        join_ttft_ms=join.ttft * 1000,
+        decoder_itl_p50_ms=median * 1000,
+        decoder_itl_max_during_join_ms=worst * 1000 if worst is not None else None,
+        stall_ratio=worst / median if worst is not None and median > 0 else None,
+        gaps_during_join=len(during),
+        decoders_outlived_join=all(r.end >= end for r in decoders),
+    )
 
 
 # ---- engine counters ---------------------------------------------------------------------------
@@ -163,7 +168,7 @@ _NOT_COUNTERS = {"running", "queued", "live_batch_size", "max_batch_size", "heal
 
 def engine_delta(
     before: Mapping[str, Any] | None, after: Mapping[str, Any] | None, duration: float
-) -> dict[str, Any] | None:
+) -> EngineFigures | None:
     """The engine's own figures over one run, from two snapshots of its counters (see
     `systems.neuronpy_engine.engine_snapshot`): decode steps/s, mean batch size, the time
     split, padding."""
@@ -179,27 +184,27 @@ def engine_delta(
     }
     steps = delta.get("decode_steps", 0)
     rows = delta.get("decoded_rows", 0)
-    out: dict[str, Any] = {
-        "counters": delta,
-        "decode_steps": steps,
-        "decode_steps_per_s": steps / duration if duration > 0 else None,
-        "mean_batch_size": rows / steps if steps else None,
-        "max_batch_size_so_far": after.get("max_batch_size"),
-    }
-    t0, t1 = before.get("timing") or {}, after.get("timing") or {}
-    if t1:
-        split = {k: float(t1[k]) - float(t0.get(k, 0.0)) for k in t1}
-        busy = sum(split.values())
-        split["other"] = max(0.0, duration - busy)  # scheduling, routers, waiting for work
-        out["time_s"] = split
-        out["time_share"] = {k: v / duration for k, v in split.items()} if duration > 0 else None
-        if steps:
-            out["ms_per_step"] = {
-                k: split[k] / steps * 1000 for k in ("forward", "sampling") if k in split
-            }
-    else:
-        out["time_s"] = None  # the engine does not expose its time split (HTTP without /stats)
     padded = delta.get("padded_kv_columns")
     real = delta.get("kv_columns")
-    out["padding_waste"] = padded / real if padded is not None and real else None
-    return out
+    figures = EngineFigures(
+        counters=delta,
+        decode_steps=steps,
+        decode_steps_per_s=steps / duration if duration > 0 else None,
+        mean_batch_size=rows / steps if steps else None,
+        max_batch_size_so_far=after.get("max_batch_size"),
+        padding_waste=padded / real if padded is not None and real else None,
+    )
+    t0, t1 = before.get("timing") or {}, after.get("timing") or {}
+    if not t1:
+        return figures  # no time split exposed (HTTP without /stats)
+    split = {k: float(t1[k]) - float(t0.get(k, 0.0)) for k in t1}
+    busy = sum(split.values())
+    split["other"] = max(0.0, duration - busy)  # scheduling, routers, waiting for work
+    return dataclasses.replace(
+        figures,
+        time_s=split,
+        time_share={k: v / duration for k, v in split.items()} if duration > 0 else None,
+        ms_per_step={k: split[k] / steps * 1000 for k in ("forward", "sampling") if k in split}
+        if steps
+        else None,
+    )

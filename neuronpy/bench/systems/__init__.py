@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from neuronpy.bench.records import RunOutput
+from neuronpy.bench.records import ProfiledSteps, RunOutput
 from neuronpy.bench.workloads import Workload
 
 # the systems' names, in the order the table shows them
@@ -52,7 +52,7 @@ class System(Protocol):
 
     def run(self, workload: Workload) -> RunOutput: ...
 
-    def profile(self, workload: Workload) -> dict[str, Any] | None: ...
+    def profile(self, workload: Workload) -> ProfiledSteps | None: ...
 
     def close(self) -> None: ...
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from neuronpy.bench.records import RunOutput, Trace, span
+from neuronpy.bench.records import ProfiledSteps, RunOutput, Trace, span
 from neuronpy.bench.systems import HF_CB, PEER_HELP, WARMUP_TOKENS
 from neuronpy.bench.workloads import UNCONSTRAINED, BenchRequest, Workload
 
@@ -139,7 +139,7 @@ class HfContinuousBatching:
             if result.error is not None:
                 trace.error = str(result.error)[:300]
 
-    def profile(self, workload: Workload) -> dict[str, Any] | None:
+    def profile(self, workload: Workload) -> ProfiledSteps | None:
         return None
 
     def close(self) -> None:

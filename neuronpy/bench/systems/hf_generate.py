@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from neuronpy.bench.records import RunOutput, Trace, span
+from neuronpy.bench.records import ProfiledSteps, RunOutput, Trace, span
 from neuronpy.bench.systems import HF_SERIAL, HF_STATIC, PEER_HELP
 from neuronpy.bench.workloads import Workload
 
@@ -130,7 +130,7 @@ class HfGenerate:
         records = tuple(t.record() for t in traces)
         return RunOutput(records, span(records))
 
-    def profile(self, workload: Workload) -> dict[str, Any] | None:
+    def profile(self, workload: Workload) -> ProfiledSteps | None:
         return None
 
     def close(self) -> None:

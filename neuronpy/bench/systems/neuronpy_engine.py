@@ -10,7 +10,7 @@ import anyio
 
 from neuronpy.bench.driver import OnChunk, Reply, Send, drive, precompile
 from neuronpy.bench.metrics import engine_delta
-from neuronpy.bench.records import RunOutput
+from neuronpy.bench.records import ProfiledSteps, RunOutput
 from neuronpy.bench.threads import EventLoopThread, in_fresh_thread
 from neuronpy.bench.workloads import WORKLOADS, BenchRequest, Workload
 from neuronpy.config import EngineConfig
@@ -109,7 +109,7 @@ class NeuronpyEngine:
         after = engine_snapshot(engine)
         return RunOutput(records, duration, engine_delta(before, after, duration))
 
-    def profile(self, workload: Workload) -> dict[str, Any] | None:
+    def profile(self, workload: Workload) -> ProfiledSteps | None:
         """The workload again, with Engine.profile recording a window of its steady state:
         from when the batch is as full as the workload makes it, for up to PROFILE_SECONDS."""
         loop, engine = self._started()
@@ -135,13 +135,13 @@ class NeuronpyEngine:
         result = loop.call(profiled)
         if result is None or not result.decode_steps:
             return None
-        return {
-            "per_step_ms": result.per_step_ms(),
-            "seconds": result.seconds,
-            "decode_steps": result.decode_steps,
-            "mean_batch_size": result.decoded_rows / result.decode_steps,
-            "op_calls_per_step": result.op_calls / result.decode_steps,
-        }
+        return ProfiledSteps(
+            per_step_ms=result.per_step_ms(),
+            seconds=result.seconds,
+            decode_steps=result.decode_steps,
+            mean_batch_size=result.decoded_rows / result.decode_steps,
+            op_calls_per_step=result.op_calls / result.decode_steps,
+        )
 
     def close(self) -> None:
         if self._exit_engine is not None:

@@ -15,7 +15,7 @@ import httpx
 from neuronpy.bench.driver import drive, precompile
 from neuronpy.bench.http_client import completions_send, fetch_stats, make_client, served_models
 from neuronpy.bench.metrics import engine_delta
-from neuronpy.bench.records import RunOutput
+from neuronpy.bench.records import ProfiledSteps, RunOutput
 from neuronpy.bench.systems.neuronpy_engine import engine_snapshot
 from neuronpy.bench.threads import EventLoopThread, in_fresh_thread
 from neuronpy.bench.workloads import WORKLOADS, Workload
@@ -124,7 +124,7 @@ class NeuronpyHttp:
         records, duration = loop.call(lambda: drive(workload.requests, send))
         return RunOutput(records, duration, engine_delta(before, self._snapshot(), duration))
 
-    def profile(self, workload: Workload) -> dict[str, Any] | None:
+    def profile(self, workload: Workload) -> ProfiledSteps | None:
         return None  # the engine's profiler is for the engine in-process
 
     def close(self) -> None:
