@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 import threading
 from pathlib import Path
@@ -222,7 +223,7 @@ async def test_a_row_whose_constraint_grows_with_every_token_ends_alone() -> Non
 
 @pytest.fixture(scope="module")
 def server() -> Any:
-    with run_server(fixture_model(max_in_flight=4)) as running:
+    with run_server(fixture_model(max_in_flight=4, max_mask_ms=0.1)) as running:
         yield running
 
 
@@ -271,3 +272,34 @@ def test_tokenize_calls_cannot_take_the_threads_prompts_are_tokenized_on(server:
     finally:
         release.set()
         del engine.tokenizer.encode
+
+
+def test_a_row_its_constraint_stops_is_a_400_naming_the_constraint(server: Any) -> None:
+    """Stopped by max_mask_ms (the request's own constraint, as a compile past its bounds
+    is): whole, a 400 naming the field; streamed, that error as the stream's last chunk."""
+    a = tokenizer().encode("a", add_special_tokens=False)[-1]
+    body = {
+        "model": "tiny-llama",
+        "prompt": "Hi",
+        "max_tokens": 400,
+        "temperature": 0,
+        "logit_bias": {str(a): 100},
+        "guided_grammar": 'root ::= x "b"\nx ::= ("a" | x x)*',
+    }
+    reply = httpx.post(f"{server.v1}/completions", json=body, timeout=300)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "guided_grammar" and "max_mask_ms" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    chunks = []
+    with httpx.stream(
+        "POST", f"{server.v1}/completions", json={**body, "stream": True}, timeout=300
+    ) as streamed:
+        assert streamed.status_code == 200
+        for line in streamed.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    assert "error" in chunks[-1], chunks[-1]  # the stream's last word: no stop, no length
+    assert chunks[-1]["error"]["param"] == "guided_grammar"
+    assert chunks[-1]["error"]["type"] == "invalid_request_error"
+    assert not any(c["choices"][0]["finish_reason"] for c in chunks if c.get("choices"))

@@ -68,9 +68,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(neuronpy.server.app, "ResponseStore", _RecordedStore)
         # Eager: what is fuzzed is the server's, and compiling the layers at start-up takes
-        # longer than the whole run. No bound on a constraint's time a token: it is wall-clock
-        # (a loaded machine could pass it), and a row it stops is a 500 for now (reported).
-        config = {"compile": "off", "max_mask_ms": 1e6}
+        # longer than the whole run. (A row its constraint's max_mask_ms stops, which a loaded
+        # machine may do, is a 400 naming the constraint: an answer the checks accept.)
+        config = {"compile": "off"}
         models = {
             **fixture_model(PLAIN, **config),
             **fixture_model(TOOLS, **config),

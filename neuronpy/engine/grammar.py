@@ -305,7 +305,7 @@ class Matcher:
             self._slow = self._slow + 1 if spent > self.token_seconds else 0
             if self._slow >= 2:
                 self._stopped = (
-                    f"the constraint took {spent * 1000:.0f} ms for one token, past this "
+                    f"the constraint took {spent * 1000:.3g} ms for one token, past this "
                     f"server's bound of {self.token_seconds * 1000:g} ms (max_mask_ms): its "
                     "work grows with every token (nested unbounded repetition, such as "
                     "(a+)* or (\\w+\\s*)*, does)"

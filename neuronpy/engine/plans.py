@@ -102,6 +102,7 @@ class Sampled:
     token: int | None
     logprob: TokenLogprob | None = None
     error: str | None = None  # why this row's sampling failed: it fails that request alone
+    error_param: str | None = None  # the request's field the error is about (its constraint)
     # a verify step's drafts that stood, before `token`, each with its log-probabilities
     accepted: tuple[tuple[int, TokenLogprob | None], ...] = ()
 

@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from neuronpy.arch.kv import DEFAULT_HEADROOM
-from neuronpy.engine.grammar import Matcher
+from neuronpy.engine.grammar import GrammarError, Matcher
 from neuronpy.engine.plans import (
     AssemblePlan,
     CacheOutcome,
@@ -162,6 +162,11 @@ class Runner:
         exc = self._errors.pop(request.id, None)
         if exc is None:
             return None
+        constraint = request.params.constraint
+        if isinstance(exc, GrammarError) and constraint is not None:
+            # (its own constraint: a 400 naming the field, as before admission)
+            log.info("request %d's constraint ended it: %s", request.id, exc)
+            return Sampled(None, error=f"'{constraint.param}': {exc}", error_param=constraint.param)
         log.warning("sampling failed for request %d: %r", request.id, exc)
         return Sampled(None, error=f"sampling failed ({type(exc).__name__}: {exc})")
 

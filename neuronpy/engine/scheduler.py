@@ -588,7 +588,7 @@ class Scheduler:
         """Records a row's tokens (a verify step's several, else one) in order until one ends
         the request; answers how many it took."""
         if sampled.error is not None:
-            request.end(Cause.FAILED, sampled.error)  # this request alone: it leaves
+            request.end(Cause.FAILED, sampled.error, sampled.error_param)  # it alone leaves
         taken = 0
         for token, logprob in sampled.tokens:
             if request.done:
