@@ -35,7 +35,8 @@ from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import BodyLimits, parse_request, read_json, requested_model
-from neuronpy.server.response_store import ResponseStore, check_metadata
+from neuronpy.server.response_shape import check_metadata
+from neuronpy.server.response_store import ResponseStore
 from neuronpy.server.responses import Reply
 from neuronpy.server.responses_events import Builder
 from neuronpy.server.responses_protocol import chat_body, renamed
