@@ -14,13 +14,11 @@ its id (written by the engine, see `open_session`). Both are removed, oldest fir
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
 import stat
 import threading
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ import anyio
 
 from neuronpy.engine.sessions import SUFFIX as SESSION_SUFFIX
 from neuronpy.errors import InvalidRequestError
+from neuronpy.files import NotRegularFile, open_regular, replace_atomically
 from neuronpy.server.response_shape import (
     RESPONSE_ID,
     valid_conversation,
@@ -239,7 +238,7 @@ class ResponseStore:
                 return
             data = stored.file_bytes()
             try:
-                _write_atomically(path, data)
+                replace_atomically(path, lambda tmp: tmp.write_bytes(data))
             except OSError as exc:
                 log.warning("stored response %s not written to disk: %s", rid, exc.strerror)
                 return
@@ -290,16 +289,6 @@ class ResponseStore:
         return await anyio.to_thread.run_sync(self._delete, rid)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
 # ---- files read back ----------------------------------------------------------------------------
 
 
@@ -327,27 +316,14 @@ def _read_stored(path: Path, rid: str, max_bytes: int) -> tuple[Stored, int] | N
 
 
 def _read_regular(path: Path, max_bytes: int) -> bytes | None:
-    """The file's bytes if it is a regular file of at most `max_bytes`, else None. lstat, then
-    open without following a link or waiting (a FIFO swapped in opens at once), then fstat and
-    compare: it is the file lstat saw."""
+    """The file's bytes if it is a regular file (files.open_regular: no link followed, no
+    blocking open) of at most `max_bytes`, else None."""
     try:
-        before = os.lstat(path)
-    except FileNotFoundError:
+        with open_regular(path) as (fd, opened):
+            if opened.st_size > max_bytes:
+                return None
+            with os.fdopen(os.dup(fd), "rb") as file:
+                raw = file.read(max_bytes + 1)
+    except (FileNotFoundError, NotRegularFile):
         return None
-    if not stat.S_ISREG(before.st_mode) or before.st_size > max_bytes:
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOENT):
-            return None
-        raise
-    with os.fdopen(fd, "rb") as file:
-        opened = os.fstat(file.fileno())
-        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (
-            before.st_dev,
-            before.st_ino,
-        ):
-            return None
-        raw = file.read(max_bytes + 1)
     return raw if len(raw) <= max_bytes else None

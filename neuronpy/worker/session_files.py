@@ -15,16 +15,13 @@ open, no link followed, the file checked to be the one that was looked at) and `
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import math
 import os
 import re
-import stat
 import struct
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from neuronpy.files import NotRegularFile, open_regular, replace_atomically
 from neuronpy.jsontext import json_depth
 
 FORMAT = "neuronpy-session/1"
@@ -132,12 +130,7 @@ def write_session(
         tensors[f"layers.{layer}.keys"] = k.contiguous()
         tensors[f"layers.{layer}.values"] = v.contiguous()
     meta = {**metadata, "token_ids": json.dumps(list(token_ids)), "tokens": str(len(token_ids))}
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replace_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
 
 def read_header(path: Path) -> SessionHeader:
@@ -208,43 +201,13 @@ def _one_file() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _open_regular(path: Path) -> Iterator[tuple[int, os.stat_result]]:
-    """The file at `path`, open for reading, and its stat: a regular file, never a link, and
-    never a blocking open. open() of a FIFO waits for a writer (safetensors' own open waits
-    holding the GIL: every thread of the server stops). So: lstat first (no link followed),
-    then open with O_NONBLOCK (a FIFO swapped in meanwhile opens at once) and O_NOFOLLOW (nor
-    a link), then fstat the open file and compare it with what lstat saw."""
-    before = os.lstat(path)
-    _check_regular(before)
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    """The file at `path`, open for reading, and its stat, as files.open_regular opens it (a
+    regular file: no link followed, no blocking open); what is not one is a SessionFileError."""
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise SessionFileError("it is a symbolic link, not a regular file") from None
-        raise
-    try:
-        opened = os.fstat(fd)
-        _check_regular(opened)
-        if (opened.st_dev, opened.st_ino) != (before.st_dev, before.st_ino):
-            raise SessionFileError("it was replaced while it was opened")
-        yield fd, opened
-    finally:
-        os.close(fd)
-
-
-def _check_regular(st: os.stat_result) -> None:
-    if stat.S_ISREG(st.st_mode):
-        return
-    kinds = {
-        stat.S_ISLNK: "a symbolic link",
-        stat.S_ISDIR: "a directory",
-        stat.S_ISFIFO: "a FIFO",
-        stat.S_ISSOCK: "a socket",
-        stat.S_ISCHR: "a device",
-        stat.S_ISBLK: "a device",
-    }
-    kind = next((k for test, k in kinds.items() if test(st.st_mode)), "of another kind")
-    raise SessionFileError(f"it is {kind}, not a regular file")
+        with open_regular(path) as opened:
+            yield opened
+    except NotRegularFile as exc:
+        raise SessionFileError(str(exc)) from None
 
 
 def _read_exact(fd: int, offset: int, n: int) -> bytes:
