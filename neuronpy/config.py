@@ -101,7 +101,8 @@ class EngineConfig:
     max_compile_seconds: float = DEFAULT_MAX_COMPILE_SECONDS
     max_compile_bytes: int | str = DEFAULT_MAX_COMPILE_BYTES
     # milliseconds one row's constraint may take for a token (mask and advance); a row over it
-    # for two tokens in a row ends with finish_reason "error" (the batch waits for every row)
+    # for two tokens in a row ends alone, a 400 naming its constraint (the batch waits for
+    # every row's mask)
     max_mask_ms: float = DEFAULT_MAX_MASK_MS
     # speculative decoding: "off", "ngram" (prompt lookup: drafts copied from the context) or
     # "draft" (`draft_model`, a smaller model of the same tokenizer, drafts); a request may

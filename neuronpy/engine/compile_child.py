@@ -96,8 +96,6 @@ def _child(compile: Callable[[], object], out: int, memory: int) -> None:
         try:
             compile()
             data = _OK
-        except MemoryError:
-            raise
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             if "bad_alloc" in str(exc):  # (C++'s out-of-memory, as xgrammar raises it)
                 raise MemoryError from None
