@@ -7,13 +7,20 @@ cores, a 60 KiB JSON Schema of 2000 optional properties for 13 s and +150 MB. On
 such a compile could only be waited out. So the server forks itself, and the child (which
 shares the parent's memory, copy-on-write, tokenizer index included) compiles with a cap on
 the memory it may add, says whether it could, and exits; the parent kills it past the time
-bound or once nobody waits. Only a grammar its child compiled within the bounds is then
-compiled in the server, at the same cost. (The compiled grammar does not come back from the
-child: xgrammar writes it out only as JSON, 224 MB and 14 s for a schema of 800 properties
-that compiles in 0.3 s.) A fork costs a few milliseconds; ordinary constraints compile in
-milliseconds, so twice is cheap, and it happens once per distinct constraint (the cache).
-The child runs at a lower priority (nice 10), so that on a machine short of cores the
-engine's steps go first.
+bound, past the memory bound or once nobody waits. Only a grammar its child compiled within
+the bounds is then compiled in the server, at the same cost. (The compiled grammar does not
+come back from the child: xgrammar writes it out only as JSON, 224 MB and 14 s for a schema
+of 800 properties that compiles in 0.3 s.) A fork costs a few milliseconds; ordinary
+constraints compile in milliseconds, so twice is cheap, and it happens once per distinct
+constraint (the cache). The child runs at a lower priority (nice 10), so that on a machine
+short of cores the engine's steps go first.
+
+The child's memory is what it adds to the pages it shares with the parent: its resident
+anonymous memory (RssAnon, which neither the parent's writes nor its frees change) beyond what
+it held once it had handed back the pages malloc held free. Free heap would otherwise be
+reused unseen: a server's heap, fragmented by its requests, may hold hundreds of MB free,
+which no cap on mapped memory counts. The parent reads it from /proc as it waits (every 50 ms);
+RLIMIT_DATA, a cap on what the child maps, stops what grows faster than that.
 
 Where there is no fork (Windows) or it is unsafe (macOS, whose system frameworks forbid a
 forked child to use them), compiles run on the calling thread without these bounds.
@@ -22,10 +29,13 @@ forked child to use them), compiles run on the calling thread without these boun
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import resource
 import select
 import signal
+import struct
 import sys
 import threading
 import time
@@ -41,6 +51,7 @@ warnings.filterwarnings(
 CAN_FORK = sys.platform.startswith("linux") and hasattr(os, "fork")
 _POLL_SECONDS = 0.05  # how often a waiting parent looks at its cancel flag
 _OK, _FAILED = b"o", b"e"  # what the child writes: it compiled; or an error's message follows
+_HELD = struct.Struct("<Q")  # what the child writes first: the bytes it holds as it begins
 _OUT_OF_MEMORY = 3  # the child's exit status when its memory cap stopped it
 
 
@@ -70,11 +81,11 @@ def try_in_child(
     os.close(write_end)
     status = None
     try:
-        data = _read(read_end, seconds, cancelled)
-        if data[:1] not in (_OK, _FAILED):  # it died before it said: how?
+        data = _read(read_end, seconds, cancelled, pid, memory)
+        if data[_HELD.size : _HELD.size + 1] not in (_OK, _FAILED):  # it died before it said: how?
             _, status = os.waitpid(pid, 0)
             if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _OUT_OF_MEMORY:
-                raise CompileLimitError(f"compiling it took more than {memory >> 20} MiB of memory")
+                raise CompileLimitError(_too_much(memory))
             raise CompileLimitError(f"its compile stopped ({_how(status)})")
     finally:
         os.close(read_end)
@@ -82,8 +93,12 @@ def try_in_child(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-    if data[:1] == _FAILED:
-        raise RuntimeError(data[1:].decode("utf-8", "replace"))
+    if data[_HELD.size : _HELD.size + 1] == _FAILED:
+        raise RuntimeError(data[_HELD.size + 1 :].decode("utf-8", "replace"))
+
+
+def _too_much(memory: int) -> str:
+    return f"compiling it took more than {memory >> 20} MiB of memory"
 
 
 def _child(compile: Callable[[], object], out: int, memory: int) -> None:
@@ -91,8 +106,10 @@ def _child(compile: Callable[[], object], out: int, memory: int) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when it ends
         os.nice(10)  # the engine's steps before a compile, when the cores are short
-        held = _data_bytes()  # (RLIMIT_DATA bounds this: private writable memory, the heap's)
-        resource.setrlimit(resource.RLIMIT_DATA, (held + memory, held + memory))
+        _trim_heap()  # (what malloc holds free goes back, so that reusing it is counted too)
+        _write(out, _HELD.pack(_anonymous_bytes(os.getpid())))
+        mapped = _data_bytes()  # (RLIMIT_DATA bounds this: private writable memory, the heap's)
+        resource.setrlimit(resource.RLIMIT_DATA, (mapped + memory, mapped + memory))
         try:
             compile()
             data = _OK
@@ -100,9 +117,7 @@ def _child(compile: Callable[[], object], out: int, memory: int) -> None:
             if "bad_alloc" in str(exc):  # (C++'s out-of-memory, as xgrammar raises it)
                 raise MemoryError from None
             data = _FAILED + str(exc).encode("utf-8", "replace")
-        view = memoryview(data)
-        while view:
-            view = view[os.write(out, view) :]
+        _write(out, data)
         code = 0
     except MemoryError:
         code = _OUT_OF_MEMORY
@@ -112,19 +127,49 @@ def _child(compile: Callable[[], object], out: int, memory: int) -> None:
         os._exit(code)
 
 
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _trim_heap() -> None:
+    """Hands the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing):
+    the child then maps them again only as it uses them, and that is counted."""
+    with contextlib.suppress(OSError, AttributeError):  # (no glibc)
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+
+
 def _data_bytes() -> int:
     """This process's private writable memory (VmData), what RLIMIT_DATA counts."""
-    with open("/proc/self/status", encoding="ascii") as f:
+    return _status_bytes("self", "VmData:")
+
+
+def _anonymous_bytes(pid: int) -> int:
+    """The resident anonymous memory of process `pid` (RssAnon: what it shares with the
+    parent, copy-on-write, and what it added). Neither the parent's writes nor its frees
+    change it; the child's new pages do."""
+    try:
+        return _status_bytes(str(pid), "RssAnon:")
+    except OSError:  # (gone, or no such line: then RLIMIT_DATA alone bounds it)
+        return 0
+
+
+def _status_bytes(pid: str, field: str) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
-            if line.startswith("VmData:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
-    raise OSError("no VmData in /proc/self/status")
+    raise OSError(f"no {field} in /proc/{pid}/status")
 
 
-def _read(fd: int, seconds: float, cancelled: threading.Event | None) -> bytes:
-    """The child's whole output, read as it comes, within the deadline."""
+def _read(
+    fd: int, seconds: float, cancelled: threading.Event | None, pid: int, memory: int
+) -> bytes:
+    """The child's whole output, read as it comes, within the deadline and while the child
+    `pid` holds no more than `memory` bytes beyond what it said it held as it began."""
     deadline = time.monotonic() + seconds
-    chunks: list[bytes] = []
+    data = b""
     while True:
         if cancelled is not None and cancelled.is_set():
             raise CompileCancelled()
@@ -135,8 +180,12 @@ def _read(fd: int, seconds: float, cancelled: threading.Event | None) -> bytes:
         if ready:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
+                return data
+            data += chunk
+        elif len(data) == _HELD.size:  # (compiling: it said what it held, not yet how it went)
+            (held,) = _HELD.unpack(data)
+            if _anonymous_bytes(pid) - held > memory:
+                raise CompileLimitError(_too_much(memory))
 
 
 def _how(status: int) -> str:
