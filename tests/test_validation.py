@@ -15,11 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from neuronpy.errors import InvalidRequestError
+from neuronpy.server.chat_input import ROLES
 from neuronpy.server.errors import ApiError
-from neuronpy.server.fields import UNSUPPORTED
-from neuronpy.server.prompts import ROLES
+from neuronpy.server.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from neuronpy.server.requests import parse_request, requested_model
-from neuronpy.server.schema import ChatBody, CompletionBody
 from neuronpy.server.structure import MAX_JSON_DEPTH, decode_json
 from tests.factories import tokenizer
 from tests.servers import RunningServer, fixture_model, run_server
@@ -202,7 +201,9 @@ TEXT_CHARS = st.characters(categories=["Lu", "Ll", "Nd", "P", "Zs", "Cc", "Cs", 
 texts = st.text(TEXT_CHARS, max_size=12)
 short_texts = st.text(st.characters(categories=["Lu", "Ll", "Nd", "Zs"]), min_size=1, max_size=8)
 # every field the server reads
-FIELDS = sorted({*ChatBody.model_fields, *CompletionBody.model_fields, "session", *UNSUPPORTED})
+FIELDS = sorted(
+    {*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields, *UNSUPPORTED}
+)
 MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
 keys = st.sampled_from([*FIELDS, *MESSAGE_KEYS, "type", "function", "text", "arguments"]) | texts
 numbers = (

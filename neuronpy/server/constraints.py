@@ -12,8 +12,8 @@ from typing import Any
 
 from neuronpy.engine.types import Constraint
 from neuronpy.errors import InvalidRequestError
-from neuronpy.server.fields import json_type
-from neuronpy.server.prompts import ChatTools
+from neuronpy.server.chat_input import ChatTools
+from neuronpy.server.schema import json_type
 
 # vLLM's names (its older guided_* fields, and structured_outputs' keys) -> our kinds
 GUIDED = {
@@ -22,6 +22,8 @@ GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
+# the request fields parse_constraint reads
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", *GUIDED)
 STRUCTURED = {
     "json": "json_schema",
     "regex": "regex",
@@ -32,8 +34,9 @@ STRUCTURED = {
 
 
 def parse_constraint(body: dict[str, Any]) -> Constraint | None:
-    """The body's one constraint, or None; InvalidRequestError naming the field when a field
-    is malformed or a second one asks for another constraint."""
+    """The one constraint of `body` (the request's CONSTRAINT_FIELDS), or None;
+    InvalidRequestError naming the field when a field is malformed or a second one asks for
+    another constraint."""
     found: list[Constraint] = []
     rf = _response_format(body.get("response_format"))
     if rf is not None:

@@ -12,27 +12,22 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
+from transformers import PreTrainedTokenizerBase
 
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.types import SamplingParams, SessionRequest
-from neuronpy.errors import NeuronError
+from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.copies import Copy, cancel_on_disconnect, gather, prompt_totals
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.logprobs import token_texts
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
+from neuronpy.server.protocol import ChatCompletionRequest, SamplingRequest
 from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import (
-    BodyLimits,
-    Kind,
-    ParsedRequest,
-    parse_request,
-    read_json,
-    requested_model,
-)
+from neuronpy.server.requests import BodyLimits, Kind, parse_request, read_json, requested_model
 from neuronpy.server.responses import SESSION_ERROR_HEADER, Reply, header_text, usage
 from neuronpy.server.sessions import session_request
 from neuronpy.server.stream import EventStreamResponse
@@ -62,14 +57,15 @@ async def generate(
         refuse_unshown_tools(model, req)
         reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
         prompts = [
-            await anyio.to_thread.run_sync(req.prompt_ids, engine.tokenizer, i)
-            for i in range(len(req.prompts) if kind == "text" else 1)
+            await anyio.to_thread.run_sync(prompt_ids, req, engine.tokenizer, i)
+            for i in range(req.prompt_count)
         ]
+        n = req.copies
         # (one prompt: the engine's own check names n)
-        if len(prompts) > 1 and len(prompts) * req.n > engine.max_running + engine.config.max_queue:
+        if len(prompts) > 1 and len(prompts) * n > engine.max_running + engine.config.max_queue:
             raise ApiError(
                 400,
-                f"{len(prompts)} prompts x n = {req.n} completions can never be admitted "
+                f"{len(prompts)} prompts x n = {n} completions can never be admitted "
                 f"together: model '{model.name}' runs {engine.max_running} and queues "
                 f"{engine.config.max_queue}",
                 param="prompt",
@@ -78,7 +74,7 @@ async def generate(
             (ids, req.sampling_params(len(ids), engine.context_len, reasoning)) for ids in prompts
         ]
         session = await session_request(store, engine, req)
-        groups = await _admit(request.receive, engine, plans, req.n, session, req.param_names)
+        groups = await _admit(request.receive, engine, plans, n, session, req.param_names)
         if groups is None:
             return Response(status_code=499)  # it left while its constraint compiled
     except ApiError as exc:
@@ -90,8 +86,8 @@ async def generate(
         rid,
         model.name,
         "+".join(str(len(ids)) for ids in prompts),
-        req.n,
-        ", streamed" if req.stream else "",
+        n,
+        ", streamed" if req.streamed else "",
     )
     params = plans[0][1]
     texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
@@ -100,22 +96,32 @@ async def generate(
     copies = [
         Copy(
             stream,
-            dataclasses.replace(reply, index=p * req.n + i),
+            dataclasses.replace(reply, index=p * n + i),
             metrics.admit(model.name, started, stream),
             counts_prompt=i == 0,
         )
         for p, streams in enumerate(groups)
         for i, stream in enumerate(streams)
     ]
-    if req.stream:
+    if req.streamed:
         return EventStreamResponse(copies, engine)
     return await _gather(request, copies, engine)
 
 
-def refuse_unshown_tools(model: ServedModel, req: ParsedRequest) -> None:
+def prompt_ids(req: SamplingRequest, tokenizer: PreTrainedTokenizerBase, index: int) -> list[int]:
+    """The request's prompt `index` as token ids (blocking: run it in a thread); a 400 when
+    it cannot be encoded."""
+    try:
+        return req.prompt_ids(tokenizer, index)
+    except InvalidRequestError as exc:
+        raise api_error(exc) from None
+
+
+def refuse_unshown_tools(model: ServedModel, req: SamplingRequest) -> None:
     """A 400 for `tools` the model's chat template never shows it, unless constrained decoding
     enforces the calls (tool_choice required or a named function)."""
-    if req.tools.tools and req.params.constraint is None and not model.renders_tools:
+    shown = isinstance(req, ChatCompletionRequest) and req.chat_tools.tools
+    if shown and req.constraint is None and not model.renders_tools:
         raise ApiError(
             400,
             f"the chat template of model '{model.name}' does not show the model its tools, "

@@ -1,26 +1,53 @@
-"""The JSON type of every request field the server reads, as pydantic models: checked before any
-field's own rules (fields.py, prompts.py), so that those never meet a value of the wrong type."""
+"""The base of the request models (protocol.py, chat_input.py): strict pydantic models whose
+first error becomes the 400 a client gets, worded as the server words it and naming the field.
 
-# The models only type: ranges, lengths and combinations are the field validators' (which word
-# the errors clients rely on), and a field whose validator already explains every wrong value
-# better (session, prompt's items, logit_bias's values) is typed as far as that validator needs.
-# Strict: no coercion ("5" is not 5, 1.0 is not 1, true is not 1). Unknown fields are ignored,
-# as OpenAI's own clients send fields this server does not know.
+A model types each field (strict: no coercion, "5" is not 5, 1.0 is not 1, true is not 1;
+unknown fields are ignored, as OpenAI's own clients send fields this server does not know) and
+its validators hold the field's rules. A validator raises InvalidRequestError (its message and
+param as they are) or, where the field's place in the body is what the message names
+(`messages[2].content`), FieldError, whose `{at}` is that place.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
 from pydantic_core import ErrorDetails
 
 from neuronpy.errors import InvalidRequestError
-from neuronpy.server.fields import JSON_NOUNS, json_type
-from neuronpy.server.prompts import ROLES
 from neuronpy.server.structure import format_path
 
+# What a JSON value is called in errors (and the tags of the unions below).
+JSON_NOUNS = {str: "a string", list: "an array", dict: "an object", bool: "a boolean"}
+JSON_NOUNS |= {int: "a number", float: "a number", type(None): "null"}
 
-def _either(*members: tuple[str, Any]) -> Any:
+
+def json_type(value: object) -> str:
+    """A JSON value's kind, as errors name it: a string, an array, an object, ..."""
+    return JSON_NOUNS.get(type(value), "a value")
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class FieldError(ValueError):
+    """A field's rule broken, said of its place in the body: `{at}` in the message and in the
+    param is that place (`messages[2]`); the param defaults to it."""
+
+    def __init__(self, message: str, param: str = "{at}") -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class WireModel(BaseModel):
+    """A request's JSON object: strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def either(*members: tuple[str, Any]) -> Any:
     """A union decided by the value's JSON kind, each member tagged with its kind's noun: an
     error names the member the value's kind chose (or, for another kind, the kinds allowed),
     never every member's complaint at once."""
@@ -28,125 +55,19 @@ def _either(*members: tuple[str, Any]) -> Any:
     return Annotated[Union[tagged], Discriminator(json_type)]  # noqa: UP007 (a runtime tuple)
 
 
-Role = Literal[tuple(ROLES)]  # type: ignore[valid-type]
+M = TypeVar("M", bound=WireModel)
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class _TextPart(_Model):
-    type: str  # prompts refuses parts other than text, saying so
-    text: str | None = None
-
-
-class _CalledFunction(_Model):
-    name: str
-    arguments: str | None = None  # a string of JSON (prompts decodes it)
-
-
-class _ToolCall(_Model):
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: _CalledFunction
-
-
-Content = _either(("a string", str), ("an array", list[_TextPart]))
-
-
-class _Message(_Model):
-    role: Role
-    content: Content | None = None
-    name: str | None = None
-    tool_calls: list[_ToolCall] | None = None
-    tool_call_id: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-
-
-class _Function(_Model):
-    name: str  # prompts checks OpenAI's rule for names
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema, as the template writes it
-    strict: bool | None = None
-
-
-class _Tool(_Model):
-    type: Literal["function"]
-    function: _Function
-
-
-class _NamedFunction(_Model):
-    name: str
-
-
-class _ToolChoice(_Model):
-    type: Literal["function"]
-    function: _NamedFunction
-
-
-ToolChoice = _either(("a string", str), ("an object", _ToolChoice))
-Stop = _either(("a string", str), ("an array", list[str]))
-# a string, or token ids, or a list of those: fields.prompts words each case
-Prompt = _either(("a string", str), ("an array", list[Any]))
-
-
-class _StreamOptions(_Model):
-    include_usage: bool | None = None
-
-
-class _Common(_Model):
-    """What both endpoints read."""
-
-    model: str | None = None
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: _StreamOptions | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: Stop | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    logit_bias: dict[str, Any] | None = None  # fields.logit_bias lists the bad entries
-    response_format: dict[str, Any] | None = None
-    speculative: str | None = None  # "off", "ngram" or "draft": this request's speculation
-    # session: fields.session explains every wrong shape; the unsupported fields take any value
-    # that asks for nothing (fields.UNSUPPORTED)
-
-
-class ChatBody(_Common):
-    messages: list[_Message]
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[_Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-
-
-class CompletionBody(_Common):
-    prompt: Prompt
-    logprobs: int | None = None  # completions' logprobs is a count
-
-
-def check_types(chat: bool, body: dict[str, Any]) -> None:
-    """InvalidRequestError naming the first field of `body` whose JSON type is wrong (and its
-    path: `messages[2].role`); the body is structurally sound already (structure.py)."""
-    model = ChatBody if chat else CompletionBody
+def validate(model: type[M], body: dict[str, Any], **context: Any) -> M:
+    """`body` as a `model`; InvalidRequestError naming the first field that breaks a rule (its
+    path: `messages[2].role`). `context` reaches the validators (pydantic's context)."""
     try:
-        model.model_validate(body)
+        return model.model_validate(body, context=context or None)
     except ValidationError as exc:
-        raise _first_error(exc.errors(include_url=False)) from None
+        raise first_error(exc.errors(include_url=False)) from None
 
 
-def _first_error(errors: list[ErrorDetails]) -> InvalidRequestError:
+def first_error(errors: list[ErrorDetails]) -> InvalidRequestError:
     error = errors[0]
     # The union tags are nouns ("an array"), never field names. The param stops at the first:
     # the field as a whole (what the field validators name too); the message gives the place.
@@ -154,6 +75,13 @@ def _first_error(errors: list[ErrorDetails]) -> InvalidRequestError:
     cut = next((i for i, part in enumerate(error["loc"]) if _is_tag(part)), len(error["loc"]))
     place, param = format_path(loc), format_path(error["loc"][:cut]) or None
     kind, ctx = error["type"], error.get("ctx", {})
+    cause = ctx.get("error")
+    if isinstance(cause, InvalidRequestError):
+        return cause
+    if isinstance(cause, FieldError):
+        return InvalidRequestError(
+            cause.message.replace("{at}", place), cause.param.replace("{at}", place)
+        )
     if kind == "missing":
         return InvalidRequestError(f"'{place}' is required", param)
     if kind == "union_tag_invalid":  # ctx: "'a string', 'an array'"
@@ -162,7 +90,7 @@ def _first_error(errors: list[ErrorDetails]) -> InvalidRequestError:
         expected = f"one of {ctx.get('expected', '')}"
     else:
         expected = _EXPECTED.get(kind, "")
-    if not expected:  # (a type no field above has)
+    if not expected:  # (a type no field has)
         return InvalidRequestError(f"'{place}': {error['msg']}", param)
     return InvalidRequestError(f"'{place}' must be {expected}, got {_sent(error)}", param)
 

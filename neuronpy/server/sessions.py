@@ -12,7 +12,7 @@ from neuronpy.engine.sessions import SessionStore, check_compatible, dtype_name
 from neuronpy.engine.types import SessionRequest
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.errors import ApiError, api_error
-from neuronpy.server.requests import ParsedRequest
+from neuronpy.server.protocol import SamplingRequest
 from neuronpy.server.response_shape import RESPONSE_ID
 
 SESSIONS_OFF = (
@@ -30,16 +30,16 @@ async def _in_thread(call: Callable[..., T], *args: Any) -> T:
 
 
 async def session_request(
-    store: SessionStore | None, engine: Engine, req: ParsedRequest
+    store: SessionStore | None, engine: Engine, req: SamplingRequest
 ) -> SessionRequest | None:
     """What the request asks of its session, its file's header checked against the model:
     400 when sessions are off, for a bad name, for a file that is not a session neuronpy can
     read, and for a session of another model, dtype or KV shape, or longer than the context."""
-    if req.session is None:
+    if req.session_name is None:
         return None
     if store is None:
         raise ApiError(400, SESSIONS_OFF, param="session")
-    return await open_session(store, engine, req.session, req.session_save)
+    return await open_session(store, engine, req.session_name, req.session_save)
 
 
 async def open_session(

@@ -10,13 +10,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from neuronpy.errors import InvalidRequestError
-from neuronpy.server import fields
+from neuronpy.server.chat_input import ChatInput
 from neuronpy.server.errors import ApiError, api_error
 from neuronpy.server.models import ServerState
-from neuronpy.server.prompts import parse_messages, parse_tools, render_chat
+from neuronpy.server.prompts import render_chat
 from neuronpy.server.requests import BodyLimits, read_json, requested_model
+from neuronpy.server.schema import WireModel, is_int, validate
 
 MAX_DETOKENIZE = 1 << 20  # token ids one request may send
+
+
+class TokenizeText(WireModel):
+    prompt: str
+    add_special_tokens: bool = True
 
 
 async def tokenize(request: Request, state: ServerState, limits: BodyLimits) -> JSONResponse:
@@ -29,19 +35,22 @@ async def tokenize(request: Request, state: ServerState, limits: BodyLimits) -> 
     tokenizer = engine.tokenizer
     try:
         if body.get("messages") is not None:
-            messages, tools = parse_messages(body["messages"]), parse_tools(body)
+            chat = validate(ChatInput, body)
             ids = await anyio.to_thread.run_sync(
-                render_chat, tokenizer, messages, tools.tools, limiter=state.tokenize_threads
+                render_chat,
+                tokenizer,
+                chat.template_messages(),
+                chat.chat_tools.tools,
+                limiter=state.tokenize_threads,
             )
         else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
+            if not isinstance(body.get("prompt"), str):
                 raise InvalidRequestError(
                     "'prompt' must be a string (or give 'messages')", "prompt"
                 )
-            special = fields.optional(body, "add_special_tokens", bool, True)
+            text = validate(TokenizeText, body)
             ids = await anyio.to_thread.run_sync(
-                lambda: tokenizer.encode(prompt, add_special_tokens=special),
+                lambda: tokenizer.encode(text.prompt, add_special_tokens=text.add_special_tokens),
                 limiter=state.tokenize_threads,
             )
     except InvalidRequestError as exc:
@@ -56,7 +65,7 @@ async def detokenize(request: Request, state: ServerState, limits: BodyLimits) -
     engine = state.find(requested_model(body)).ready_engine()
     assert isinstance(body, dict)
     tokens: Any = body.get("tokens")
-    if not isinstance(tokens, list) or not all(fields.is_int(t) for t in tokens):
+    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")
     if len(tokens) > MAX_DETOKENIZE:
         raise ApiError(400, f"'tokens' takes at most {MAX_DETOKENIZE} ids", param="tokens")
