@@ -6,7 +6,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import anyio
 from starlette.requests import Request
@@ -54,43 +55,25 @@ async def generate(
         model = state.find(requested_model(body))
         engine = model.ready_engine()
         req = parse_request(kind, body)
-        refuse_unshown_tools(model, req)
-        reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
-        prompts = [
-            await anyio.to_thread.run_sync(prompt_ids, req, engine.tokenizer, i)
-            for i in range(req.prompt_count)
-        ]
-        n = req.copies
-        # (one prompt: the engine's own check names n)
-        if len(prompts) > 1 and len(prompts) * n > engine.max_running + engine.config.max_queue:
-            raise ApiError(
-                400,
-                f"{len(prompts)} prompts x n = {n} completions can never be admitted "
-                f"together: model '{model.name}' runs {engine.max_running} and queues "
-                f"{engine.config.max_queue}",
-                param="prompt",
-            )
-        plans = [
-            (ids, req.sampling_params(len(ids), engine.context_len, reasoning)) for ids in prompts
-        ]
-        session = await session_request(store, engine, req)
-        groups = await _admit(request.receive, engine, plans, n, session, req.param_names)
-        if groups is None:
+        admitted = await admit(
+            request.receive, model, req, lambda engine: session_request(store, engine, req)
+        )
+        if admitted is None:
             return Response(status_code=499)  # it left while its constraint compiled
     except ApiError as exc:
         metrics.reject(model, exc)
         log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
         raise
+    n = req.copies
     log.info(
         "request %s: model %s, %s prompt tokens, n=%d%s",
         rid,
         model.name,
-        "+".join(str(len(ids)) for ids in prompts),
+        "+".join(str(len(ids)) for ids in admitted.prompts),
         n,
         ", streamed" if req.streamed else "",
     )
-    params = plans[0][1]
-    texts = token_texts(engine.tokenizer) if params.logprobs is not None else None
+    texts = token_texts(engine.tokenizer) if admitted.params.logprobs is not None else None
     reply = Reply(kind, model.name, include_usage=req.include_usage, id=completion_id, texts=texts)
     # choice prompt * n + copy; each copy counts as an admitted request, its prompt once
     copies = [
@@ -100,12 +83,58 @@ async def generate(
             metrics.admit(model.name, started, stream),
             counts_prompt=i == 0,
         )
-        for p, streams in enumerate(groups)
+        for p, streams in enumerate(admitted.groups)
         for i, stream in enumerate(streams)
     ]
     if req.streamed:
         return EventStreamResponse(copies, engine)
     return await _gather(request, copies, engine)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request in the engine: each prompt's token ids and its n streams, prompt by prompt;
+    `params`, the first prompt's sampling (the others' differ only in max_tokens' default)."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    groups: list[list[RequestStream]]
+
+
+async def admit(
+    receive: Receive,
+    model: ServedModel,
+    req: SamplingRequest,
+    session: Callable[[Engine], Awaitable[SessionRequest | None]] | None = None,
+) -> Admitted | None:
+    """The one way a generation request enters the engine, whatever API it came by: its
+    tools checked against the template, its prompts rendered (on threads), its sampling
+    settled for each, its session opened (`session`, given the engine), then every prompt's
+    n copies admitted, or none of them. Errors are ApiErrors naming the request's own
+    fields (its `param_names`); None: the client left while its constraints compiled."""
+    engine = model.ready_engine()
+    refuse_unshown_tools(model, req)
+    reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
+    prompts = [
+        await anyio.to_thread.run_sync(prompt_ids, req, engine.tokenizer, i)
+        for i in range(req.prompt_count)
+    ]
+    n = req.copies
+    # (one prompt: the engine's own check names n)
+    if len(prompts) > 1 and len(prompts) * n > engine.max_running + engine.config.max_queue:
+        raise ApiError(
+            400,
+            f"{len(prompts)} prompts x n = {n} completions can never be admitted "
+            f"together: model '{model.name}' runs {engine.max_running} and queues "
+            f"{engine.config.max_queue}",
+            param="prompt",
+        )
+    plans = [(ids, req.sampling_params(len(ids), engine.context_len, reasoning)) for ids in prompts]
+    opened = None if session is None else await session(engine)
+    groups = await _admit(receive, engine, plans, n, opened, req.param_names)
+    if groups is None:
+        return None
+    return Admitted(prompts, plans[0][1], groups)
 
 
 def prompt_ids(req: SamplingRequest, tokenizer: PreTrainedTokenizerBase, index: int) -> list[int]:
