@@ -344,6 +344,15 @@ def test_bad_request_is_rejected(server, path, body, status, param) -> None:
     assert server.stats()["admitted"] == before
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_past_the_context_is_named_as_the_request_gave_it(
+    server: RunningServer, field: str
+) -> None:
+    response = httpx.post(f"{server.v1}{CHAT}", json={**MSG, field: 500})
+    message = check_error(response, 400, field)["message"]
+    assert f"plus {field} (500) exceeds this model's context" in message
+
+
 @pytest.mark.parametrize("n", [0, -1, 1.5, "2", True, 9])
 def test_n_out_of_range_is_a_400_naming_n(server: RunningServer, n: object) -> None:
     response = httpx.post(f"{server.v1}{CHAT}", json={**MSG, "n": n})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -69,12 +70,20 @@ def unavailable(message: str, retry_after: float | None = None) -> ApiError:
     return ApiError(503, message, type="service_unavailable", headers=headers)
 
 
+_NAMED_IN_MESSAGES = ("max_tokens",)  # the engine's parameters its messages name as fields
+
+
 def api_error(exc: NeuronError, names: Mapping[str, str] | None = None) -> ApiError:
     """The HTTP face of an engine error. `names`: what the request calls the parameters the
-    engine names (a chat's 'prompt' is its 'messages')."""
+    engine names (a chat's 'prompt' is its 'messages'), in the param and where the message
+    names the parameter (`max_tokens` in a request that gave max_completion_tokens)."""
     if isinstance(exc, InvalidRequestError):
-        param = exc.param if names is None or exc.param is None else names.get(exc.param, exc.param)
-        return ApiError(400, exc.message, param=param)
+        if names is None or exc.param is None or exc.param not in names:
+            return ApiError(400, exc.message, param=exc.param)
+        param, message = names[exc.param], exc.message
+        if exc.param in _NAMED_IN_MESSAGES:  # ("the prompt" is the prompt, whatever its field)
+            message = re.sub(rf"\b{exc.param}\b", param, message)
+        return ApiError(400, message, param=param)
     if isinstance(exc, QueueFullError):
         return unavailable(str(exc), exc.retry_after)
     if isinstance(exc, (EngineUnhealthyError, ShuttingDownError)):
