@@ -1,14 +1,5 @@
-"""OpenAI's Responses API: POST /v1/responses (streamed with its typed events, or whole), and
-stored responses (GET and DELETE /v1/responses/{id}, `previous_response_id`).
-
-A request is translated into the chat request it means (responses_protocol.py: its input items
-as messages, its function tools as chat tools, `text.format` as a response_format) and validated
-and run by the same code as /v1/chat/completions; its events become the response and its
-stream's events (responses_events.py); the store is response_store.py. A stored response
-keeps its conversation (input and reply, as chat messages); a follow-up naming it continues
-that conversation, and since the prefix cache holds the KV of its prompt and reply, only the
-new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
-"""
+"""The Responses API's routes: POST /v1/responses, validated and admitted as chat is, then
+streamed with its typed events or answered whole; GET and DELETE of stored responses."""
 
 from __future__ import annotations
 
@@ -35,11 +26,11 @@ from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import BodyLimits, parse_request, read_json, requested_model
-from neuronpy.server.response_shape import check_metadata
-from neuronpy.server.response_store import ResponseStore
 from neuronpy.server.responses import Reply
-from neuronpy.server.responses_events import Builder
-from neuronpy.server.responses_protocol import chat_body, renamed
+from neuronpy.server.responses_api.builder import Builder
+from neuronpy.server.responses_api.protocol import chat_body, renamed
+from neuronpy.server.responses_api.shape import check_metadata
+from neuronpy.server.responses_api.store import ResponseStore
 from neuronpy.server.sessions import open_session
 
 log = logging.getLogger(__name__)

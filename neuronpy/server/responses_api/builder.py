@@ -10,7 +10,7 @@ from typing import Any
 
 from neuronpy.engine.types import FinishReason, GenerationEvent, ToolCall
 from neuronpy.server.errors import ApiError
-from neuronpy.server.responses_protocol import chat_format
+from neuronpy.server.responses_api.protocol import chat_format
 
 
 @dataclass
