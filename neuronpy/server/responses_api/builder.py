@@ -3,201 +3,144 @@ object (output items, usage, status) and, streamed, each typed event in its orde
 
 from __future__ import annotations
 
+import itertools
 import time
-import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from neuronpy.engine.types import FinishReason, GenerationEvent, ToolCall
 from neuronpy.server.errors import ApiError
+from neuronpy.server.responses_api.events import (
+    ContentPartAdded,
+    ContentPartDone,
+    Event,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputTextDelta,
+    OutputTextDone,
+    ReasoningTextDelta,
+    ReasoningTextDone,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseFailed,
+    ResponseIncomplete,
+    ResponseInProgress,
+)
+from neuronpy.server.responses_api.objects import (
+    FunctionCallItem,
+    IncompleteDetails,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    ReasoningItem,
+    ResponseError,
+    ResponseObject,
+    Status,
+    TextConfig,
+    TextItem,
+    Usage,
+)
 from neuronpy.server.responses_api.protocol import chat_format
+
+
+@dataclass(frozen=True)
+class _TextKind:
+    """What differs between the two items whose text streams as deltas: the message's and the
+    reasoning block's (whose part, besides, is not announced with content_part events)."""
+
+    item: type[MessageItem] | type[ReasoningItem]
+    delta: type[OutputTextDelta] | type[ReasoningTextDelta]
+    done: type[OutputTextDone] | type[ReasoningTextDone]
+
+
+MESSAGE = _TextKind(MessageItem, OutputTextDelta, OutputTextDone)
+REASONING = _TextKind(ReasoningItem, ReasoningTextDelta, ReasoningTextDone)
+
+
+def _started(rid: str, model: str, created_at: int, body: dict[str, Any]) -> ResponseObject:
+    """The response as it starts: in progress, and what it echoes of request `body` (its
+    defaults where it gave none), which every later state of it keeps."""
+    fmt = chat_format(body.get("text")) or {"type": "text"}
+    if fmt.get("type") == "json_schema":
+        fmt = {"type": "json_schema", **fmt["json_schema"]}  # the Responses format is flat
+    return ResponseObject(
+        id=rid,
+        created_at=created_at,
+        status="in_progress",
+        model=model,
+        instructions=body.get("instructions"),
+        max_output_tokens=body.get("max_output_tokens"),
+        parallel_tool_calls=body.get("parallel_tool_calls", True),
+        previous_response_id=body.get("previous_response_id"),
+        temperature=body.get("temperature", 1.0),
+        top_p=body.get("top_p", 1.0),
+        tool_choice=body.get("tool_choice", "auto"),
+        tools=body.get("tools") or [],
+        text=TextConfig(format=fmt),
+        store=body.get("store", True) is not False,
+        metadata=body.get("metadata") or {},
+    )
 
 
 @dataclass
 class Builder:
-    """A response's output items, built from its events; `feed` also answers the stream's
-    events for them, in the order the Responses API sends them."""
+    """A response's output items, built from its events; `opened`, `feed` and `finish` also
+    answer the stream's events for them, in the order the Responses API sends them."""
 
     rid: str
     model: str
     body: dict[str, Any]
     created_at: int = field(default_factory=lambda: int(time.time()))
-    output: list[dict[str, Any]] = field(default_factory=list)
+    output: list[OutputItem] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
     text: str = ""
-    _open: dict[str, Any] | None = None
-    _seq: int = 0
+    _open: OutputItem | None = None
+    _numbers: Iterator[int] = field(default_factory=itertools.count)
+    _opening: ResponseObject = field(init=False)
 
-    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        self._seq += 1
-        return {"type": kind, "sequence_number": self._seq - 1, **fields}
+    def __post_init__(self) -> None:
+        self._opening = _started(self.rid, self.model, self.created_at, self.body)
 
-    def snapshot(self, status: str, **extra: Any) -> dict[str, Any]:
-        b = self.body
-        fmt = chat_format(b.get("text")) or {"type": "text"}
-        if fmt.get("type") == "json_schema":
-            fmt = {"type": "json_schema", **fmt["json_schema"]}
-        return {
-            "id": self.rid,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "model": self.model,
-            "output": [dict(item) for item in self.output] if status != "in_progress" else [],
-            "error": None,
-            "incomplete_details": None,
-            "instructions": b.get("instructions"),
-            "max_output_tokens": b.get("max_output_tokens"),
-            "parallel_tool_calls": b.get("parallel_tool_calls", True),
-            "previous_response_id": b.get("previous_response_id"),
-            "temperature": b.get("temperature", 1.0),
-            "top_p": b.get("top_p", 1.0),
-            "tool_choice": b.get("tool_choice", "auto"),
-            "tools": b.get("tools") or [],
-            "text": {"format": fmt},
-            "truncation": "disabled",
-            "store": b.get("store", True) is not False,
-            "metadata": b.get("metadata") or {},
-            "reasoning": {"effort": None, "summary": None},
-            "usage": None,
-            **extra,
-        }
+    def _next(self) -> int:
+        """The next event's sequence_number."""
+        return next(self._numbers)
 
-    def _close(self) -> list[dict[str, Any]]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        index = self.output.index(item)
-        events = []
-        item["status"] = "completed"
-        if item["type"] == "message":
-            part = item["content"][0]
-            events.append(
-                self.event(
-                    "response.output_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=part["text"],
-                    logprobs=[],
-                )
-            )
-            events.append(
-                self.event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=dict(part),
-                )
-            )
-        elif item["type"] == "reasoning":
-            events.append(
-                self.event(
-                    "response.reasoning_text.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=item["content"][0]["text"],
-                )
-            )
-        events.append(self.event("response.output_item.done", output_index=index, item=item))
-        return events
+    def opened(self) -> list[Event]:
+        """The stream's first events: response.created and .in_progress."""
+        return [
+            ResponseCreated(sequence_number=self._next(), response=self._opening),
+            ResponseInProgress(sequence_number=self._next(), response=self._opening),
+        ]
 
-    def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        events = self._close()
-        self.output.append(item)
-        self._open = item
-        shown = {**item, "status": "in_progress"}
-        if item["type"] == "message":
-            shown["content"] = []
-        if item["type"] == "reasoning":
-            shown["content"] = []
-        events.append(
-            self.event("response.output_item.added", output_index=len(self.output) - 1, item=shown)
-        )
-        if item["type"] == "message":
-            events.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=len(self.output) - 1,
-                    content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": []},
-                )
-            )
-        return events
-
-    def feed(self, event: GenerationEvent) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
+    def feed(self, event: GenerationEvent) -> list[Event]:
+        """The stream's events for one generation event: its reasoning, its text, its calls."""
+        events: list[Event] = []
         if event.reasoning:
-            if self._open is None or self._open["type"] != "reasoning":
-                item = {
-                    "type": "reasoning",
-                    "id": f"rs_{uuid.uuid4().hex}",
-                    "summary": [],
-                    "content": [{"type": "reasoning_text", "text": ""}],
-                }
-                events += self._start(item)
-            assert self._open is not None
-            self._open["content"][0]["text"] += event.reasoning
-            events.append(
-                self.event(
-                    "response.reasoning_text.delta",
-                    item_id=self._open["id"],
-                    output_index=len(self.output) - 1,
-                    content_index=0,
-                    delta=event.reasoning,
-                )
-            )
+            events += self._grow(REASONING, event.reasoning)
         if event.text:
-            if self._open is None or self._open["type"] != "message":
-                item = {
-                    "type": "message",
-                    "id": f"msg_{uuid.uuid4().hex}",
-                    "role": "assistant",
-                    "content": [{"type": "output_text", "text": "", "annotations": []}],
-                }
-                events += self._start(item)
-            assert self._open is not None
-            self._open["content"][0]["text"] += event.text
+            events += self._grow(MESSAGE, event.text)
             self.text += event.text
-            events.append(
-                self.event(
-                    "response.output_text.delta",
-                    item_id=self._open["id"],
-                    output_index=len(self.output) - 1,
-                    content_index=0,
-                    delta=event.text,
-                    logprobs=[],
-                )
-            )
         for call in event.tool_calls:
             self.calls.append(call)
-            item = {
-                "type": "function_call",
-                "id": f"fc_{uuid.uuid4().hex}",
-                "call_id": call.id,
-                "name": call.name,
-                "arguments": call.arguments,
-            }
-            events += self._start({**item, "arguments": ""})
-            self._open = item
-            self.output[-1] = item
+            item = FunctionCallItem(call_id=call.id, name=call.name, arguments=call.arguments)
+            events += self._start(item)
             index = len(self.output) - 1
             for piece in call.pieces or (call.arguments,):
                 events.append(
-                    self.event(
-                        "response.function_call_arguments.delta",
-                        item_id=item["id"],
+                    FunctionCallArgumentsDelta(
+                        sequence_number=self._next(),
+                        item_id=item.id,
                         output_index=index,
                         delta=piece,
                     )
                 )
             events.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
+                FunctionCallArgumentsDone(
+                    sequence_number=self._next(),
+                    item_id=item.id,
                     output_index=index,
                     name=call.name,
                     arguments=call.arguments,
@@ -206,32 +149,107 @@ class Builder:
             events += self._close()
         return events
 
+    def _grow(self, kind: _TextKind, delta: str) -> list[Event]:
+        """`delta` added to the text of the open item of `kind` (opened first unless it is the
+        one open), and its delta event."""
+        events = [] if isinstance(self._open, kind.item) else self._start(kind.item())
+        item = self._open
+        assert isinstance(item, MessageItem | ReasoningItem)
+        item.content[0].text += delta
+        events.append(
+            kind.delta(
+                sequence_number=self._next(),
+                item_id=item.id,
+                output_index=len(self.output) - 1,
+                content_index=0,
+                delta=delta,
+            )
+        )
+        return events
+
+    def _start(self, item: OutputItem) -> list[Event]:
+        """The open item closed, and `item` added as the open one."""
+        events = self._close()
+        self.output.append(item)
+        self._open = item
+        index = len(self.output) - 1
+        events.append(
+            OutputItemAdded(sequence_number=self._next(), output_index=index, item=item.opening())
+        )
+        if isinstance(item, MessageItem):  # (a reasoning item's part is not announced)
+            events.append(
+                ContentPartAdded(
+                    sequence_number=self._next(),
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    part=item.content[0].model_copy(),
+                )
+            )
+        return events
+
+    def _close(self) -> list[Event]:
+        """The open item completed: its text's closing events, then its own."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = len(self.output) - 1  # the open item is the last one
+        item.status = "completed"
+        events: list[Event] = []
+        if isinstance(item, MessageItem | ReasoningItem):
+            events += self._text_done(item, index)
+        events.append(OutputItemDone(sequence_number=self._next(), output_index=index, item=item))
+        return events
+
+    def _text_done(self, item: TextItem, index: int) -> list[Event]:
+        """A text item's closing events for its part: its whole text, then (a message's) the
+        part done."""
+        kind = MESSAGE if isinstance(item, MessageItem) else REASONING
+        part = item.content[0]
+        events: list[Event] = [
+            kind.done(
+                sequence_number=self._next(),
+                item_id=item.id,
+                output_index=index,
+                content_index=0,
+                text=part.text,
+            )
+        ]
+        if isinstance(part, OutputText):
+            events.append(
+                ContentPartDone(
+                    sequence_number=self._next(),
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    part=part.model_copy(),
+                )
+            )
+        return events
+
     def finish(
         self, last: GenerationEvent | None, cached_tokens: int, error: ApiError | None
-    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ) -> tuple[ResponseObject, list[Event]]:
         """The whole response, and the stream's closing events."""
         events = self._close()
         prompt = last.prompt_tokens if last is not None else 0
         generated = last.completion_tokens if last is not None else 0
-        usage = {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": generated,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + generated,
-        }
+        usage = Usage.of(prompt, generated, cached_tokens)
         if error is not None:
-            failed = {"code": "server_error", "message": error.message}
-            response = self.snapshot("failed", usage=usage, error=failed)
-            events.append(self.event("response.failed", response=response))
+            response = self._ended("failed", usage, error=ResponseError(message=error.message))
+            events.append(ResponseFailed(sequence_number=self._next(), response=response))
         elif last is not None and last.finish_reason is FinishReason.LENGTH:
-            details = {"reason": "max_output_tokens"}
-            response = self.snapshot("incomplete", usage=usage, incomplete_details=details)
-            events.append(self.event("response.incomplete", response=response))
+            response = self._ended("incomplete", usage, incomplete_details=IncompleteDetails())
+            events.append(ResponseIncomplete(sequence_number=self._next(), response=response))
         else:
-            response = self.snapshot("completed", usage=usage)
-            events.append(self.event("response.completed", response=response))
+            response = self._ended("completed", usage)
+            events.append(ResponseCompleted(sequence_number=self._next(), response=response))
         return response, events
+
+    def _ended(self, status: Status, usage: Usage, **why: Any) -> ResponseObject:
+        """The response ended: its output, its usage, and why it failed or stopped short."""
+        update = {"status": status, "output": list(self.output), "usage": usage, **why}
+        return self._opening.model_copy(update=update)
 
     def reply_message(self) -> dict[str, Any]:
         """The reply as a chat message, for the conversation a follow-up continues."""
