@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import neuronpy
 import neuronpy.server.app
-from neuronpy.server.response_store import RESPONSE_SUFFIX, ResponseStore, StoreLimits
+from neuronpy.server.responses_api.store import RESPONSE_SUFFIX, ResponseStore, StoreLimits
 from tests.servers import FIXTURES, RunningServer, engine_loader, fixture_model, run_server
 
 PLAIN = "tiny-llama"  # its chat template does not show the model its tools

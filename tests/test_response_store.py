@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from neuronpy.server.response_store import MAX_ENTRY_BYTES, StoreLimits
+from neuronpy.server.responses_api.store import MAX_ENTRY_BYTES, StoreLimits
 from tests.scripted import Scripts
 from tests.servers import RunningServer, fixture_model, run_server
 

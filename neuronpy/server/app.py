@@ -32,8 +32,8 @@ from neuronpy.server.models import (
 )
 from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
-from neuronpy.server.response_store import ResponseStore, StoreLimits
-from neuronpy.server.responses_api import create_response, delete_response, get_response
+from neuronpy.server.responses_api.routes import create_response, delete_response, get_response
+from neuronpy.server.responses_api.store import ResponseStore, StoreLimits
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
 from neuronpy.server.stream import EventStreamResponse
 from neuronpy.server.tokenize import detokenize, tokenize
@@ -68,7 +68,7 @@ def create_app(
     requests are handled at once, /health and /metrics aside (else 503); 0 turns either off.
     `sessions_dir` turns sessions on: conversations' KV saved there by name (see
     engine/sessions.py), listed and deleted under /v1/sessions. `stored_responses`: the
-    Responses API's store's bounds, in memory and on disk (response_store.py). `web`: the
+    Responses API's store's bounds, in memory and on disk (responses_api/store.py). `web`: the
     chat page at / and the batch view at /batch (their static files need no key; what they
     fetch does)."""
     if not models:

@@ -29,7 +29,7 @@ import anyio
 from neuronpy.engine.sessions import SUFFIX as SESSION_SUFFIX
 from neuronpy.errors import InvalidRequestError
 from neuronpy.files import NotRegularFile, open_regular, replace_atomically
-from neuronpy.server.response_shape import (
+from neuronpy.server.responses_api.shape import (
     RESPONSE_ID,
     valid_conversation,
     valid_response,

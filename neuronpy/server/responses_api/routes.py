@@ -1,20 +1,12 @@
-"""OpenAI's Responses API: POST /v1/responses (streamed with its typed events, or whole), and
-stored responses (GET and DELETE /v1/responses/{id}, `previous_response_id`).
-
-A request is translated into the chat request it means (responses_protocol.py: its input items
-as messages, its function tools as chat tools, `text.format` as a response_format) and validated
-and run by the same code as /v1/chat/completions; its events become the response and its
-stream's events (responses_events.py); the store is response_store.py. A stored response
-keeps its conversation (input and reply, as chat messages); a follow-up naming it continues
-that conversation, and since the prefix cache holds the KV of its prompt and reply, only the
-new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
-"""
+"""The Responses API's routes: POST /v1/responses, validated and admitted as chat is, then
+streamed with its typed events or answered whole; GET and DELETE of stored responses."""
 
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -35,11 +27,13 @@ from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import BodyLimits, parse_request, read_json, requested_model
-from neuronpy.server.response_shape import check_metadata
-from neuronpy.server.response_store import ResponseStore
 from neuronpy.server.responses import Reply
-from neuronpy.server.responses_events import Builder
-from neuronpy.server.responses_protocol import chat_body, renamed
+from neuronpy.server.responses_api.builder import Builder
+from neuronpy.server.responses_api.events import Event
+from neuronpy.server.responses_api.objects import ResponseObject
+from neuronpy.server.responses_api.protocol import chat_body, renamed
+from neuronpy.server.responses_api.shape import check_metadata
+from neuronpy.server.responses_api.store import ResponseStore
 from neuronpy.server.sessions import open_session
 
 log = logging.getLogger(__name__)
@@ -123,9 +117,9 @@ async def create_response(
     copy = Copy(stream_, Reply("chat", model.name), metrics.admit(model.name, started, stream_))
     builder = Builder(rid, model.name, body)
 
-    async def stored(response: dict[str, Any]) -> None:
-        if keep and response["status"] != "failed":
-            await store.put(rid, response, [*conversation, builder.reply_message()])
+    async def stored(response: ResponseObject) -> None:
+        if keep and response.status != "failed":
+            await store.put(rid, response.model_dump(), [*conversation, builder.reply_message()])
 
     if stream:
         return _Streamed(copy, builder, engine, stored)  # type: ignore[return-value]
@@ -141,7 +135,7 @@ async def create_response(
         builder.feed(event)
     response, _ = builder.finish(last, stream_.cached_tokens, None)
     await stored(response)
-    return JSONResponse(response)
+    return JSONResponse(response.model_dump())
 
 
 async def _session(
@@ -199,7 +193,13 @@ class _Streamed:
     response.completed (or .incomplete, .failed). A request that ends before any output (it
     never ran) gets a real HTTP error instead; a client that leaves cancels it."""
 
-    def __init__(self, copy: Copy, builder: Builder, engine: Engine, stored: Any) -> None:
+    def __init__(
+        self,
+        copy: Copy,
+        builder: Builder,
+        engine: Engine,
+        stored: Callable[[ResponseObject], Awaitable[None]],
+    ) -> None:
         self.copy, self.builder, self.engine, self.stored = copy, builder, engine, stored
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -214,9 +214,8 @@ class _Streamed:
                 await error.response()(scope, receive, send)
                 return
         await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
-        opening = b.snapshot("in_progress")
-        await _send(send, b.event("response.created", response=opening))
-        await _send(send, b.event("response.in_progress", response=opening))
+        for out in b.opened():
+            await _send(send, out)
         last, event = None, first
         while True:
             if event is not None:
@@ -237,6 +236,6 @@ class _Streamed:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def _send(send: Send, event: dict[str, Any]) -> None:
-    body = f"event: {event['type']}\ndata: {one_line(event)}\n\n".encode()
+async def _send(send: Send, event: Event) -> None:
+    body = f"event: {event.type}\ndata: {one_line(event.model_dump())}\n\n".encode()
     await send({"type": "http.response.body", "body": body, "more_body": True})

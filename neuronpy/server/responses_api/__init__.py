@@ -1,0 +1,17 @@
+"""OpenAI's Responses API: POST /v1/responses (streamed with its typed events, or whole), and
+stored responses (GET and DELETE /v1/responses/{id}, `previous_response_id`).
+
+A request is translated into the chat request it means (protocol.py: its input items as
+messages, its function tools as chat tools, `text.format` as a response_format) and validated
+and run by the same code as /v1/chat/completions (routes.py); its events become the response
+and its stream's events (builder.py), typed models (objects.py, events.py) whose JSON is what
+the SDK parses; the store is store.py, and the shape a stored response's file must have
+shape.py. A stored response keeps its conversation (input and reply, as chat messages); a
+follow-up naming it continues that conversation, and since the prefix cache holds the KV of
+its prompt and reply, only the new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
+
+Within the package the routes import the builder and the store, the builder the events, the
+objects and the protocol, the store the shape, never the other way (pyproject's import
+contracts). This file imports none of them, so that the server's sessions can read shape.py
+without loading the routes.
+"""
