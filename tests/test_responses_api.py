@@ -211,6 +211,7 @@ BAD: list[tuple[dict[str, Any], int, str]] = [
     ({}, 400, "input"),
     ({"input": 5}, 400, "input"),
     ({"input": []}, 400, "input"),
+    ({"input": [{"type": "reasoning"}]}, 400, "input"),  # (skipped: no message is left)
     ({"input": [{"type": "image", "url": "x"}]}, 400, "input[0].type"),
     ({"input": [{"role": "robot", "content": "x"}]}, 400, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, 400, "input[0].content"),

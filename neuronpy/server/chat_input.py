@@ -181,21 +181,8 @@ class ChatInput(WireModel):
     @field_validator("tools")
     @classmethod
     def _toolbox(cls, tools: list[Tool] | None) -> list[Tool] | None:
-        if tools is None:
-            return None
-        if len(tools) > MAX_TOOLS:
-            raise InvalidRequestError(
-                f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}", "tools"
-            )
-        seen: set[str] = set()
-        for i, tool in enumerate(tools):
-            name = tool.function.name
-            if name in seen:
-                raise InvalidRequestError(
-                    f"two tools are named {name!r}; tool names must be unique",
-                    f"tools[{i}].function.name",
-                )
-            seen.add(name)
+        if tools is not None:
+            check_toolbox([t.function.name for t in tools], "tools[{i}].function.name")
         return tools
 
     @model_validator(mode="after")
@@ -221,6 +208,23 @@ class ChatInput(WireModel):
             parse=True,
             parallel=self.parallel_tool_calls is not False,
         )
+
+
+def check_toolbox(names: list[str], name_param: str) -> None:
+    """At most MAX_TOOLS tools, no two of one name; `name_param`: where tool `{i}`'s name is
+    in the request (chat's tools nest it under `function`, the Responses API's do not)."""
+    if len(names) > MAX_TOOLS:
+        raise InvalidRequestError(
+            f"'tools' takes at most {MAX_TOOLS} tools, got {len(names)}", "tools"
+        )
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            raise InvalidRequestError(
+                f"two tools are named {name!r}; tool names must be unique",
+                name_param.replace("{i}", str(i)),
+            )
+        seen.add(name)
 
 
 def _tool_choice(value: str | NamedToolChoice | None, names: list[str]) -> tuple[str, str | None]:

@@ -52,7 +52,28 @@ def either(*members: tuple[str, Any]) -> Any:
     error names the member the value's kind chose (or, for another kind, the kinds allowed),
     never every member's complaint at once."""
     tagged = tuple(Annotated[kind, Tag(noun)] for noun, kind in members)
-    return Annotated[Union[tagged], Discriminator(json_type)]  # noqa: UP007 (a runtime tuple)
+    return Annotated[Union[tagged], Discriminator(_json_kind)]  # noqa: UP007 (a runtime tuple)
+
+
+def by_type(default: str, **members: type[WireModel]) -> Any:
+    """A union of objects decided by their "type" field (`default` where they have none):
+    an error names the fields of the member the type chose."""
+    tagged = tuple(Annotated[m, Tag(_KIND + name)] for name, m in members.items())
+
+    def kind(value: Any) -> str | None:
+        if isinstance(value, dict):
+            return f"{_KIND}{value.get('type', default)}"
+        return f"{_KIND}{getattr(value, 'type', default)}" if isinstance(value, WireModel) else None
+
+    return Annotated[Union[tagged], Discriminator(kind)]  # noqa: UP007 (a runtime tuple)
+
+
+_KIND = "type:"  # (the tags of by_type's unions: never a field's name, as they hold a colon)
+
+
+def _json_kind(value: object) -> str:
+    """What `either` decides by: the JSON kind; a model (built in Python) is an object."""
+    return "an object" if isinstance(value, BaseModel) else json_type(value)
 
 
 M = TypeVar("M", bound=WireModel)
@@ -69,11 +90,16 @@ def validate(model: type[M], body: dict[str, Any], **context: Any) -> M:
 
 def first_error(errors: list[ErrorDetails]) -> InvalidRequestError:
     error = errors[0]
-    # The union tags are nouns ("an array"), never field names. The param stops at the first:
-    # the field as a whole (what the field validators name too); the message gives the place.
+    # The union tags are nouns ("an array") or types ("type:message"), never field names. The
+    # param stops at the first noun: the field as a whole (what the field validators name too),
+    # the message gives the place; but an item chosen by its type is named itself (`input[2]
+    # .role`), as an object of fields of its own.
     loc = [part for part in error["loc"] if not _is_tag(part)]
     cut = next((i for i, part in enumerate(error["loc"]) if _is_tag(part)), len(error["loc"]))
-    place, param = format_path(loc), format_path(error["loc"][:cut]) or None
+    if any(isinstance(part, str) and part.startswith(_KIND) for part in error["loc"]):
+        cut = len(error["loc"])
+    place = format_path(loc)
+    param = format_path([part for part in error["loc"][:cut] if not _is_tag(part)]) or None
     kind, ctx = error["type"], error.get("ctx", {})
     cause = ctx.get("error")
     if isinstance(cause, InvalidRequestError):
@@ -108,7 +134,7 @@ _EXPECTED = {
 
 
 def _is_tag(part: str | int) -> bool:
-    return isinstance(part, str) and part in JSON_NOUNS.values()
+    return isinstance(part, str) and (part in JSON_NOUNS.values() or part.startswith(_KIND))
 
 
 def _sent(error: ErrorDetails) -> str:

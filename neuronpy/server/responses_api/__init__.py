@@ -1,9 +1,10 @@
 """OpenAI's Responses API: POST /v1/responses (streamed with its typed events, or whole), and
 stored responses (GET and DELETE /v1/responses/{id}, `previous_response_id`).
 
-A request is translated into the chat request it means (protocol.py: its input items as
-messages, its function tools as chat tools, `text.format` as a response_format) and validated
-and run by the same code as /v1/chat/completions (routes.py); its events become the response
+A request is a typed ResponsesRequest, checked under the names its client sent, and becomes
+the typed chat request it means (protocol.py: its input items as messages, its function tools
+as chat tools, `text.format` as the constraint), admitted and run by the same code as
+/v1/chat/completions (server/flow.py's admit(), from routes.py); its events become the response
 and its stream's events (builder.py), typed models (objects.py, events.py) whose JSON is what
 the SDK parses; the store is store.py, and the shape a stored response's file must have
 shape.py. A stored response keeps its conversation (input and reply, as chat messages); a

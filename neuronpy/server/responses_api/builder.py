@@ -43,7 +43,7 @@ from neuronpy.server.responses_api.objects import (
     TextItem,
     Usage,
 )
-from neuronpy.server.responses_api.protocol import chat_format
+from neuronpy.server.responses_api.protocol import format_echo
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,7 @@ REASONING = _TextKind(ReasoningItem, ReasoningTextDelta, ReasoningTextDone)
 def _started(rid: str, model: str, created_at: int, body: dict[str, Any]) -> ResponseObject:
     """The response as it starts: in progress, and what it echoes of request `body` (its
     defaults where it gave none), which every later state of it keeps."""
-    fmt = chat_format(body.get("text")) or {"type": "text"}
-    if fmt.get("type") == "json_schema":
-        fmt = {"type": "json_schema", **fmt["json_schema"]}  # the Responses format is flat
+    fmt = format_echo(body.get("text"))
     return ResponseObject(
         id=rid,
         created_at=created_at,

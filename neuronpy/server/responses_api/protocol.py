@@ -1,227 +1,384 @@
-"""A Responses request as the chat request it means: its input items as chat messages, its
-function tools as chat tools, `text.format` as a response_format; and the chat request's
-errors renamed to the fields the Responses client sent."""
+"""A Responses request as a typed model (`ResponsesRequest`), and the chat request it means
+(`ResponsesChat`): its input items as chat messages, its function tools as chat tools, its
+`text.format` as the constraint. Every field is checked here under the name the Responses
+client sent (`input[1].call_id`, `tools[0].name`, `text.format.schema`), so the chat request
+it becomes is built from checked values and its errors never need renaming: what the chat
+request checks again is named alike in both APIs (`tool_choice`, `temperature`), and the
+engine's errors are named by `ResponsesChat.param_names`."""
 
 from __future__ import annotations
 
-import re
-from typing import Any
+import json
+from typing import Any, Literal
 
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from neuronpy.engine.types import Constraint
 from neuronpy.errors import InvalidRequestError
-from neuronpy.server.errors import ApiError
+from neuronpy.server.chat_input import (
+    CalledFunction,
+    Function,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+    check_toolbox,
+)
+from neuronpy.server.constraints import tool_constraint
+from neuronpy.server.protocol import ChatCompletionRequest
+from neuronpy.server.schema import FieldError, WireModel, by_type, either, json_type, validate
 from neuronpy.server.structure import decode_json
 
-# the chat request's parameter names -> the Responses request's, for errors
-PARAMS = {
-    "messages": "input",
-    "max_tokens": "max_output_tokens",
-    "response_format": "text.format",
-    "tools": "tools",
-}
-ROLES = ("user", "system", "developer", "assistant")
-_TOOL_FUNCTION = re.compile(r"(tools\[\d+\])\.function(?=\.|$)")  # chat's tools[i].function
-_MAX_TOKENS = re.compile(r"\bmax_tokens\b")
+MAX_METADATA_KEYS = 16  # OpenAI's limits on a response's metadata
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 
 
-def input_messages(value: object) -> list[dict[str, Any]]:
-    """`input` (a string, or a list of items: messages, function_call, function_call_output;
-    reasoning items are skipped) as chat messages in the wire format of /v1/chat/completions."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise InvalidRequestError("'input' must be a string or a non-empty list of items", "input")
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise InvalidRequestError(f"'{where}' must be an object", where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ROLES:
-                raise InvalidRequestError(
-                    f"'{where}.role' must be one of {', '.join(ROLES)}", f"{where}.role"
-                )
-            out.append({"role": role, "content": _text(item.get("content"), where)})
-        elif kind == "function_call":
-            arguments = _string(item, "arguments", where)
-            # JSON, as chat's checks take it (the template writes it parsed): checked here, so
-            # that the error names this item rather than the chat message it becomes
-            decode_json(arguments, ("input", i, "arguments"))
-            call = {
-                "id": _string(item, "call_id", where),
-                "type": "function",
-                "function": {"name": _string(item, "name", where), "arguments": arguments},
-            }
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            content = output if isinstance(output, str) else _text(output, where)
-            call_id = _string(item, "call_id", where)
-            if not call_id:
-                raise InvalidRequestError(
-                    f"'{where}.call_id' must be a non-empty string", f"{where}.call_id"
-                )
-            out.append({"role": "tool", "tool_call_id": call_id, "content": content})
-        elif kind == "reasoning":
-            continue  # the template is given no earlier reasoning
-        else:
+def check_metadata(value: object) -> dict[str, str]:
+    """A request's `metadata` as OpenAI takes it: at most 16 pairs, keys strings of at most
+    64 characters, values strings of at most 512; None is {}. InvalidRequestError naming the
+    field (`metadata`, or `metadata.KEY` for a bad value) otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequestError("'metadata' must be an object of string values", "metadata")
+    if len(value) > MAX_METADATA_KEYS:
+        raise InvalidRequestError(
+            f"'metadata' holds {len(value)} keys; at most {MAX_METADATA_KEYS} are allowed",
+            "metadata",
+        )
+    for key, item in value.items():
+        if not isinstance(key, str) or len(key) > MAX_METADATA_KEY:
+            got = f"{len(key)} ({key[:20]!r}...)" if isinstance(key, str) else repr(key)[:20]
             raise InvalidRequestError(
-                f"'{where}.type' {str(kind)[:40]!r} is not supported; this server takes "
-                "message, function_call, function_call_output and reasoning items",
-                f"{where}.type",
+                f"'metadata' keys must be strings of at most {MAX_METADATA_KEY} characters, "
+                f"got one of {got}",
+                "metadata",
             )
-    return out
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"'{where}.{key}' must be a string", f"{where}.{key}")
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+            what = f"{len(item)} characters" if isinstance(item, str) else type(item).__name__
+            raise InvalidRequestError(
+                f"'metadata.{key}' must be a string of at most {MAX_METADATA_VALUE} characters, "
+                f"got {what}",
+                f"metadata.{key}",
+            )
     return value
 
 
-def _text(content: object, where: str) -> str:
-    """A message's content: a string, or text parts (input_text, output_text, text)."""
+TEXT_PARTS = ("input_text", "output_text", "text")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+class ContentPart(WireModel):
+    type: str  # a text part's: TEXT_PARTS (the item's check says so)
+    text: str | None = None
+
+
+Content = either(("a string", str), ("an array", list[ContentPart]))
+
+
+def _text(content: str | list[ContentPart]) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text") or not isinstance(
-                part.get("text"), str
-            ):
-                raise InvalidRequestError(
-                    f"'{where}.content' takes only text parts (input_text, output_text)",
-                    f"{where}.content",
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidRequestError(
-        f"'{where}.content' must be a string or a list of text parts", f"{where}.content"
-    )
+    return "".join(part.text or "" for part in content)
 
 
-def chat_tools(value: object) -> list[dict[str, Any]] | None:
-    """Function tools ({"type": "function", "name", "description", "parameters"}) in chat's
-    shape; any other kind of tool is a 400."""
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise InvalidRequestError("'tools' must be a list of tools", "tools")
-    out = []
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise InvalidRequestError(
-                f"'tools[{i}]' must be a function tool; this server has no built-in tools",
-                f"tools[{i}].type",
+def _only_text(content: str | list[ContentPart]) -> None:
+    if isinstance(content, list) and any(
+        part.type not in TEXT_PARTS or part.text is None for part in content
+    ):
+        raise FieldError(
+            "'{at}.content' takes only text parts (input_text, output_text)", "{at}.content"
+        )
+
+
+class InputMessage(WireModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Content  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _parts(self) -> InputMessage:
+        _only_text(self.content)
+        return self
+
+
+class FunctionCallItem(WireModel):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON (ResponsesRequest checks it, naming the item)
+
+
+class FunctionCallOutput(WireModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Content  # type: ignore[valid-type]
+
+    @model_validator(mode="after")
+    def _rules(self) -> FunctionCallOutput:
+        if not self.call_id:
+            raise FieldError("'{at}.call_id' must be a non-empty string", "{at}.call_id")
+        _only_text(self.output)
+        return self
+
+
+class ReasoningInput(WireModel):
+    type: Literal["reasoning"]  # (the template is given no earlier reasoning)
+
+
+Item = by_type(
+    "message",
+    message=InputMessage,
+    function_call=FunctionCallItem,
+    function_call_output=FunctionCallOutput,
+    reasoning=ReasoningInput,
+)
+
+
+class FunctionTool(Function):
+    """A Responses function tool: chat's function, flat (no `function` under it)."""
+
+    type: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _function_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise FieldError(
+                "'{at}' must be a function tool; this server has no built-in tools", "{at}.type"
             )
-        spec = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-        out.append({"type": "function", "function": spec})
-    return out
+        return value
+
+    def as_chat(self) -> Tool:
+        function = Function(
+            name=self.name,
+            description=self.description,
+            parameters=self.parameters,
+            strict=self.strict,
+        )
+        return Tool(type="function", function=function)
 
 
-def chat_tool_choice(value: object) -> object:
-    if isinstance(value, dict) and value.get("type") == "function":
-        return {"type": "function", "function": {"name": value.get("name")}}
-    return value
+class FunctionChoice(WireModel):
+    type: Literal["function"]
+    name: str
 
 
-def chat_format(text: object) -> dict[str, Any] | None:
-    """`text.format` as a response_format: text, json_object, or json_schema (its name,
-    schema and strict at the top level, not under json_schema as chat has them)."""
-    if text is None:
-        return None
-    if not isinstance(text, dict):
-        raise InvalidRequestError("'text' must be an object", "text")
-    fmt = text.get("format")
-    if fmt is None:
-        return None
+class TextFormat(WireModel):
+    type: str
+    name: str | None = None
+    json_schema: Any = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(WireModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(WireModel):
+    """POST /v1/responses."""
+
+    model: str | None = None
+    input: either(("a string", str), ("an array", list[Item]))  # type: ignore[valid-type]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: either(("a string", str), ("an array", list[str])) | None = None  # type: ignore[valid-type]
+    speculative: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: either(("a string", str), ("an object", FunctionChoice)) | None = None  # type: ignore[valid-type]
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    stream: bool | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: Any = None  # echoed and stored: check_metadata's limits
+    _format: Constraint | None = PrivateAttr(default=None)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not value:
+            raise InvalidRequestError(
+                "'input' must be a string or a non-empty list of items", "input"
+            )
+        for i, item in enumerate(value):
+            where = f"input[{i}]"
+            if not isinstance(item, dict):
+                raise InvalidRequestError(f"'{where}' must be an object", where)
+            kind = item.get("type", "message")
+            if kind not in ITEM_TYPES:
+                raise InvalidRequestError(
+                    f"'{where}.type' {str(kind)[:40]!r} is not supported; this server takes "
+                    "message, function_call, function_call_output and reasoning items",
+                    f"{where}.type",
+                )
+        return value
+
+    @field_validator("input")
+    @classmethod
+    def _arguments(cls, value: Any) -> Any:
+        # JSON, as chat's checks take it (the template writes it parsed): checked here, so
+        # that the error names this item rather than the chat message it becomes
+        for i, item in enumerate(value if isinstance(value, list) else ()):
+            if isinstance(item, FunctionCallItem):
+                decode_json(item.arguments, ("input", i, "arguments"))
+        return value
+
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _max_output_tokens(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise InvalidRequestError(
+                "'max_output_tokens' must be an integer >= 1", "max_output_tokens"
+            )
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _toolbox(cls, tools: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        if tools is not None:
+            check_toolbox([tool.name for tool in tools], "tools[{i}].name")
+        return tools
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: Any) -> Any:
+        check_metadata(value)
+        return value
+
+    @model_validator(mode="after")
+    def _whole(self) -> ResponsesRequest:
+        self._format = self._format_constraint()
+        return self
+
+    @property
+    def streamed(self) -> bool:
+        return bool(self.stream)
+
+    @property
+    def stored(self) -> bool:
+        return self.store is not False
+
+    def _format_constraint(self) -> Constraint | None:
+        """`text.format`: free text, any JSON object, or JSON of the schema it gives."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return Constraint("json_object", param="text.format")
+        if fmt.type == "json_schema":
+            if not isinstance(fmt.json_schema, dict):
+                raise InvalidRequestError(
+                    "'text.format.schema' must be a JSON Schema object, got "
+                    f"{json_type(fmt.json_schema)}",
+                    "text.format.schema",
+                )
+            return Constraint(
+                "json_schema", json.dumps(fmt.json_schema), param="text.format.schema"
+            )
+        raise InvalidRequestError(
+            "'text.format' must be an object whose type is 'text', 'json_object' or 'json_schema'",
+            "text.format",
+        )
+
+    def messages(self) -> list[Message]:
+        """`input` as chat messages: a function call joins the assistant message before it
+        (or makes one); a call's output is a tool message; reasoning items are skipped."""
+        if isinstance(self.input, str):
+            return [Message(role="user", content=self.input)]
+        out: list[Message] = []
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                out.append(Message(role=item.role, content=_text(item.content)))
+            elif isinstance(item, FunctionCallItem):
+                function = CalledFunction(name=item.name, arguments=item.arguments)
+                call = ToolCall(id=item.call_id, type="function", function=function)
+                if out and out[-1].role == "assistant":
+                    out[-1].tool_calls = [*(out[-1].tool_calls or ()), call]
+                else:
+                    out.append(Message(role="assistant", content="", tool_calls=[call]))
+            elif isinstance(item, FunctionCallOutput):
+                out.append(
+                    Message(role="tool", tool_call_id=item.call_id, content=_text(item.output))
+                )
+        return out
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """`input` as the chat messages a stored response keeps (no instructions: a follow-up
+        does not inherit them)."""
+        return [message.model_dump(exclude_none=True) for message in self.messages()]
+
+    def chat(self, history: list[Message]) -> ResponsesChat:
+        """The chat request this one means after `history` (a stored response's conversation,
+        when it continues one); InvalidRequestError where the chat request's own checks
+        refuse it (named alike in both APIs)."""
+        messages = [*history, *self.messages()]
+        if not messages:
+            raise InvalidRequestError(
+                "'input' holds no message to answer (reasoning items alone are skipped)", "input"
+            )
+        if self.instructions is not None:  # (the conversation stored does not keep them)
+            messages.insert(0, Message(role="system", content=self.instructions))
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        values: dict[str, Any] = {
+            "messages": messages,
+            "tools": [tool.as_chat() for tool in self.tools] if self.tools else None,
+            "tool_choice": choice,
+            "max_tokens": self.max_output_tokens,
+            "text_format": self._format,
+        }
+        for name in ("temperature", "top_p", "top_k", "seed", "stop", "speculative"):
+            values[name] = getattr(self, name)
+        values["parallel_tool_calls"] = self.parallel_tool_calls
+        return validate(ResponsesChat, values)
+
+
+class ResponsesChat(ChatCompletionRequest):
+    """The chat request a Responses request means: its constraint the one `text.format`
+    asked for (named so), and the engine's errors named as the Responses request names its
+    fields."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    text_format: Constraint | None = None
+
+    def _own_constraint(self) -> Constraint | None:
+        return tool_constraint(self.chat_tools, self.text_format)
+
+    @property
+    def param_names(self) -> dict[str, str]:
+        return {"max_tokens": "max_output_tokens", "prompt": "input"}
+
+
+def stored_messages(messages: list[dict[str, Any]]) -> list[Message]:
+    """A stored response's conversation (chat messages, as the store keeps them) as models."""
+    return [Message.model_validate(message) for message in messages]
+
+
+def format_echo(text: object) -> dict[str, Any]:
+    """`text.format` as a response echoes it: as the request gave it (a JSON Schema format's
+    name, schema and strict only), or text."""
+    fmt = text.get("format") if isinstance(text, dict) else None
     if not isinstance(fmt, dict):
-        raise InvalidRequestError("'text.format' must be an object", "text.format")
+        return {"type": "text"}
     if fmt.get("type") == "json_schema":
-        inner = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
-        return {"type": "json_schema", "json_schema": inner}
+        return {
+            "type": "json_schema",
+            **{k: fmt[k] for k in ("name", "schema", "strict") if k in fmt},
+        }
     return fmt
 
 
-def chat_body(
-    body: dict[str, Any], history: list[dict[str, Any]]
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The /v1/chat/completions body a Responses request means, after `history` (a stored
-    response's conversation, when it continues one); and the conversation without its
-    instructions (which a follow-up does not inherit)."""
-    conversation = [*history, *input_messages(body.get("input"))]
-    messages = list(conversation)
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise InvalidRequestError("'instructions' must be a string", "instructions")
-        messages.insert(0, {"role": "system", "content": instructions})
-    out: dict[str, Any] = {"messages": messages}
-    for name in (
-        "temperature",
-        "top_p",
-        "parallel_tool_calls",
-        "seed",
-        "top_k",
-        "stop",
-        "speculative",
-    ):
-        if body.get(name) is not None:
-            out[name] = body[name]
-    if body.get("max_output_tokens") is not None:
-        out["max_tokens"] = body["max_output_tokens"]
-    tools = chat_tools(body.get("tools"))
-    if tools:
-        out["tools"] = tools
-    if body.get("tool_choice") is not None:
-        out["tool_choice"] = chat_tool_choice(body["tool_choice"])
-    fmt = chat_format(body.get("text"))
-    if fmt is not None:
-        out["response_format"] = fmt
-    return out, conversation
-
-
-def _responses_param(param: str) -> str:
-    """A chat request's parameter as the Responses request names it: `messages[2]` is
-    `input[2]`, `response_format.json_schema.schema` is `text.format.schema` and
-    `tools[0].function.name` is `tools[0].name` (the Responses format and tools are flat),
-    `max_tokens` is `max_output_tokens`."""
-    for chat, responses in (
-        ("response_format.json_schema", "text.format"),
-        ("response_format", "text.format"),
-    ):
-        if param == chat or param.startswith((chat + ".", chat + "[")):
-            return responses + param[len(chat) :]
-    tool = _TOOL_FUNCTION.match(param)
-    if tool is not None:
-        return tool[1] + param[tool.end() :]
-    head, dot, rest = param.partition(".")
-    base, bracket, index = head.partition("[")
-    if base in PARAMS:
-        return PARAMS[base] + bracket + index + dot + rest
-    return param
-
-
-def renamed(exc: ApiError) -> ApiError:
-    """A chat request's error, naming the Responses request's parameter, in its `param` and
-    wherever its message names it (quoted, or a path such as tools[0].function.name as it is);
-    and the chat parameters a message names beside it (another constraint's field, the
-    engine's "max_tokens")."""
-    if exc.param is not None:
-        renamed = _responses_param(exc.param)
-        exc.message = exc.message.replace(f"'{exc.param}'", f"'{renamed}'")
-        if renamed != exc.param and ("." in exc.param or "[" in exc.param):
-            where = re.compile(rf"(?<![\w.\]]){re.escape(exc.param)}(?!\w)")
-            exc.message = where.sub(renamed, exc.message)
-        exc.param = renamed
-    for chat in ("response_format.json_schema", "response_format"):
-        exc.message = exc.message.replace(f"'{chat}", f"'{_responses_param(chat)}")
-    exc.message = _MAX_TOKENS.sub("max_output_tokens", exc.message)
-    return exc
+def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
+    """A Responses body as its model; InvalidRequestError naming the first wrong field."""
+    return validate(ResponsesRequest, body)

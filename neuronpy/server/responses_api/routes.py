@@ -9,30 +9,27 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from neuronpy.engine.engine import Engine
-from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.types import SessionRequest
-from neuronpy.errors import InvalidRequestError, NeuronError
+from neuronpy.errors import InvalidRequestError
 from neuronpy.jsontext import one_line
 from neuronpy.server.copies import Copy, Events, gather, stream
 from neuronpy.server.errors import ApiError, api_error, failure
-from neuronpy.server.flow import prepare_while_connected, refuse_unshown_tools
+from neuronpy.server.flow import admit
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import BodyLimits, parse_request, read_json, requested_model
+from neuronpy.server.requests import BodyLimits, read_json, requested_model
 from neuronpy.server.responses import Reply
 from neuronpy.server.responses_api.builder import Builder
 from neuronpy.server.responses_api.events import Event
 from neuronpy.server.responses_api.objects import ResponseObject
-from neuronpy.server.responses_api.protocol import chat_body, renamed
-from neuronpy.server.responses_api.shape import check_metadata
+from neuronpy.server.responses_api.protocol import parse_responses, stored_messages
 from neuronpy.server.responses_api.store import ResponseStore
 from neuronpy.server.sessions import open_session
 
@@ -89,26 +86,26 @@ async def create_response(
         model = state.find(requested_model(body))
         engine = model.ready_engine()
         assert isinstance(body, dict)
-        history, stream, keep = await _options(body, store)
         try:
-            chat, conversation = chat_body(body, history)
+            req = parse_responses(body)
         except InvalidRequestError as exc:
             raise api_error(exc) from None
+        history = await _history(store, req.previous_response_id)
         try:
-            req = parse_request("chat", chat)
-        except ApiError as exc:
-            raise renamed(exc) from None
-        refuse_unshown_tools(model, req)
-        prompt_ids = await anyio.to_thread.run_sync(req.prompt_ids, engine.tokenizer)
-        reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
-        params = req.sampling_params(len(prompt_ids), engine.context_len, reasoning)
-        session = await _session(sessions, engine, rid, body.get("previous_response_id"), keep)
-        try:
-            if not await prepare_while_connected(request.receive, engine, [(prompt_ids, params)]):
-                return Response(status_code=499)  # it left while its constraint compiled
-            (stream_,) = engine.submit_many(prompt_ids, params, 1, session)
-        except NeuronError as exc:
-            raise renamed(api_error(exc, req.param_names)) from None
+            chat = req.chat(stored_messages(history))
+        except InvalidRequestError as exc:
+            raise api_error(exc) from None
+        keep, previous = req.stored, req.previous_response_id
+        admitted = await admit(
+            request.receive,
+            model,
+            chat,
+            lambda engine: _session(sessions, engine, rid, previous, keep),
+        )
+        if admitted is None:
+            return Response(status_code=499)  # it left while its constraint compiled
+        ((stream_,),) = admitted.groups
+        (prompt_ids,) = admitted.prompts
     except ApiError as exc:
         metrics.reject(model, exc)
         log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
@@ -119,9 +116,10 @@ async def create_response(
 
     async def stored(response: ResponseObject) -> None:
         if keep and response.status != "failed":
-            await store.put(rid, response.model_dump(), [*conversation, builder.reply_message()])
+            conversation = [*history, *req.conversation(), builder.reply_message()]
+            await store.put(rid, response.model_dump(), conversation)
 
-    if stream:
+    if req.streamed:
         return _Streamed(copy, builder, engine, stored)  # type: ignore[return-value]
     gathered = await gather(request.receive, [copy])
     if gathered is None:
@@ -158,34 +156,14 @@ async def _session(
     return await open_session(sessions, engine, rid, save=True) if keep else None
 
 
-async def _options(
-    body: dict[str, Any], store: ResponseStore
-) -> tuple[list[dict[str, Any]], bool, bool]:
-    """The stored conversation it continues, whether it streams, whether it is stored; and
-    `metadata` checked (it is echoed and stored)."""
-    try:
-        check_metadata(body.get("metadata"))
-    except InvalidRequestError as exc:
-        raise api_error(exc) from None
-    stream = body.get("stream", False)
-    keep = body.get("store", True)
-    for name, value in (("stream", stream), ("store", keep)):
-        if value is not None and not isinstance(value, bool):
-            raise ApiError(400, f"'{name}' must be a boolean", param=name)
-    previous = body.get("previous_response_id")
-    history: list[dict[str, Any]] = []
-    if previous is not None:
-        if not isinstance(previous, str):
-            raise ApiError(
-                400, "'previous_response_id' must be a string", param="previous_response_id"
-            )
-        found = await store.get(previous)
-        if found is None:
-            raise _not_found(previous, "previous_response_id")
-        history = found.messages()
-    if body.get("input") is None:
-        raise ApiError(400, "'input' is required", param="input")
-    return history, bool(stream), keep is not False
+async def _history(store: ResponseStore, previous: str | None) -> list[dict[str, Any]]:
+    """The stored conversation a request continues (none: []); 404 for an unknown id."""
+    if previous is None:
+        return []
+    found = await store.get(previous)
+    if found is None:
+        raise _not_found(previous, "previous_response_id")
+    return found.messages()
 
 
 class _Streamed:

@@ -7,44 +7,9 @@ from __future__ import annotations
 import re
 
 from neuronpy.errors import InvalidRequestError
+from neuronpy.server.responses_api.protocol import check_metadata
 
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")  # what the server names a response (fullmatch)
-MAX_METADATA_KEYS = 16  # OpenAI's limits on a response's metadata
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
-
-
-def check_metadata(value: object) -> dict[str, str]:
-    """A request's `metadata` as OpenAI takes it: at most 16 pairs, keys strings of at most
-    64 characters, values strings of at most 512; None is {}. InvalidRequestError naming the
-    field (`metadata`, or `metadata.KEY` for a bad value) otherwise."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidRequestError("'metadata' must be an object of string values", "metadata")
-    if len(value) > MAX_METADATA_KEYS:
-        raise InvalidRequestError(
-            f"'metadata' holds {len(value)} keys; at most {MAX_METADATA_KEYS} are allowed",
-            "metadata",
-        )
-    for key, item in value.items():
-        if not isinstance(key, str) or len(key) > MAX_METADATA_KEY:
-            got = f"{len(key)} ({key[:20]!r}...)" if isinstance(key, str) else repr(key)[:20]
-            raise InvalidRequestError(
-                f"'metadata' keys must be strings of at most {MAX_METADATA_KEY} characters, "
-                f"got one of {got}",
-                "metadata",
-            )
-        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
-            what = f"{len(item)} characters" if isinstance(item, str) else type(item).__name__
-            raise InvalidRequestError(
-                f"'metadata.{key}' must be a string of at most {MAX_METADATA_VALUE} characters, "
-                f"got {what}",
-                f"metadata.{key}",
-            )
-    return value
-
-
 RESPONSE_KEYS = frozenset(
     {
         "id", "object", "created_at", "status", "model", "output", "error",
