@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,15 +15,21 @@ from hypothesis import strategies as st
 
 from neuronpy.engine.budget import fit
 from neuronpy.engine.costs import MIN_CHUNK
+from neuronpy.engine.lifecycle import Messages
 from neuronpy.engine.plans import (
     CacheOutcome,
     DecodeOutcome,
+    DropCached,
     DropSnapshots,
+    Loaded,
     Offload,
+    Phase,
     PrefillOutcome,
-    RebatchPlan,
+    RebatchOutcome,
     Sampled,
     SaveSession,
+    StepOutcome,
+    StepPlan,
 )
 from neuronpy.engine.request import Cause, Finish, Request, RequestStatus
 from neuronpy.engine.scheduler import Scheduler
@@ -31,6 +39,8 @@ from neuronpy.errors import QueueFullError
 ROOT = Path(__file__).parent.parent
 EOS = 0
 TOKEN = 7  # what the hand-made device samples unless told otherwise
+# what the routers have been told, by scheduler, since the test last looked (`finishes`)
+SENT: weakref.WeakKeyDictionary[Scheduler, list] = weakref.WeakKeyDictionary()
 
 # ---- factories ----------------------------------------------------------------------------------
 
@@ -61,55 +71,72 @@ def admit(
     return s.admit(prompt, copies, frozenset({EOS}), session, now=now)
 
 
-def schedule(s: Scheduler, now: float = 0.0) -> RebatchPlan | None:
-    """What the engine's loop does before a step, each device job answered by hand."""
-    s.expire(now)
-    s.join()
-    for request in s.to_prefill():
-        plan = s.prefills.plan(request, None)
-        if plan is not None:
-            s.book_prefill(plan, PrefillOutcome(tuple(Sampled(TOKEN) for _ in plan.sampled)))
-    rebatch = s.plan_rebatch()
-    if rebatch is None:
-        return None
-    cached = None
-    if rebatch.cache:
-        cached = CacheOutcome(
-            tuple(1000 for _ in rebatch.cache),
-            tuple(r.total_tokens - 1 for r, _ in rebatch.cache),
-        )
-    if s.book_rebatch(rebatch, cached) is not None:
-        s.book_assemble(padding_columns=0)
-    return rebatch
+def answer(
+    plan: StepPlan,
+    pick: Callable[[Request], int] | dict[int, int] | None = None,
+    decode: DecodeOutcome | None = None,
+) -> StepOutcome:
+    """What a hand-made device answers: sessions that hold nothing, first tokens TOKEN, each
+    cached row 1000 bytes, each decode row `pick`'s token (by request id; TOKEN by default)
+    unless `decode` is given."""
+    if isinstance(pick, dict):
+        picks = pick
+        pick = lambda r: picks.get(r.id, TOKEN)  # noqa: E731
+    choose = pick or (lambda r: TOKEN)
+    prefill = None
+    if plan.prefill is not None:
+        prefill = PrefillOutcome(tuple(Sampled(TOKEN) for _ in plan.prefill.sampled))
+    rebatch = None
+    if plan.rebatch is not None:
+        cached = None
+        if plan.rebatch.cache:
+            cached = CacheOutcome(
+                tuple(1000 for _ in plan.rebatch.cache),
+                tuple(r.total_tokens - 1 for r, _ in plan.rebatch.cache),
+            )
+        rebatch = RebatchOutcome(cached)
+    if plan.decode is not None and decode is None:
+        d = plan.decode
+        rides = tuple(PrefillOutcome(tuple(Sampled(TOKEN) for _ in c.sampled)) for c in d.rides)
+        decode = DecodeOutcome(tuple(Sampled(choose(r)) for r in d.rows), rides)
+    return StepOutcome(tuple(Loaded() for _ in plan.loads), prefill, rebatch, decode)
 
 
-def step(s: Scheduler, tokens: dict[int, int] | None = None) -> None:
-    """One decode step, joiners' chunks riding it as the engine plans them; row by request
-    id -> token (TOKEN by default)."""
-    rides = s.riding()
-    budget, chunks = s.ride_budget(len(rides)), []
-    for ride in rides:
-        if chunks and budget < MIN_CHUNK:
-            break
-        chunk = s.prefills.plan(ride, budget)
-        if chunk is not None:
-            chunks.append(chunk)
-            budget -= len(chunk.tokens)
-    plan = s.plan_decode(chunks)
-    picks = tuple(Sampled((tokens or {}).get(r.id, TOKEN)) for r in plan.rows)
-    rides = tuple(PrefillOutcome(tuple(Sampled(TOKEN) for _ in c.sampled)) for c in chunks)
-    s.book_decode(plan, DecodeOutcome(picks, rides))
+def update(s: Scheduler, plan: StepPlan, outcome: StepOutcome) -> None:
+    """Books the outcome as the engine's loop does; what the routers are told is kept."""
+    SENT.setdefault(s, []).extend(s.update(plan, outcome))
+
+
+def until_step(s: Scheduler, now: float = 0.0) -> StepPlan:
+    """Runs a turn's plans up to its STEP plan (answered by hand), and returns that one,
+    not yet answered."""
+    plan = s.schedule(now)
+    while plan.phase is not Phase.STEP:
+        update(s, plan, answer(plan))
+        plan = s.schedule(now)
+    return plan
+
+
+def turn(
+    s: Scheduler,
+    pick: Callable[[Request], int] | dict[int, int] | None = None,
+    now: float = 0.0,
+) -> StepPlan:
+    """One turn of the engine's loop, each plan answered by hand; returns its STEP plan."""
+    plan = until_step(s, now)
+    update(s, plan, answer(plan, pick))
+    return plan
 
 
 def ids(requests: object) -> list[int]:
     return [r.id for r in requests]  # type: ignore[attr-defined]
 
 
-def finishes(s: Scheduler) -> dict[int, Finish]:
-    """The Finish messages the routers would get, by request id (the outbox is emptied)."""
-    out = {r.id: m for r, m in s.outbox if isinstance(m, Finish)}
-    s.outbox.clear()
-    return out
+def finishes(s: Scheduler, more: Messages = ()) -> dict[int, Finish]:
+    """The Finish messages the routers would have got since the last call (and `more`), by
+    request id."""
+    sent = [*SENT.pop(s, []), *more]
+    return {r.id: m for r, m in sent if isinstance(m, Finish)}
 
 
 @dataclass
@@ -124,20 +151,22 @@ class Row:
 def test_head_of_line_order_fills_free_rows_oldest_first() -> None:
     s = make_scheduler(max_running=2)
     admit(s), admit(s), admit(s), admit(s)
-    schedule(s)
+    plan = turn(s, {0: EOS})  # request 0 ends on EOS in the first step
+    assert plan.rebatch is not None and ids(plan.rebatch.order) == [0, 1]
     assert ids(s.running) == [0, 1] and ids(s.waiting) == [2, 3]
     assert all(r.status is RequestStatus.RUNNING for r in s.running)
-    step(s, {0: EOS})  # request 0 ends on EOS: it leaves, the oldest waiter takes its row
-    plan = schedule(s)
-    assert plan is not None and ids(plan.leaving) == [0] and ids(plan.order) == [1]
+    plan = turn(s)  # it leaves, the oldest waiter takes its row
+    assert plan.rebatch is not None and ids(plan.rebatch.leaving) == [0]
+    assert ids(plan.rebatch.order) == [1]
     assert finishes(s)[0] == Finish(FinishReason.STOP)
     assert s.counters.finished == 1
-    # a row decodes: the joiner's prompt rides the next step, then it joins
+    # a row decodes: the joiner's prompt rides the step, then it joins
+    assert plan.decode is not None and [c.request.id for c in plan.decode.rides] == [2]
     assert ids(s.joining) == [2] and ids(s.waiting) == [3]
-    step(s)
     assert s.counters.riding_chunks == 1
-    plan = schedule(s)
-    assert plan is not None and ids(plan.order) == [1, 2] and ids(s.waiting) == [3]
+    plan = turn(s)
+    assert plan.rebatch is not None and ids(plan.rebatch.order) == [1, 2]
+    assert ids(s.waiting) == [3]
 
 
 def test_admission_counts_every_copy_and_refuses_past_the_queue() -> None:
@@ -180,35 +209,36 @@ def test_fit_keeps_one_row_running_alone_over_the_budget() -> None:
 def test_the_newest_row_is_preempted_and_resumes_before_newer_requests() -> None:
     s = make_scheduler(max_running=4, kv_budget_tokens=40)
     admit(s), admit(s), admit(s)  # 10-token prompts: 11 columns each to join
-    schedule(s)
-    assert ids(s.running) == [0, 1, 2]
-    step(s)  # each now needs 13 columns: 39 of 40
-    assert schedule(s) is None
-    step(s)  # 14 each: 42 > 40, the newest goes
-    plan = schedule(s)
-    assert plan is not None and ids(plan.order) == [0, 1]
+    plan = turn(s)
+    assert plan.rebatch is not None and ids(plan.rebatch.order) == [0, 1, 2]
+    # 12 tokens each after the first step: each needs 13 columns through the next, 39 of 40
+    assert turn(s).rebatch is None
+    plan = turn(s)  # 14 columns each: 42 > 40, the newest goes
+    assert plan.rebatch is not None and ids(plan.rebatch.order) == [0, 1]
     (preempted,) = s.waiting
     assert preempted.id == 2 and preempted.preemptions == 1
     assert preempted.status is RequestStatus.WAITING
-    assert Offload((preempted.snapshot_id,)) in plan.ops  # its KV waits, kept
+    assert Offload((preempted.snapshot_id,)) in plan.rebatch.ops  # its KV waits, kept
     assert s.counters.preemptions == 1 and s.stats(True).preempted == 1
-    admit(s)  # a newer request that would fit waits behind it: no overtaking
-    assert schedule(s) is None and ids(s.waiting) == [2, 3]
-    step(s, {0: EOS})  # request 0 ends: the preempted one rejoins where it stopped
-    plan = schedule(s)
-    assert plan is not None and ids(plan.order) == [1, 2] and ids(s.joining) == [3]
-    assert s.running[1].preemptions == 1 and len(s.running[1].output_ids) == 3
-    assert s.running[1].status is RequestStatus.RUNNING
+    # a newer request that would fit (6 columns beside the rows' 30) waits behind it (14):
+    # no overtaking
+    admit(s, length=5)
+    assert turn(s).rebatch is None and ids(s.waiting) == [2, 3]
+    turn(s, {0: EOS})  # request 0 ends: the preempted one rejoins where it stopped
+    plan = turn(s)
+    assert plan.rebatch is not None and ids(plan.rebatch.order) == [1, 2]
+    assert ids(s.joining) == [3]
+    rejoined = plan.rebatch.order[1]
+    assert rejoined.preemptions == 1 and rejoined.status is RequestStatus.RUNNING
+    assert len(rejoined.output_ids) == 3 + 1  # where it stopped, and this turn's step
 
 
 def test_one_row_runs_alone_even_past_the_budget() -> None:
     s = make_scheduler(kv_budget_tokens=12)
     (request,) = admit(s, max_tokens=8)
-    schedule(s)
+    turn(s)
     for _ in range(6):
-        step(s)
-        assert schedule(s) is None  # never preempted: it would have nothing to wait for
-    step(s)
+        assert turn(s).rebatch is None  # never preempted: it would have nothing to wait for
     assert request.done and request.ending is not None
     assert request.ending.cause is Cause.LENGTH and s.counters.preemptions == 0
 
@@ -219,8 +249,8 @@ def test_one_row_runs_alone_even_past_the_budget() -> None:
 def test_a_request_waiting_past_the_queue_timeout_ends_unprefilled() -> None:
     s = make_scheduler(max_running=1, queue_timeout=5.0)
     admit(s, now=0.0), admit(s, now=0.0), admit(s, now=4.0)
-    schedule(s, now=0.0)
-    schedule(s, now=6.0)  # request 1 has waited 6 s, request 2 only 2 s
+    turn(s, now=0.0)
+    turn(s, now=6.0)  # request 1 has waited 6 s, request 2 only 2 s
     ended = finishes(s)
     assert list(ended) == [1]
     assert ended[1].reason is FinishReason.ABORT and "queue_timeout 5 s" in (ended[1].error or "")
@@ -231,11 +261,10 @@ def test_a_request_waiting_past_the_queue_timeout_ends_unprefilled() -> None:
 def test_a_preempted_request_is_never_expired() -> None:
     s = make_scheduler(max_running=2, kv_budget_tokens=25, queue_timeout=1.0)
     admit(s), admit(s)
-    schedule(s)
-    step(s)  # 13 + 13 > 25: request 1 is preempted
-    schedule(s, now=0.5)
+    turn(s)
+    turn(s, now=0.5)  # 13 + 13 > 25: request 1 is preempted
     assert ids(s.waiting) == [1]
-    schedule(s, now=100.0)
+    turn(s, now=100.0)
     assert ids(s.waiting) == [1] and s.counters.timed_out == 0
 
 
@@ -245,12 +274,13 @@ def test_a_preempted_request_is_never_expired() -> None:
 def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
     s = make_scheduler(max_running=1)
     first, *copies = admit(s, n=3)
-    s.join()
-    (plan,) = [s.prefills.plan(r, None) for r in s.to_prefill()]
-    assert plan is not None and plan.last and plan.request is first
+    step = s.schedule()
+    plan = step.prefill
+    assert step.phase is Phase.PREFILL and plan is not None
+    assert plan.last and plan.request is first
     assert plan.clones == tuple(copies) and len(set(plan.clone_ids)) == 2
     assert plan.snapshot_id not in plan.clone_ids
-    s.book_prefill(plan, PrefillOutcome((Sampled(4), Sampled(5), Sampled(6))))
+    update(s, step, StepOutcome(prefill=PrefillOutcome((Sampled(4), Sampled(5), Sampled(6)))))
     assert [r.output_ids for r in (first, *copies)] == [[4], [5], [6]]
     assert [r.snapshot_id for r in copies] == list(plan.clone_ids)
     assert all(r.prefilled == 10 and r.status is RequestStatus.WAITING for r in copies)
@@ -258,9 +288,11 @@ def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
     # a filled copy has nothing left to prefill when its row comes
     assert s.prefills.plan(copies[0], None) is None
     # a waiting copy that is cancelled drops the snapshot it was given
+    update(s, step := s.schedule(), answer(step))  # the turn's step: the first copy runs
     s.cancel(copies[1])
-    schedule(s)
-    assert DropSnapshots((plan.clone_ids[1],)) in s.ops
+    step = s.schedule()
+    assert DropSnapshots((plan.clone_ids[1],)) in step.ops
+    update(s, step, answer(step))
     assert finishes(s)[copies[1].id].reason is FinishReason.ABORT
 
 
@@ -269,16 +301,14 @@ def test_copies_joining_while_a_row_decodes_share_one_riding_prefill() -> None:
     the steps alone, and its last chunk fills the others (they never prefill themselves)."""
     s = make_scheduler(max_running=8)
     admit(s)
-    schedule(s)
+    turn(s)
     first, second = admit(s, n=2)
-    s.join()
-    assert s.to_prefill() == [] and s.riding() == [first]
-    s.to_prefill()
-    step(s)
+    plan = turn(s)
+    assert plan.decode is not None and [c.request for c in plan.decode.rides] == [first]
     assert s.counters.riding_chunks == 1 and s.counters.prefill_tokens == 10 + 10
     assert [r.prefilled for r in (first, second)] == [10, 10]
     assert [r.output_ids for r in (first, second)] == [[TOKEN], [TOKEN]]
-    rebatch = schedule(s)  # both join together
+    rebatch = turn(s).rebatch  # both join together
     assert rebatch is not None and rebatch.order[1:] == (first, second)
     assert s.joining == [] and {first.status, second.status} == {RequestStatus.RUNNING}
 
@@ -288,35 +318,31 @@ def test_copies_of_a_long_prompt_wait_for_its_chunks_and_join_together() -> None
     others' riding joiners; every copy stays accounted for meanwhile, and all join at once."""
     s = make_scheduler(max_running=8)
     admit(s)
-    schedule(s)
+    turn(s)
     copies = admit(s, length=5 * MIN_CHUNK, n=3)
     (other,) = admit(s, length=12, first=500)
-    s.join()
-    s.to_prefill()
-    assert s.riding() == [copies[0], other]
     steps, before = 0, s.counters.prefill_tokens
     while copies[0].prefilled < len(copies[0].prompt_ids):
         assert [c.prefilled for c in copies[1:]] == [0, 0]  # filled by the last chunk only
-        s.to_prefill()
-        step(s)
+        plan = turn(s)
+        assert plan.decode is not None
+        assert plan.decode.rides[0].request is copies[0]  # the oldest rides first
         steps += 1
         assert s.audit() == []  # the waiting copies are waiting for a named reason
     assert steps > 1 and [c.prefilled for c in copies] == [5 * MIN_CHUNK] * 3
     assert s.counters.prefill_tokens - before == 5 * MIN_CHUNK + other.prefilled
     assert [len(c.output_ids) for c in copies] == [1, 1, 1]
-    rebatch = schedule(s)
+    rebatch = turn(s).rebatch
     assert rebatch is not None and set(copies) <= set(rebatch.order)
 
 
 def test_several_requests_of_n_copies_joining_together_all_run_to_their_end() -> None:
     s = make_scheduler(max_running=8, max_queue=16)
     admit(s, max_tokens=40)
-    schedule(s)
+    turn(s)
     groups = [admit(s, n=2, max_tokens=5, first=100 * i) for i in range(1, 4)]
     for _ in range(20):
-        s.to_prefill()
-        step(s)
-        schedule(s)
+        turn(s)
     ended = finishes(s)
     assert all(ended[r.id].reason is FinishReason.LENGTH for g in groups for r in g)
     assert all(len(r.output_ids) == 5 for g in groups for r in g)
@@ -328,12 +354,15 @@ def test_a_joiner_in_no_state_that_can_move_on_fails_alone() -> None:
     and joins, or has ended. One found otherwise (a bug) ends with an error, and leaves."""
     s = make_scheduler(max_running=4)
     broken, fine = admit(s), admit(s, first=300)
-    s.join()
+    plan = s.schedule()  # both join; the first prefills
+    assert plan.prefill is not None and plan.prefill.request is broken[0]
+    update(s, plan, answer(plan))
     broken[0].prefilled = 12  # more than its 10 prompt tokens: it would never join
     (stuck,) = s.audit()
     assert stuck[0] is broken[0] and "12 of its 10 prompt tokens" in stuck[1]
     assert broken[0].ending is not None and broken[0].ending.cause is Cause.FAILED
-    schedule(s)
+    turn(s)  # the rest of the turn: the other prefills and joins
+    turn(s)  # the broken one leaves
     ended = finishes(s)
     assert ended[broken[0].id].reason is FinishReason.ERROR and ended[broken[0].id].error
     assert fine[0].status is RequestStatus.RUNNING and s.audit() == []
@@ -374,26 +403,23 @@ def test_any_mix_of_arrivals_copies_cancellations_and_budgets_ends_every_request
     admitted: list[Request] = []
     ended: dict[int, list[Finish]] = {}
     cancelled: set[int] = set()
-    for turn in range(2000):
+    for tick in range(2000):
         for at, length, n, max_tokens, first in arrivals:
-            if at == turn:
+            if at == tick:
                 admitted += admit(s, length=length, max_tokens=max_tokens, n=n, first=first)
-        if turn > max(a[0] for a in arrivals) and s.idle:
+        if tick > max(a[0] for a in arrivals) and s.idle:
             break
         for request in s.active():
             if rng.random() < 0.03:
                 s.cancel(request)
                 cancelled.add(request.id)
-        moves = s.moves
-        schedule(s)
+        moves, admitted_now = s.moves, bool(s.active())
+        turn(s, lambda r: EOS if rng.random() < 0.08 else TOKEN)
         assert s.audit() == []
-        if s.running:
-            step(s, {r.id: EOS for r in s.running if rng.random() < 0.08})
-        assert s.moves > moves or not s.active(), "a turn that ran nothing"
-        for request, message in s.outbox:
+        assert s.moves > moves or not admitted_now, "a turn that ran nothing"
+        for request, message in SENT.pop(s, []):
             if isinstance(message, Finish):
                 ended.setdefault(request.id, []).append(message)
-        s.outbox.clear()
         for request in admitted:
             assert request.prefilled <= len(request.prompt_ids)
             assert len(request.output_ids) <= request.params.max_tokens
@@ -418,10 +444,9 @@ def test_a_leaving_row_goes_to_the_prefix_cache_and_its_session() -> None:
     (saved,) = admit(s, length=20, session=session)
     (cached,) = admit(s, length=20, first=30)
     (cancelled,) = admit(s, length=20, first=60, session=session)
-    schedule(s)
-    step(s, {saved.id: EOS, cached.id: EOS})
+    turn(s, {saved.id: EOS, cached.id: EOS})
     s.cancel(cancelled)
-    plan = schedule(s)
+    plan = turn(s).rebatch
     assert plan is not None and set(plan.leaving) == {saved, cached, cancelled}
     saves = [op for op in plan.ops if isinstance(op, SaveSession)]
     # both rows that ended on their own are worth caching; only the one with a session saves,
@@ -434,8 +459,7 @@ def test_a_leaving_row_goes_to_the_prefix_cache_and_its_session() -> None:
     assert len(s.prefix) >= 2  # type: ignore[arg-type]
     ended = finishes(s)
     assert saved.id not in ended  # it ends once its file is on disk
-    s.book_saved(saved)
-    assert finishes(s)[saved.id] == Finish(FinishReason.STOP)
+    assert finishes(s, s.book_saved(saved))[saved.id] == Finish(FinishReason.STOP)
     assert s.counters.sessions_saved == 1 and s.idle
 
 
@@ -443,15 +467,68 @@ def test_a_session_that_cannot_be_written_keeps_its_reply_and_says_so() -> None:
     s = make_scheduler()
     (request,) = admit(s, session=SessionRequest("x", Path("/s/x.safetensors")))
     (other,) = admit(s)
-    schedule(s)
-    step(s, {request.id: EOS})
-    schedule(s)
-    s.book_saved(request, "session 'x' could not be saved (No space left on device)")
-    finish = finishes(s)[request.id]
+    turn(s, {request.id: EOS})
+    turn(s)
+    error = "session 'x' could not be saved (No space left on device)"
+    finish = finishes(s, s.book_saved(request, error))[request.id]
     assert finish.reason is FinishReason.STOP and finish.error is None
     assert finish.session_error == "session 'x' could not be saved (No space left on device)"
     assert (s.counters.session_save_failures, s.counters.failed, s.counters.finished) == (1, 0, 1)
     assert other.status is RequestStatus.RUNNING
+
+
+def test_a_session_is_read_in_a_plan_of_its_own_and_its_chunk_starts_after_it() -> None:
+    """The tokens a session file holds decide where the first chunk starts: the turn reads it
+    first (LOAD), and plans the prefill once that is booked."""
+    s = make_scheduler()
+    held = tuple(range(1, 9))  # the first 8 of the prompt's 10 tokens
+    session = SessionRequest("chat", Path("/s/chat.safetensors"), token_ids=held)
+    (request,) = admit(s, session=session)
+    plan = s.schedule()
+    assert plan.phase is Phase.LOAD and plan.prefill is None and plan.decode is None
+    (load,) = plan.loads
+    assert load.request is request
+    update(s, plan, StepOutcome(loads=(Loaded(held),)))
+    plan = s.schedule()
+    chunk = plan.prefill
+    assert plan.phase is Phase.PREFILL and chunk is not None and not plan.loads
+    assert (chunk.parent_id, chunk.parent_length) == (load.cache_id, 8)
+    assert chunk.session_id == load.cache_id  # (dropped once the chunk is in)
+    assert chunk.tokens == (9, 10) and s.counters.sessions_restored == 1
+    update(s, plan, answer(plan))
+    plan = until_step(s)  # the session's snapshot goes once its chunk is in
+    assert DropCached((load.cache_id,)) in plan.ops
+    assert plan.rebatch is not None and plan.rebatch.order == (request,)
+
+
+def test_a_session_read_for_a_chunk_never_planned_is_dropped() -> None:
+    s = make_scheduler()
+    session = SessionRequest("chat", Path("/s/chat.safetensors"), token_ids=tuple(range(1, 9)))
+    (request,) = admit(s, session=session)
+    plan = s.schedule()
+    (load,) = plan.loads
+    update(s, plan, StepOutcome(loads=(Loaded(session.token_ids or ()),)))
+    s.cancel(request)  # before its first chunk
+    plan = s.schedule()
+    assert plan.prefill is None and plan.phase is Phase.STEP
+    update(s, plan, answer(plan))
+    plan = s.schedule()  # the next turn: it leaves, and what it read goes
+    assert DropCached((load.cache_id,)) in plan.ops
+    update(s, plan, answer(plan))
+    assert finishes(s)[request.id].reason is FinishReason.ABORT and s.idle
+
+
+def test_plans_and_outcomes_are_frozen_and_share_no_list_with_the_scheduler() -> None:
+    s = make_scheduler(max_running=2)
+    admit(s), admit(s)
+    turn(s)
+    plan = until_step(s)
+    assert plan.decode is not None and isinstance(plan.ops, tuple)
+    rows = plan.decode.rows
+    s.running.clear()  # (the scheduler's own list: the plan keeps its rows)
+    assert plan.decode.rows == rows and len(rows) == 2
+    with pytest.raises(AttributeError):
+        plan.decode = None  # type: ignore[misc]
 
 
 # ---- cancellation in every state ----------------------------------------------------------------
@@ -461,10 +538,10 @@ def test_cancelled_while_waiting_is_never_prefilled() -> None:
     s = make_scheduler(max_running=1)
     admit(s)
     (waiting,) = admit(s)
-    schedule(s)
+    turn(s)
     s.cancel(waiting)
     s.cancel(waiting)  # idempotent
-    schedule(s)
+    turn(s)
     assert finishes(s)[waiting.id].reason is FinishReason.ABORT
     assert waiting.prefilled == 0 and waiting.snapshot_id is None
     assert s.counters.cancelled == 1 and s.counters.finished == 0 and not s.waiting
@@ -473,17 +550,16 @@ def test_cancelled_while_waiting_is_never_prefilled() -> None:
 def test_cancelled_while_prefilling_leaves_without_joining() -> None:
     s = make_scheduler()
     admit(s)
-    schedule(s)
+    turn(s)
     (joiner,) = admit(s, length=200)
-    s.join()
-    assert s.to_prefill() == []  # a row decodes: the joiner's chunks ride the steps
-    assert s.riding() == [joiner]
-    chunk = s.prefills.plan(joiner, 32)
-    assert chunk is not None and not chunk.last and len(chunk.tokens) == 32
+    plan = turn(s)  # a row decodes: the joiner's chunks ride the steps
+    assert plan.decode is not None and plan.prefill is None
+    (chunk,) = plan.decode.rides
+    assert chunk.request is joiner and not chunk.last and len(chunk.tokens) < 200
     s.cancel(joiner)
-    s.book_prefill(chunk, PrefillOutcome(()), alone=False)
-    s.join()  # it leaves: its partial snapshot is dropped
-    assert DropSnapshots((chunk.snapshot_id,)) in s.ops
+    plan = s.schedule()  # it leaves: its partial snapshot is dropped
+    assert DropSnapshots((chunk.snapshot_id,)) in plan.ops
+    update(s, plan, answer(plan))
     assert joiner.status is RequestStatus.FINISHED_ABORTED and not s.joining
 
 
@@ -491,11 +567,10 @@ def test_cancelled_while_running_leaves_at_the_next_rebatch() -> None:
     s = make_scheduler()
     (stays,) = admit(s)
     (goes,) = admit(s)
-    schedule(s)
-    step(s)
+    turn(s)
     s.cancel(goes)
     assert s.stats(True).running == 1  # a leaving row no longer counts
-    plan = schedule(s)
+    plan = turn(s).rebatch
     assert plan is not None and plan.leaving == (goes,) and plan.order == (stays,)
     assert finishes(s)[goes.id].reason is FinishReason.ABORT
     assert s.counters.cancelled == 1 and s.counters.finished == 0
@@ -504,9 +579,8 @@ def test_cancelled_while_running_leaves_at_the_next_rebatch() -> None:
 def test_cancelled_while_saving_is_counted_once() -> None:
     s = make_scheduler()
     (request,) = admit(s, session=SessionRequest("x", Path("/s/x.safetensors")))
-    schedule(s)
-    step(s, {request.id: EOS})
-    schedule(s)
+    turn(s, {request.id: EOS})
+    turn(s)
     assert request.status is RequestStatus.SAVING
     s.cancel(request)
     s.book_saved(request)
@@ -517,8 +591,7 @@ def test_cancelled_while_saving_is_counted_once() -> None:
 def test_cancelling_a_finished_request_changes_nothing() -> None:
     s = make_scheduler()
     (request,) = admit(s, max_tokens=1)
-    schedule(s)  # its first token ends it
-    schedule(s)
+    turn(s)  # its first token ends it: it never joins
     assert request.status is RequestStatus.FINISHED_LENGTH
     s.cancel(request)
     assert request.ending is not None and request.ending.cause is Cause.LENGTH
@@ -530,10 +603,9 @@ def test_end_all_fails_every_active_request_but_keeps_cancellations() -> None:
     (running,) = admit(s)
     (waiting,) = admit(s)
     (gone,) = admit(s)
-    schedule(s)
+    turn(s)
     s.cancel(gone)
-    s.end_all(Cause.FAILED, "model 'm' failed")
-    ended = finishes(s)
+    ended = finishes(s, s.end_all(Cause.FAILED, "model 'm' failed"))
     assert ended[running.id] == Finish(FinishReason.ERROR, "model 'm' failed")
     assert ended[waiting.id].reason is FinishReason.ERROR
     assert ended[gone.id].reason is FinishReason.ABORT
@@ -545,17 +617,14 @@ def test_joiners_ride_one_step_together_oldest_first_and_join_in_one_rebatch() -
     first, so they join together rather than one by one while the batch decodes half empty."""
     s = make_scheduler(max_running=8)
     admit(s)
-    schedule(s)
+    turn(s)
     joiners = [admit(s, length=10 + i)[0] for i in range(3)]
-    s.join()
-    assert s.to_prefill() == []
-    assert s.riding() == joiners  # (riding() hands them out once per step)
-    s.to_prefill()
     budget = s.ride_budget(3)
     assert budget == 3 * s.ride_budget(1)  # nothing measured yet: the least chunk each
-    step(s)
+    plan = turn(s)
+    assert plan.decode is not None and [c.request for c in plan.decode.rides] == joiners
     assert s.counters.riding_chunks == 3 and all(j.prefilled == len(j.prompt_ids) for j in joiners)
-    rebatch = s.plan_rebatch()
+    rebatch = turn(s).rebatch
     assert rebatch is not None and rebatch.order[1:] == tuple(joiners)
     # measured costs: the budget is chunk_steps of a step per joiner, never past max_chunk
     s.costs.step_seconds, s.costs.ride_seconds_per_token = 0.1, 0.001
@@ -573,28 +642,27 @@ def test_a_request_joining_while_its_rebatch_runs_stays_counted_and_can_be_ended
     from looking idle, and be ended by end_all (a drain that times out then)."""
     s = make_scheduler(max_running=2)
     (first,) = admit(s)
-    schedule(s)
+    turn(s)
     (second,) = admit(s)
-    s.join()
-    assert s.to_prefill() == []  # its prompt rides the decode steps of the live row
     while second.prefilled < len(second.prompt_ids):
-        step(s)
-    rebatch = s.plan_rebatch()  # the device is now rebatching: nothing is booked yet
+        turn(s)  # its prompt rides the decode steps of the live row
+    plan = s.schedule()  # the device is now rebatching: nothing is booked yet
+    rebatch = plan.rebatch
     assert rebatch is not None and second in rebatch.order
     assert s.stats(healthy=True).running == 2
     assert not s.idle and {first, second} <= set(s.active())
-    s.end_all(Cause.ABORTED, "the server is shutting down")
-    assert set(finishes(s)) == {first.id, second.id}
-    assert s.book_rebatch(rebatch, None) is not None  # the ended rows leave at the next one
-    s.book_assemble(padding_columns=0)
-    schedule(s)
+    ended = finishes(s, s.end_all(Cause.ABORTED, "the server is shutting down"))
+    assert set(ended) == {first.id, second.id}
+    update(s, plan, answer(plan))  # the ended rows leave at the next rebatch
+    assert s.running == [first, second]
+    turn(s)
     assert s.idle and s.stats(healthy=True).running == 0
 
 
 # ---- the core is pure ---------------------------------------------------------------------------
 
 CORE = (
-    *("request", "admission", "scheduler", "prefill", "budget"),
+    *("request", "admission", "lifecycle", "scheduler", "live_batch", "prefill", "budget"),
     *("costs", "counters", "plans", "planner", "prefix_cache", "types"),
 )
 
@@ -613,7 +681,9 @@ class Refuse:
 sys.meta_path.insert(0, Refuse())
 for module in {CORE!r}:
     __import__(f"neuronpy.engine.{{module}}")
-from neuronpy.engine.plans import DecodeOutcome, PrefillOutcome, Sampled
+from neuronpy.engine.plans import (
+    DecodeOutcome, PrefillOutcome, RebatchOutcome, Sampled, StepOutcome
+)
 from neuronpy.engine.scheduler import Scheduler
 from neuronpy.engine.types import SamplingParams
 
@@ -621,15 +691,13 @@ s = Scheduler(name="m", max_running=2, max_queue=2, queue_timeout=0,
               context_len=64, vocab_size=32)
 params = SamplingParams(max_tokens=3)
 (request,) = s.admit(s.validate([1, 2, 3], params), [params], frozenset())
-s.join()
-(first,) = s.to_prefill()
-plan = s.prefills.plan(first, None)
-s.book_prefill(plan, PrefillOutcome((Sampled(5),)))
-s.book_rebatch(s.plan_rebatch(), None)
-s.book_assemble(0)
 while not request.done:
-    step = s.plan_decode()
-    s.book_decode(step, DecodeOutcome((Sampled(6),)))
+    plan = s.schedule()
+    s.update(plan, StepOutcome(
+        prefill=plan.prefill and PrefillOutcome((Sampled(5),)),
+        rebatch=plan.rebatch and RebatchOutcome(None),
+        decode=plan.decode and DecodeOutcome((Sampled(6),)),
+    ))
 assert request.output_ids == [5, 6, 6], request.output_ids
 assert not {{"torch", "anyio", "transformers"}} & set(sys.modules)
 """
@@ -640,9 +708,8 @@ def test_retry_after_is_when_a_row_frees_at_the_measured_step_time() -> None:
     s = make_scheduler(max_running=2, max_queue=1)
     assert s.retry_after() == 1.0  # nothing measured yet
     admit(s, max_tokens=40), admit(s, max_tokens=100)
-    schedule(s)
     for _ in range(10):
-        step(s)
+        turn(s)
         s.add_time("forward", 0.25)  # each step took a quarter of a second
     # 11 tokens each (the prefill's and 10 steps'): 29 and 89 to go. A refused request waits
     # behind the queue (empty): the first row frees in 29 steps
@@ -669,27 +736,30 @@ def test_verify_steps_book_several_tokens_and_trim_the_rejected_columns_next() -
     (a,) = s.admit(prompt, [SamplingParams(max_tokens=6)], frozenset({EOS}), now=0.0)
     prompt = s.validate([1, 2, 3], SamplingParams(max_tokens=6))
     (b,) = s.admit(prompt, [SamplingParams(max_tokens=6)], frozenset({EOS}), now=0.0)
-    schedule(s)  # both prefilled, first token TOKEN (7): a's context ends 5 6 7
-    plan = s.plan_decode()
+    step = until_step(s)  # both prefilled, first token TOKEN (7): a's context ends 5 6 7
+    plan = step.decode
+    assert plan is not None and step.rebatch is not None
     assert plan.drafts[0] == (8, 5, 6, 7) and plan.drafts[1] == () and plan.trim == ()
     # a: two drafts stand, then its own 3; b: its one token
-    s.book_decode(
-        plan,
-        DecodeOutcome((Sampled(3, accepted=((8, None), (5, None))), Sampled(9)), drafted=(4, 0)),
+    verified = DecodeOutcome(
+        (Sampled(3, accepted=((8, None), (5, None))), Sampled(9)), drafted=(4, 0)
     )
+    update(s, step, answer(step, decode=verified))
     assert a.output_ids == [7, 8, 5, 3] and b.output_ids == [7, 9]
     assert s.stats(True).spec_accepted_tokens == 2 and s.stats(True).spec_draft_tokens == 4
-    nxt = s.plan_decode()
+    step = until_step(s)
+    nxt = step.decode
+    assert nxt is not None and step.rebatch is None
     assert nxt.trim == (2, 0)  # a fed 5 tokens, keeps 3 (7, 8, 5: its last emitted is not fed)
-    assert s.plan_decode().trim == ()  # given once
-    s.book_decode(nxt, DecodeOutcome((Sampled(6), Sampled(9)), drafted=()))  # a: 7 8 5 3 6
-    third = s.plan_decode()
+    update(s, step, answer(step, decode=DecodeOutcome((Sampled(6), Sampled(9)))))  # a: 7 8 5 3 6
+    step = until_step(s)
+    third = step.decode
+    assert third is not None and third.trim == ()  # the trim is given once
     # drafts never run past max_tokens (6): a has 5 tokens, so its step may emit one: no draft
     # (b, whose reply repeats 9, drafts 9 again)
     assert third.drafts == ((), (9,)) and third.draft_lengths == ()
-    # a's draft is rejected (EOS instead: it ends); b ends too: the rebatch carries the trim
-    # its extraction needs
-    s.book_decode(third, DecodeOutcome((Sampled(EOS), Sampled(EOS))))
+    # a's draft is rejected (EOS instead: it ends); b ends too
+    update(s, step, answer(step, decode=DecodeOutcome((Sampled(EOS), Sampled(EOS)))))
     assert a.done and a.output_ids == [7, 8, 5, 3, 6, EOS] and b.done
 
 
@@ -700,13 +770,15 @@ def test_a_rebatch_after_a_verify_step_carries_the_trim() -> None:
     prompt = s.validate([4, 7, 4, 7, 4], SamplingParams(max_tokens=20))
     (a,) = s.admit(prompt, [SamplingParams(max_tokens=20)], frozenset({EOS}), now=0.0)
     (b,) = s.admit(prompt, [SamplingParams(max_tokens=20)], frozenset({EOS}), now=0.0)
-    schedule(s)  # first tokens 7: contexts end 4 7 4 7 4 7
-    plan = s.plan_decode()
+    step = until_step(s)  # first tokens 7: contexts end 4 7 4 7 4 7
+    plan = step.decode
+    assert plan is not None
     assert plan.drafts == ((4, 7), (4, 7))  # what followed "4 7 4 7" before: all there is
     # a: one draft stands then 9; b: the first draft is rejected, and b ends (EOS)
     outcome = DecodeOutcome((Sampled(9, accepted=((4, None),)), Sampled(EOS)), drafted=(2, 2))
-    s.book_decode(plan, outcome)
+    update(s, step, answer(step, decode=outcome))
     assert b.done and a.output_ids == [7, 4, 9]
-    rebatch = s.plan_rebatch()  # b leaves: the survivors are extracted after the trim
+    step = until_step(s)  # b leaves: the survivors are extracted after the trim
+    rebatch = step.rebatch
     assert rebatch is not None and rebatch.extract and rebatch.trim == (1, 2)
-    assert s.plan_decode().trim == ()  # the rebatch took it
+    assert step.decode is not None and step.decode.trim == ()  # the rebatch took it

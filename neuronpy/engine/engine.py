@@ -1,4 +1,4 @@
-"""The per-model engine: submit, stream, stats, drain; its loop plans, runs jobs, books results."""
+"""The per-model engine: submit, stream, stats, drain; its loop schedules, runs and updates."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ from transformers import PreTrainedTokenizerBase
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig
 from neuronpy.engine.compiles import Compiles
-from neuronpy.engine.costs import MIN_CHUNK
 from neuronpy.engine.counters import EngineStats, StepProfile
 from neuronpy.engine.grammar import Grammars, Reasoning
-from neuronpy.engine.plans import PrefillPlan
+from neuronpy.engine.lifecycle import Messages
 from neuronpy.engine.reasoning import prompt_opens_reasoning
 from neuronpy.engine.request import Cause, Finish, Request, RouterMessage
 from neuronpy.engine.router import route
@@ -159,8 +158,7 @@ class Engine:
     async def __aexit__(self, *exc_info: Any) -> None:
         self._healthy = False
         self._failure = self._failure or "the engine has shut down"
-        self._scheduler.end_all(Cause.ABORTED)
-        self._deliver()
+        self._deliver(self._scheduler.end_all(Cause.ABORTED))
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
@@ -288,9 +286,8 @@ class Engine:
         # bounded: a consumer that stops reading ends its request (see route)
         bound = self.config.max_buffered_events
         outbox, events = anyio.create_memory_object_stream[GenerationEvent](bound)
-        self._runner.samplers[request.id] = Sampler(
-            request.params, request.prompt_ids, self.vocab_size, matcher
-        )
+        sampler = Sampler(request.params, request.prompt_ids, self.vocab_size, matcher)
+        self._runner.add_sampler(request.id, sampler)
         self._routers[request.id] = to_router
         assert self._tg is not None
         self._tg.start_soon(
@@ -377,8 +374,7 @@ class Engine:
             with anyio.move_on_after(timeout):
                 await self._idle.wait()
         aborted = sum(not r.status.finished for r in s.active())
-        s.end_all(Cause.ABORTED, "the server is shutting down")
-        self._deliver()
+        self._deliver(s.end_all(Cause.ABORTED, "the server is shutting down"))
         if aborted:
             self._wake.set()  # the loop drops the aborted rows at its next schedule
         return aborted
@@ -423,25 +419,25 @@ class Engine:
         self._wake.set()
 
     def _saved(self, request: Request, error: str | None) -> None:
-        self._scheduler.book_saved(request, error)
-        self._deliver()
+        self._deliver(self._scheduler.book_saved(request, error))
         self._wake.set()
 
     def _spawn(self, fn: Callable[[], Awaitable[None]], name: str) -> None:
         assert self._tg is not None
         self._tg.start_soon(fn, name=name)
 
-    # ---- the loop: plan, run jobs, book results, deliver events ---------------------------------
+    # ---- the loop: schedule, run, update, deliver ------------------------------------------------
 
     async def _loop(self) -> None:
-        """Turns while anything is admitted: who joins, the prefills, the rebatch, one decode
-        step. Every turn moves something on (the scheduler's `moves`); one that does not is a
-        bug, and the requests it strands end with an error rather than the loop spinning.
-        With nothing admitted it sleeps until a submit (or a session written) wakes it."""
+        """While anything is admitted (or housekeeping waits): the scheduler plans, the runner
+        runs the plan, the scheduler books its outcome, the routers get their messages. A turn
+        that moves nothing on is a bug: the scheduler fails what it strands rather than let the
+        loop spin. With nothing admitted it sleeps until a submit (or a session written) wakes
+        it."""
         s = self._scheduler
         try:
             while True:
-                if not s.active():
+                if not s.has_work:
                     if not s.saving:  # (a session's write wakes the loop when done)
                         self._idle.set()
                     self._wake = anyio.Event()
@@ -450,96 +446,17 @@ class Engine:
                     await self._wake.wait()
                     continue
                 self._turns += 1
-                moves = s.moves
-                await self._schedule()
-                for request, why in s.audit():
-                    log.error("%s: request %d is stuck (%s); it fails", self.name, request.id, why)
-                if s.running:
-                    await self._step()
-                    continue
-                if s.moves == moves and s.active():
-                    states = {row["id"]: row["state"] for row in s.rows()}
-                    stuck = s.stalled()
-                    log.error(
-                        "%s: a turn moved nothing on; %d requests fail: %s",
-                        self.name,
-                        len(stuck),
-                        states,
-                    )
+                plan = s.schedule()
+                outcome = await self._runner.run(plan)
+                self._deliver(s.update(plan, outcome))
                 await anyio.sleep(0)  # let routers and submitters run
         except Exception as exc:
             log.exception("engine for %s failed; marking it unhealthy", self.name)
             self._fail(exc)
 
-    async def _schedule(self) -> None:
-        """Who joins and who is preempted; the joiners' prefills when nothing decodes; the
-        rebatch: extract the survivors, assemble again."""
-        s = self._scheduler
-        s.expire()
-        s.join()
-        await self._flush()
-        for request in s.to_prefill():
-            plan = await self._plan_prefill(request, None)
-            if plan is not None:
-                s.book_prefill(plan, await self._runner.prefill(plan))
-            await self._flush()
-        rebatch = s.plan_rebatch()
-        await self._flush()
-        if rebatch is None:
-            return
-        started = time.perf_counter()
-        assemble = s.book_rebatch(rebatch, await self._runner.rebatch(rebatch))
-        await self._flush()
-        if assemble is not None:
-            s.book_assemble(await self._runner.assemble(assemble))
-        s.add_time("rebatch", time.perf_counter() - started)
-
-    async def _step(self) -> None:
-        """One lockstep decode step over every live row, joiners' chunks riding it: the oldest
-        joiners first, within the step's budget of prompt tokens."""
-        s = self._scheduler
-        rides = s.riding()
-        budget, chunks = s.ride_budget(len(rides)), []
-        for ride in rides:
-            if chunks and budget < MIN_CHUNK:
-                break
-            chunk = await self._plan_prefill(ride, budget)
-            if chunk is not None:
-                chunks.append(chunk)
-                budget -= len(chunk.tokens)
-        plan = s.plan_decode(chunks)
-        if plan.draft_lengths:
-            plan, seconds = await self._runner.draft(plan)
-            s.add_time("draft", seconds)
-        s.book_decode(plan, await self._runner.decode(plan))
-        await self._flush()
-
-    async def _plan_prefill(self, request: Request, budget: int | None) -> PrefillPlan | None:
-        """The request's next chunk; its first reads its session's KV when that holds more
-        of the prompt than the prefix cache."""
-        prefills = self._scheduler.prefills
-        load = prefills.session_load(request)
-        restored = None
-        if load is not None:
-            restored = prefills.book_session_load(load, await self._runner.load_session(load))
-            await self._flush()
-        return prefills.plan(request, budget, load, restored)
-
-    async def _flush(self) -> None:
-        """Delivers the scheduler's events, then runs its housekeeping jobs in order."""
-        self._deliver()
-        s = self._scheduler
-        while s.ops:
-            ops = list(s.ops)
-            s.ops.clear()  # (in place: the scheduler's parts hold this list)
-            await self._runner.run_ops(ops)
-            self._deliver()
-
-    def _deliver(self) -> None:
+    def _deliver(self, messages: Messages) -> None:
         """Hands the scheduler's messages to the routers; a Finish ends the router's inbox."""
-        s = self._scheduler
-        outbox, s.outbox = s.outbox, []
-        for request, message in outbox:
+        for request, message in messages:
             to_router = self._routers.get(request.id)
             if to_router is None:
                 continue
@@ -549,7 +466,7 @@ class Engine:
             if isinstance(message, Finish):
                 to_router.close()
                 del self._routers[request.id]
-                self._runner.samplers.pop(request.id, None)
+                self._runner.drop_sampler(request.id)
 
     def _fail(self, exc: BaseException) -> None:
         """A fault of the device or the model: every active request fails, later ones fail
@@ -558,7 +475,7 @@ class Engine:
         # a worker's own errors say what broke (a lost tensor-parallel rank); others, their type
         why = str(exc) if isinstance(exc, WorkerError) else type(exc).__name__
         self._failure = self._failed(why)
-        self._scheduler.end_all(Cause.FAILED, self._failure)
+        messages = self._scheduler.end_all(Cause.FAILED, self._failure)
         self._scheduler.clear()
-        self._deliver()
+        self._deliver(messages)
         self._idle.set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,8 +153,9 @@ class DecodeOutcome:
 class RebatchPlan:
     """A join or leave. On the device: the live rows `rows` become snapshots `ids` (survivors,
     preempted rows, and leaving rows the prefix cache or a session keeps), then `ops` run
-    (offload the preempted, save sessions), then the rows in `cache` join the prefix cache.
-    Then the scheduler ends `leaving` and the new live batch is `order`, assembled."""
+    (offload the preempted, save sessions), then the rows in `cache` join the prefix cache, then
+    the snapshots `assemble` (the rows of `order`, in that order) become the new live batch.
+    The scheduler then ends `leaving`."""
 
     rows: tuple[int, ...]
     ids: tuple[int, ...]
@@ -161,6 +163,7 @@ class RebatchPlan:
     cache: tuple[tuple[Request, int], ...]  # (request, its extracted snapshot id)
     leaving: tuple[Request, ...]
     order: tuple[Request, ...]  # survivors, then joiners
+    assemble: tuple[int, ...]  # the snapshot of each row of `order`; empty: no row is left
     extract: bool = True  # False: there is no live batch yet to take rows from
     trim: tuple[int, ...] = ()  # per row of the live batch: as DecodePlan.trim, before extracting
 
@@ -172,7 +175,45 @@ class CacheOutcome:
 
 
 @dataclass(frozen=True)
-class AssemblePlan:
-    """The new live batch: these snapshots, in this row order."""
+class RebatchOutcome:
+    cached: CacheOutcome | None  # None: the plan cached nothing
+    padding_columns: int = 0  # of the new live batch
+    seconds: float = 0.0
 
-    snapshot_ids: tuple[int, ...]
+
+# ---- one call of the runner: the scheduler plans it whole, the runner answers it whole
+
+
+class Phase(enum.Enum):
+    """Which part of a turn of the engine's loop a StepPlan is (see Scheduler.schedule). A
+    part that needs the device's answer to an earlier one is planned once that is booked."""
+
+    LOAD = "load"  # the session files the turn's first chunks start after
+    PREFILL = "prefill"  # one joiner's whole prompt (nothing decodes): the next may start after it
+    STEP = "step"  # the rebatch, then one decode step with joiners' chunks riding it
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything one call of the runner does, in this order: the housekeeping `ops` queued
+    since the last plan, the session `loads`, the `prefill` in a forward of its own, the
+    `rebatch` (extract, cache, assemble), then the `decode` step (the runner first fills the
+    drafts of rows drafting with the draft model: `DecodePlan.draft_lengths`)."""
+
+    phase: Phase
+    ops: tuple[Op, ...] = ()
+    loads: tuple[LoadSession, ...] = ()
+    prefill: PrefillPlan | None = None
+    rebatch: RebatchPlan | None = None
+    decode: DecodePlan | None = None
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the device answered to a StepPlan: one entry per part the plan has."""
+
+    loads: tuple[Loaded, ...] = ()  # one per StepPlan.loads
+    prefill: PrefillOutcome | None = None
+    rebatch: RebatchOutcome | None = None
+    decode: DecodeOutcome | None = None
+    draft_seconds: float = 0.0  # the draft model's drafting before the decode step

@@ -19,27 +19,37 @@ from neuronpy.engine.request import Cause, Request
 
 class Prefills:
     """Plans prompts' prefill chunks and books their results, with the prefix cache's index
-    (None: the cache is off) and the sessions' restores."""
+    (None: the cache is off) and the sessions' restores.
+
+    A session's KV is read before its request's first chunk is planned (the tokens the file
+    holds decide where the chunk starts), in a plan of its own: what it gives waits here,
+    by request, until that chunk takes it, or is dropped if the request ends or is preempted
+    first (`forget`)."""
 
     def __init__(
         self,
         prefix: PrefixIndex | None,
         counters: Counters,
-        ops: list[Op],
+        queue: Callable[[Op], None],
         kv_ids: Iterator[int],
         finish: Callable[[Request], None],
     ) -> None:
         self.prefix = prefix
         self._counters = counters
-        self._ops = ops  # the scheduler's housekeeping queue
+        self._queue = queue  # the scheduler's housekeeping jobs
         self._kv_ids = kv_ids  # the scheduler's: snapshots, cache entries and clones share it
         self._finish = finish
+        # request -> (its session's snapshot id, the prompt tokens it holds), read and not yet
+        # prefilled after
+        self._restored: dict[Request, tuple[int, int]] = {}
 
     def session_load(self, request: Request) -> LoadSession | None:
         """Before a request's first chunk: its session's KV to read, when the session holds
-        more of the prompt than the prefix cache does."""
+        more of the prompt than the prefix cache does (and has not been read already)."""
         session = request.session
         if request.done or request.snapshot_id is not None or not session or not session.token_ids:
+            return None
+        if request in self._restored:
             return None
         hit = self._lookup(request)
         limit = len(request.prompt_ids) - 1  # one token is left to prefill: it samples
@@ -47,33 +57,39 @@ class Prefills:
             return None
         return LoadSession(request, next(self._kv_ids), session.path, hit)
 
-    def book_session_load(self, load: LoadSession, loaded: Loaded) -> tuple[int, int] | None:
-        """(its snapshot id, the prefix length it gives), or None: the file changed and holds
-        no more than the cache, or it could not be read (the request then fails alone)."""
+    def book_session_load(self, load: LoadSession, loaded: Loaded) -> None:
+        """Keeps what the session gives (its snapshot and the prefix length) for the request's
+        first chunk; drops it when the file changed and holds no more than the cache; fails
+        the request alone when the file could not be read."""
         request = load.request
         if loaded.error is not None:
             assert request.session is not None
             param = "session" if loaded.invalid else None
             request.end(Cause.FAILED, f"session {request.session.name!r}: {loaded.error}", param)
             self._finish(request)
-            return None
+            return
         limit = len(request.prompt_ids) - 1
         common = common_prefix(loaded.token_ids[:limit], request.prompt_ids)
-        if common <= (load.hit[1] if load.hit else 0):
-            self._ops.append(DropCached((load.cache_id,)))
-            return None
+        if common <= (load.hit[1] if load.hit else 0) or request.done:
+            self._queue(DropCached((load.cache_id,)))
+            return
         self._counters.sessions_restored += 1
-        return load.cache_id, common
+        self._restored[request] = (load.cache_id, common)
 
-    def plan(
-        self,
-        request: Request,
-        budget: int | None,
-        load: LoadSession | None = None,
-        restored: tuple[int, int] | None = None,
-    ) -> PrefillPlan | None:
+    def forget(self, request: Request) -> None:
+        """The request will not prefill after the session it read (it ended, or was
+        preempted): that snapshot goes."""
+        restored = self._restored.pop(request, None)
+        if restored is not None:
+            self._queue(DropCached((restored[0],)))
+
+    def clear(self) -> None:
+        """After a fault: the worker's stores are gone, and with them what was read."""
+        self._restored.clear()
+
+    def plan(self, request: Request, budget: int | None) -> PrefillPlan | None:
         """The next `budget` prompt tokens (all, if None) of the request. Its first chunk starts
-        after the longest cached prefix (the session's `restored` one, or the prefix cache's);
+        after the longest cached prefix (its session's, when read, or the prefix cache's);
         its last samples the first token and fills the request's other copies (n > 1). None
         when there is nothing to prefill: the request has ended (its session could not be
         read, say), or a copy's prefill has filled it."""
@@ -82,10 +98,11 @@ class Prefills:
         start = request.prefilled
         parent, parent_length, session_id = request.snapshot_id, None, None
         if parent is None:
-            hit = load.hit if load is not None else self._lookup(request)
+            restored = self._restored.pop(request, None)
             if restored is not None:
                 hit, session_id = restored, restored[0]
             else:
+                hit = self._lookup(request)
                 self._count_lookup(hit)
             if hit is not None:
                 request.cached_tokens = hit[1]
@@ -123,7 +140,7 @@ class Prefills:
         request, c = plan.request, self._counters
         c.prefill_tokens += len(plan.tokens)
         if plan.session_id is not None:
-            self._ops.append(DropCached((plan.session_id,)))
+            self._queue(DropCached((plan.session_id,)))
         if plan.cache_id is not None:
             self.index_entry(plan.cache_id, request.prompt_ids, outcome.cached_bytes)
         request.prefilled += len(plan.tokens)
@@ -179,7 +196,7 @@ class Prefills:
         assert self.prefix is not None
         dropped = self.prefix.insert(cache_id, tokens, nbytes)
         if dropped:
-            self._ops.append(DropCached(tuple(dropped)))
+            self._queue(DropCached(tuple(dropped)))
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -16,7 +16,6 @@ import torch
 from neuronpy.arch.kv import DEFAULT_HEADROOM
 from neuronpy.engine.grammar import GrammarError, Matcher
 from neuronpy.engine.plans import (
-    AssemblePlan,
     CacheOutcome,
     DecodeOutcome,
     DecodePlan,
@@ -28,9 +27,12 @@ from neuronpy.engine.plans import (
     Op,
     PrefillOutcome,
     PrefillPlan,
+    RebatchOutcome,
     RebatchPlan,
     Sampled,
     SaveSession,
+    StepOutcome,
+    StepPlan,
 )
 from neuronpy.engine.request import Request
 from neuronpy.engine.sampling import Sampler, sample_rows, verify_rows
@@ -88,7 +90,8 @@ async def result_of(fut: Future[T]) -> T:
 
 class Runner:
     """Runs plans on one device worker. A job's error is raised where that job is awaited, so
-    the engine knows which job failed; each request's sampler lives here, by request id."""
+    the engine knows which job failed; each request's sampler lives here, by request id, from
+    `add_sampler` to `drop_sampler`."""
 
     def __init__(
         self,
@@ -107,6 +110,27 @@ class Runner:
         self._spawn = spawn
         self._sampling_seconds = 0.0  # spent sampling on the worker thread, in the last job
         self._errors: dict[int, Exception] = {}  # request id -> why its sampler raised
+
+    def add_sampler(self, request_id: int, sampler: Sampler) -> None:
+        self.samplers[request_id] = sampler
+
+    def drop_sampler(self, request_id: int) -> None:
+        self.samplers.pop(request_id, None)
+
+    async def run(self, plan: StepPlan) -> StepOutcome:
+        """Runs the plan's parts in order (see StepPlan), every job awaited, and answers what
+        each gave."""
+        await self.run_ops(plan.ops)
+        loads = tuple([await self.load_session(load) for load in plan.loads])
+        prefill = None if plan.prefill is None else await self.prefill(plan.prefill)
+        rebatch = None if plan.rebatch is None else await self.rebatch(plan.rebatch)
+        decode, draft_seconds = None, 0.0
+        if plan.decode is not None:
+            step = plan.decode
+            if step.draft_lengths:  # (the plan names how many; the draft model writes them)
+                step, draft_seconds = await self.draft(step)
+            decode = await self.decode(step)
+        return StepOutcome(loads, prefill, rebatch, decode, draft_seconds)
 
     async def call(self, job: Job, meanwhile: Callable[[], None] | None = None) -> Any:
         """Runs `job` on the worker; `meanwhile` runs here while the worker starts on it."""
@@ -384,21 +408,22 @@ class Runner:
 
     # ---- rebatch ------------------------------------------------------------------------------
 
-    async def rebatch(self, plan: RebatchPlan) -> CacheOutcome | None:
+    async def rebatch(self, plan: RebatchPlan) -> RebatchOutcome:
         """Extracts the rows kept, runs the plan's offloads and saves, caches what the prefix
-        cache keeps."""
+        cache keeps, then assembles the new live batch (if any row is left)."""
+        began = time.perf_counter()
         if plan.extract:
             await self.call(ExtractKvRows(plan.rows, plan.ids, plan.trim))
         await self.run_ops(plan.ops)
-        if not plan.cache:
-            return None
-        result: CacheResult = await self.call(CacheKvSnapshots(tuple(i for _, i in plan.cache)))
-        return CacheOutcome(result.nbytes, result.lengths)
-
-    async def assemble(self, plan: AssemblePlan) -> int:
-        """Builds the new live batch; answers its padding columns."""
-        result: AssembleResult = await self.call(AssembleKvBatch(plan.snapshot_ids))
-        return result.padding_columns
+        cached = None
+        if plan.cache:
+            result: CacheResult = await self.call(CacheKvSnapshots(tuple(i for _, i in plan.cache)))
+            cached = CacheOutcome(result.nbytes, result.lengths)
+        padding = 0
+        if plan.assemble:
+            assembled: AssembleResult = await self.call(AssembleKvBatch(plan.assemble))
+            padding = assembled.padding_columns
+        return RebatchOutcome(cached, padding, time.perf_counter() - began)
 
     async def worker_stats(self) -> WorkerStatsResult:
         result: WorkerStatsResult = await self.call(WorkerStats())
