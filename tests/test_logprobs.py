@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from neuronpy.engine import sampling
 from neuronpy.engine.sampling import Sampler, sample_rows
-from neuronpy.engine.types import SamplingParams
+from neuronpy.engine.types import Constraint, SamplingParams
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.logprobs import TokenTexts
 from neuronpy.server.prompts import render_chat
@@ -115,6 +115,40 @@ def test_logit_bias_comes_before_the_penalties() -> None:
     assert sample_rows([banned], logits[None]) == [1]
     forced = Sampler(SamplingParams(temperature=0.7, seed=5, logit_bias=((3, 100.0),)), [3], 4)
     assert {forced.sample(logits) for _ in range(20)} == {3}
+
+
+def test_allowed_token_ids_are_all_a_row_may_sample() -> None:
+    logits = torch.tensor([5.0, 4.0, 1.0, 0.0, 3.0])
+    greedy = Sampler(SamplingParams(temperature=0.0, allowed_token_ids=(2, 4)), [0], 5)
+    assert not greedy.plain_greedy  # (the row's raw argmax is not its token)
+    assert sample_rows([greedy], logits[None]) == [4]
+    # in a batch, the other row's argmax is its own; a logit_bias cannot lift a banned id
+    plain = Sampler(SamplingParams(temperature=0.0), [0], 5)
+    biased = SamplingParams(temperature=0.0, allowed_token_ids=(2, 3), logit_bias=((0, 100.0),))
+    rows = [plain, Sampler(biased, [0], 5)]
+    assert sample_rows(rows, torch.stack([logits, logits])) == [0, 2]
+    drawn = {
+        Sampler(
+            SamplingParams(temperature=2.0, seed=seed, allowed_token_ids=(1, 3)), [0], 5
+        ).sample(logits)
+        for seed in range(60)
+    }
+    assert drawn == {1, 3}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"allowed_token_ids": ()},
+        {"allowed_token_ids": (-1,)},
+        {"allowed_token_ids": (True,)},
+        {"allowed_token_ids": (1,), "constraint": Constraint("json_object")},
+    ],
+)
+def test_allowed_token_ids_are_checked(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(**kwargs)
+    assert caught.value.param == "allowed_token_ids"
 
 
 @pytest.mark.parametrize(
@@ -250,6 +284,42 @@ async def test_logit_bias_bans_and_forces_tokens(server, tokenizer, id_of) -> No
     values = forced.choices[0].logprobs.token_logprobs
     assert values == pytest.approx([float(r[forced_id]) for r in ref], abs=TOL)
     assert min(values) < -0.01
+
+
+@pytest.mark.anyio
+async def test_allowed_token_ids_hold_a_reply_to_those_tokens(server, tokenizer) -> None:
+    """vLLM's allowed_token_ids through the real client: greedy among two ids, every token
+    one of them; ids outside the vocabulary, or with a constraint, a 400 naming the field."""
+    prompt = tokenizer.encode("The dog sleeps")
+    allowed = [tokenizer.encode(" sun")[0], tokenizer.encode(" moon")[0]]
+    async with api(server) as client:
+        out = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0.0,
+            extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+        )
+        assert out.choices[0].text == tokenizer.decode(allowed_greedy(prompt, allowed, 6))
+        for extra in (
+            {"allowed_token_ids": [len(tokenizer)]},
+            {"allowed_token_ids": []},
+            {"allowed_token_ids": allowed, "response_format": {"type": "json_object"}},
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=2, extra_body=extra
+                )
+            assert refused.value.body["param"] == "allowed_token_ids"  # type: ignore[index]
+
+
+def allowed_greedy(prompt: list[int], allowed: list[int], steps: int) -> list[int]:
+    """Greedy decoding by transformers' logits, each step's token the allowed one ranked first."""
+    out: list[int] = []
+    for _ in range(steps):
+        logits = reference(prompt, [*out, allowed[0]])[-1]
+        out.append(max(allowed, key=lambda t: float(logits[t])))
+    return out
 
 
 @pytest.mark.anyio

@@ -19,7 +19,8 @@ def check_prompt(
 ) -> tuple[int, ...]:
     """The prompt as a tuple, or InvalidRequestError naming what does not fit: an empty prompt,
     ids out of the vocabulary, no room in the context for the prompt and max_tokens, a prompt
-    larger than the KV budget (0: none), logit_bias ids out of the vocabulary."""
+    larger than the KV budget (0: none), logit_bias or allowed_token_ids ids out of the
+    vocabulary."""
     if not isinstance(params, SamplingParams):
         raise TypeError("params must be SamplingParams")
     prompt = tuple(prompt_ids)
@@ -58,5 +59,12 @@ def check_prompt(
         raise InvalidRequestError(
             f"'logit_bias' token ids out of the vocabulary [0, {vocab_size}): {biased[:20]}",
             "logit_bias",
+        )
+    outside = [t for t in params.allowed_token_ids or () if t >= vocab_size]
+    if outside:
+        raise InvalidRequestError(
+            f"'allowed_token_ids' holds ids out of the vocabulary [0, {vocab_size}): "
+            f"{outside[:20]}",
+            "allowed_token_ids",
         )
     return prompt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 from collections.abc import Sequence
 
@@ -42,6 +43,8 @@ class Sampler:
         self._bias = bool(params.logit_bias)
         self._bias_ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
         self._bias_values = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+        allowed = params.allowed_token_ids
+        self._allowed = None if allowed is None else torch.tensor(sorted(set(allowed)))
         # the last step's tokens', when params.logprobs (one, or a verify step's several)
         self._logprobs: list[TokenLogprob] = []
         # a draft model's distributions of the drafts of the next verify step, in order
@@ -64,7 +67,8 @@ class Sampler:
     def plain_greedy(self) -> bool:
         """Greedy with no penalty: the token is the row's argmax (rows can share one argmax),
         unless the row's constraint forbids it (see `take_argmax`)."""
-        return self._greedy and not (self._repetition or self._frequency or self._bias)
+        masked = self._bias or self._allowed is not None
+        return self._greedy and not (self._repetition or self._frequency or masked)
 
     def take_argmax(self, token: int) -> bool:
         """For a plain greedy row whose raw argmax is `token`: records it and answers True
@@ -90,12 +94,17 @@ class Sampler:
         return token
 
     def penalize(self, logits: torch.Tensor) -> torch.Tensor:
-        """A float32 copy of `logits`, masked to what the request's grammar allows (first),
-        with the logit_bias, then the repetition, frequency and presence penalties."""
+        """A float32 copy of `logits`, masked to what the request's grammar or its
+        allowed_token_ids allow (first), with the logit_bias, then the repetition, frequency
+        and presence penalties."""
         out = self._check(logits).to(torch.float32, copy=True)
         p = self.params
         if self.matcher is not None:
             self.matcher.mask(out)
+        if self._allowed is not None:
+            kept = out[self._allowed]
+            out.fill_(-math.inf)
+            out[self._allowed] = kept
         if self._bias:
             out[self._bias_ids] += self._bias_values
         if self._repetition:

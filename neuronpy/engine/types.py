@@ -16,6 +16,7 @@ MAX_STOP_LENGTH = 256
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
 MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_ALLOWED_TOKENS = 1 << 17  # allowed_token_ids entries (past any vocabulary's size)
 # OpenAI's range; past it a distribution is all but flat anyway
 MAX_TEMPERATURE = 2.0
 MAX_TOP_K = 2**31 - 1  # what the tensor ops take as a count
@@ -133,6 +134,8 @@ class SamplingParams:
     logprobs: int | None = None
     # (token id, bias) pairs added to the raw logits before anything else; ids are unique
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # the only ids it may sample (EOS included only if listed); None: any
+    allowed_token_ids: tuple[int, ...] | None = None
     output: OutputFormat = OutputFormat()
     # what the output must match (constrained decoding); None: anything
     constraint: Constraint | None = None
@@ -193,6 +196,7 @@ class SamplingParams:
                 f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}", "logprobs"
             )
         _check_logit_bias(self.logit_bias)
+        _check_allowed(self.allowed_token_ids, self.constraint)
         if not isinstance(self.output, OutputFormat):
             raise InvalidRequestError("'output' must be an OutputFormat")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
@@ -239,6 +243,29 @@ def _check_logit_bias(bias: object) -> None:
         )
     if len({t for t, _ in bias}) != len(bias):
         raise InvalidRequestError("'logit_bias' names a token id twice", "logit_bias")
+
+
+def _check_allowed(allowed: object, constraint: object) -> None:
+    if allowed is None:
+        return
+    if (
+        not isinstance(allowed, tuple)
+        or not 1 <= len(allowed) <= MAX_ALLOWED_TOKENS
+        or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID
+            for t in allowed
+        )
+    ):
+        raise InvalidRequestError(
+            f"'allowed_token_ids' must be 1 to {MAX_ALLOWED_TOKENS} non-negative token ids",
+            "allowed_token_ids",
+        )
+    if constraint is not None:  # (both at once may leave no token at all)
+        raise InvalidRequestError(
+            "'allowed_token_ids' cannot be combined with a constraint on the output "
+            "(response_format, structured outputs or tool_choice)",
+            "allowed_token_ids",
+        )
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ class SamplingRequest(WireModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     logit_bias: dict[str, Any] | None = None  # {"token id": bias}; the check lists bad entries
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only ids it may sample
     # what the output must match (constraints.py reads these fields, one of them at most)
     response_format: dict[str, Any] | None = None
     structured_outputs: Any = None
@@ -257,7 +258,7 @@ class SamplingRequest(WireModel):
         def given(value: Any, default: Any) -> Any:
             return default if value is None else value
 
-        bias = self.logit_bias or {}
+        bias, allowed = self.logit_bias or {}, self.allowed_token_ids
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             max_tokens=max_tokens,
@@ -274,6 +275,7 @@ class SamplingRequest(WireModel):
             ignore_eos=bool(self.ignore_eos),
             logprobs=self.logprobs_count(),
             logit_bias=tuple((int(k), float(v)) for k, v in bias.items()),
+            allowed_token_ids=None if allowed is None else tuple(allowed),
             output=self.output_format(reasoning),
             constraint=self._constraint,
             speculative=self.speculative,
