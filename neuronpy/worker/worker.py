@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
+from neuronpy.arch.attention import PrefillChunk
 from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, assemble_batch
-from neuronpy.arch.llama import LlamaModel, PrefillChunk
+from neuronpy.arch.llama import LlamaModel
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.errors import WorkerError
 from neuronpy.threads import start_in_own_thread

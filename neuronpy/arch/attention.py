@@ -1,0 +1,251 @@
+"""What a forward's tokens attend to, layer by layer: a prompt chunk its own causal span
+(SequenceAttention), the rows of a lockstep group one column each (UniformStep) or rows that
+lag, each its own count (RaggedStep), a decode step with chunks riding it (StepAttention);
+and the snapshot a chunk's K/V make (snapshot_of)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from neuronpy.arch.kv import KvGroup, KvSnapshot
+
+if TYPE_CHECKING:
+    from neuronpy.arch.llama import LlamaModel
+
+
+class Attention(Protocol):
+    """What one forward's tokens attend to in each layer (and where their K/V go)."""
+
+    tokens: int  # the forward's tokens this attention covers
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [N, H, D], k and v [N, KVH, D] (this layer's, every token's) -> [N, H * D]."""
+        ...
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens of one joining sequence to prefill within a decode step (forward_step):
+    after `past` (None: from the start), into buffers of `reserve` columns, growing past's own
+    buffers in place when `extend` (as LlamaModel.prefill)."""
+
+    token_ids: Sequence[int]
+    past: KvSnapshot | None = None
+    reserve: int = 0
+    extend: bool = False
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    hidden: torch.Tensor  # [B, hidden], final-normed: the decode rows
+    snapshots: tuple[KvSnapshot, ...] = ()  # per chunk: its sequence, past and chunk
+    chunk_hidden: tuple[torch.Tensor, ...] = ()  # per chunk: [hidden], its last token, normed
+
+
+def snapshot_of(
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    past: KvSnapshot | None,
+    new: list[int],
+) -> KvSnapshot:
+    """The snapshot of past's tokens then `new`, over buffers that may hold more columns."""
+    token_ids = (list(past.token_ids) if past is not None else []) + new
+    total = len(token_ids)
+    if keys[0].shape[2] == total:
+        return KvSnapshot(keys=keys, values=values, token_ids=token_ids)
+    # room left: views of the first `total` columns, the buffers kept beside them
+    return KvSnapshot(
+        keys=[k[:, :, :total] for k in keys],
+        values=[v[:, :, :total] for v in values],
+        token_ids=token_ids,
+        buffers=(keys, values),
+    )
+
+
+@dataclass(frozen=True)
+class UniformStep:
+    """A group whose rows each feed one token into the same column (`used`)."""
+
+    group: KvGroup
+    first: int  # the group's first row among the forward's tokens
+    mask: torch.Tensor | None
+    positions: torch.Tensor  # [B_g]
+
+    @property
+    def tokens(self) -> int:
+        return self.group.batch_size
+
+    def advance(self) -> None:
+        self.group.steps += 1
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """This group's rows' attention, [B_g, H * D]."""
+        group, lo = self.group, self.first
+        hi = lo + group.batch_size
+        c = model.config
+        k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
+        k_cache[:, :, col] = k[lo:hi]
+        v_cache[:, :, col] = v[lo:hi]
+        q_g = q[lo:hi].reshape(hi - lo, c.num_kv_heads, c.group_size, c.head_dim)
+        out = F.scaled_dot_product_attention(
+            q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], attn_mask=self.mask
+        )  # [B_g, KVH, G, D]: one query per row and head
+        return out.reshape(hi - lo, c.num_heads * c.head_dim)
+
+
+@dataclass(frozen=True)
+class RaggedStep:
+    """A group whose rows feed counts[b] tokens each (a verify step), or whose rows hold
+    different numbers of decode columns (after one): row b's tokens go to its own next columns
+    [base_b, base_b + counts[b]), each query seeing the row's prefix, its decode columns and
+    the row's tokens before it. The rows are padded to T = max(counts) queries; a padding
+    query repeats its row's last token, writes past the row's columns (never read: masked,
+    and rewritten later) and its output is dropped."""
+
+    group: KvGroup
+    counts: list[int]
+    take: torch.Tensor  # [B_g, T]: which of the forward's tokens each (row, query) is
+    cols: torch.Tensor  # [B_g, T]: the KV column each (row, query) writes
+    rows: torch.Tensor  # [B_g, 1]: the row index, for the writes
+    keep: torch.Tensor  # [n_g]: the real queries of the [B_g * T] outputs, in order
+    mask: torch.Tensor  # [B_g, 1, G * T, columns]
+    columns: int  # KV columns attended
+    positions: torch.Tensor  # [n_g]: the RoPE position of each token, in the forward's order
+    first: int = 0  # the group's first token in the forward
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts)
+
+    def advance(self) -> None:
+        self.group.advance(self.counts)
+
+    @classmethod
+    def plan(
+        cls, model: LlamaModel, group: KvGroup, counts: Sequence[int], first: int
+    ) -> RaggedStep:
+        dev = group.device
+        t = max(counts)
+        base = [group.padded_len + s for s in group.row_steps]
+        group.ensure_headroom(max(base) + t - group.used)
+        columns = max(base) + t
+        starts = list(itertools.accumulate(counts, initial=first))[:-1]
+        j = torch.arange(t, device=dev)
+        n = torch.tensor(counts, device=dev)
+        take = torch.tensor(starts, device=dev)[:, None] + torch.minimum(j[None], n[:, None] - 1)
+        base_t = torch.tensor(base, device=dev)
+        cols = base_t[:, None] + j[None]  # [B_g, T]
+        real = j[None] < n[:, None]  # [B_g, T]
+        keep = torch.nonzero(real.reshape(-1)).squeeze(1)
+        col = torch.arange(columns, device=dev)
+        prefix = group.prefix_lens_tensor()
+        valid = (col[None, None] < prefix[:, None, None]) | (
+            (col[None, None] >= group.padded_len) & (col[None, None] <= cols[:, :, None])
+        )  # [B_g, T, columns]
+        mask = valid.repeat(1, model.config.group_size, 1)[:, None]
+        lens = torch.tensor(group.row_lengths, device=dev)
+        positions = (lens[:, None] + j[None])[real]
+        rows = torch.arange(group.batch_size, device=dev)[:, None]
+        return cls(group, list(counts), take, cols, rows, keep, mask, columns, positions, first)
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """This group's tokens' attention, [n_g, H * D] in the forward's order."""
+        b, t = self.take.shape
+        even = len(self.keep) == b * t
+        if even:  # as many tokens in every row: they lie in order, [B_g, T] of them
+            lo = self.first
+            q_t, k_t, v_t = (x[lo : lo + b * t].unflatten(0, (b, t)) for x in (q, k, v))
+        else:
+            q_t, k_t, v_t = (x[self.take] for x in (q, k, v))  # [B_g, T, heads, D]
+        k_cache, v_cache = self.group.keys[layer], self.group.values[layer]
+        k_cache[self.rows, :, self.cols] = k_t
+        v_cache[self.rows, :, self.cols] = v_t
+        out = F.scaled_dot_product_attention(
+            model.group_queries(q_t),  # [B_g, KVH, G * T, D]
+            k_cache[:, :, : self.columns],
+            v_cache[:, :, : self.columns],
+            attn_mask=self.mask,
+        )
+        out = model.ungroup(out, t)  # [B_g * T, H * D]
+        return out if even else out[self.keep]
+
+
+@dataclass(frozen=True)
+class SequenceAttention:
+    """One sequence's tokens at columns [start, total) of its own K/V buffers (a prompt's
+    chunk, alone or riding a decode step): each token sees the columns up to its own."""
+
+    keys: list[torch.Tensor]  # per layer [1, KVH, capacity, D]
+    values: list[torch.Tensor]
+    start: int
+    total: int
+    mask: torch.Tensor  # [G * T, total] (see LlamaModel._causal_mask)
+
+    @property
+    def tokens(self) -> int:
+        return self.total - self.start
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
+        k_cache, v_cache = self.keys[layer], self.values[layer]
+        k_cache[0, :, self.start : self.total] = k.transpose(0, 1)
+        v_cache[0, :, self.start : self.total] = v.transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            model.group_queries(q[None]),
+            k_cache[:, :, : self.total],
+            v_cache[:, :, : self.total],
+            attn_mask=self.mask,
+        )
+        return model.ungroup(out, self.tokens)
+
+
+@dataclass(frozen=True)
+class NoAttention:
+    """Attention that reads and writes no cache (zeros out): what `compile` traces with."""
+
+    tokens: int
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+
+
+@dataclass(frozen=True)
+class StepAttention:
+    """A decode (or verify) step's: each KV group's rows, then each riding chunk's tokens."""
+
+    steps: Sequence[GroupStep]
+    riders: Sequence[SequenceAttention]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in (*self.steps, *self.riders))
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        outs = [s.attend(model, layer, q, k, v) for s in self.steps]
+        at = sum(s.tokens for s in self.steps)
+        for rider in self.riders:
+            hi = at + rider.tokens
+            outs.append(rider.attend(model, layer, q[at:hi], k[at:hi], v[at:hi]))
+            at = hi
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+GroupStep = UniformStep | RaggedStep
