@@ -88,6 +88,13 @@ class Engine:
         self._worker = worker or DeviceWorker(model, name, config.prefill_chunk)
         if config.speculative == "draft" and self._worker.drafts is None:
             raise ValueError(f'model {name!r}: speculative = "draft" needs its draft model loaded')
+        speculative = SpeculativeConfig(
+            config.speculative,
+            config.num_speculative_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.max_drafts_per_step,
+        )
         self._scheduler = Scheduler(
             name=name,
             max_running=self.max_running,
@@ -99,13 +106,7 @@ class Engine:
             prefix_cache_bytes=config.prefix_cache_bytes if config.prefix_cache else 0,
             chunk_steps=config.chunk_steps,
             prefill_chunk=config.prefill_chunk,
-            speculative=SpeculativeConfig(
-                config.speculative,
-                config.num_speculative_tokens,
-                config.prompt_lookup_min,
-                config.prompt_lookup_max,
-                config.max_drafts_per_step,
-            ),
+            speculative=speculative,
         )
         self._runner = Runner(
             self._worker,
@@ -113,6 +114,7 @@ class Engine:
             session_metadata=lambda: session_metadata(name, self.fingerprint, model.dtype),
             on_saved=self._saved,
             spawn=self._spawn,
+            speculative=speculative,
         )
         assert isinstance(config.max_compile_bytes, int)
         self.grammars = Grammars(
@@ -441,8 +443,6 @@ class Engine:
                     if not s.saving:  # (a session's write wakes the loop when done)
                         self._idle.set()
                     self._wake = anyio.Event()
-                    # (a submit while the draft KV goes sets the new event: no wake is lost)
-                    await self._runner.release_drafts()
                     await self._wake.wait()
                     continue
                 self._turns += 1

@@ -1,4 +1,5 @@
-"""Speculative decoding's pure parts: prompt-lookup drafting and each row's draft length.
+"""Speculative decoding's pure parts: its configuration, each row's draft length and what its
+proposer holds of it (the proposers themselves: engine/drafting/).
 
 A row with drafts feeds its next token and k drafted tokens in one lockstep step; the target
 model's logits at those k + 1 positions decide how many drafts stand (greedy: the longest
@@ -17,7 +18,6 @@ __all__ = [
     "DEFAULT_DRAFTS",
     "SPECULATIVE_METHODS",
     "DraftLength",
-    "NgramDrafter",
     "Speculation",
     "SpeculativeConfig",
     "cut_at_stop",
@@ -65,45 +65,6 @@ def cut_at_stop(drafts: tuple[int, ...], stop_ids: Collection[int]) -> tuple[int
     return drafts
 
 
-class NgramDrafter:
-    """Prompt lookup over one sequence (its prompt and its output so far): an index from each
-    n-gram (n in [lookup_min, lookup_max]) to the position after its latest occurrence that is
-    not the sequence's own end, kept up to date token by token (O(n sizes) per token)."""
-
-    def __init__(self, token_ids: Sequence[int], lookup_min: int = 2, lookup_max: int = 4):
-        if not 1 <= lookup_min <= lookup_max:
-            raise ValueError(f"lookup sizes {lookup_min}..{lookup_max}")
-        self.sizes = range(lookup_max, lookup_min - 1, -1)
-        self.tokens: list[int] = []
-        self._after: dict[tuple[int, ...], int] = {}
-        self.extend(token_ids)
-
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """The sequence grew by these tokens."""
-        tokens, after = self.tokens, self._after
-        for token in token_ids:
-            # the n-grams ending at the old last token are no longer the sequence's end: from
-            # now on their continuation is the token appended here
-            end = len(tokens)
-            for n in self.sizes:
-                if n <= end:
-                    after[tuple(tokens[end - n : end])] = end
-            tokens.append(token)
-
-    def propose(self, k: int) -> tuple[int, ...]:
-        """Up to k tokens that followed the longest recent match of the sequence's end."""
-        tokens = self.tokens
-        if k < 1:
-            return ()
-        for n in self.sizes:
-            if n > len(tokens):
-                continue
-            at = self._after.get(tuple(tokens[len(tokens) - n :]))
-            if at is not None:
-                return tuple(tokens[at : at + k])
-        return ()
-
-
 class DraftLength:
     """How many tokens a row drafts next: the longest run whose chance of standing in full
     (its acceptance rate to that power) is at least MIN_RUN_CHANCE, from `num_tokens` while
@@ -137,27 +98,36 @@ class DraftLength:
 
 
 class Speculation:
-    """One request's speculation: its method, its draft length, and for prompt lookup its
-    drafter, built on first use over the prompt and output so far and kept in step with them.
+    """One request's speculation: its method, its draft length, and what its method's proposer
+    holds of it (engine/drafting/proposer.py), as the scheduler books it: `fed` tokens of its
+    context at its last proposal, `held` tokens then held (the context and any drafts the
+    proposer fed itself), of which `kept` still agree with the context once the target has
+    verified (the rest, `held - kept`, the next proposal rolls back). All 0: it holds nothing.
     """
 
     def __init__(self, config: SpeculativeConfig, method: str) -> None:
         self.config = config
         self.method = method
         self.length = DraftLength(config.tokens_for(method))
-        self._ngram: NgramDrafter | None = None
+        self.fed = self.held = self.kept = 0
 
-    def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to k prompt-lookup drafts to follow the prompt and the output so far (each call's
-        output extends the last one's)."""
-        c = self.config
-        if self._ngram is None:
-            self._ngram = NgramDrafter([*prompt, *output], c.lookup_min, c.lookup_max)
-        else:
-            fed = len(self._ngram.tokens) - len(prompt)
-            if len(output) > fed:
-                self._ngram.extend(output[fed:])
-        return self._ngram.propose(k)
+    @property
+    def proposed(self) -> bool:
+        """Whether its proposer holds anything of it."""
+        return self.held > 0
+
+    def forget(self) -> None:
+        """Its proposer's state of it went (released)."""
+        self.fed = self.held = self.kept = 0
+
+    def book(self, fed: int, held: int) -> None:
+        """A proposal for it: its proposer had `fed` tokens of its context, holds `held`."""
+        self.fed, self.held, self.kept = fed, held, fed
+
+    def book_verified(self, accepted: int) -> None:
+        """The target accepted the first `accepted` of its drafts: the proposer's drafts among
+        them (those it fed itself) still agree with the context."""
+        self.kept = self.fed + min(accepted, self.held - self.fed)
 
 
 def share_budget(lengths: list[int], greedy: Sequence[bool], budget: int) -> list[int]:
