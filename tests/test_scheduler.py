@@ -825,9 +825,9 @@ def test_a_rebatch_after_a_verify_step_carries_the_trim() -> None:
 # ---- drafting: what the proposers are asked, what they hold -------------------------------------
 
 
-def drafting(num_tokens: int = 4, **kw: object) -> Scheduler:
-    """A scheduler whose requests draft with a draft model."""
-    spec = SpeculativeConfig("draft", num_tokens=num_tokens)
+def drafting(num_tokens: int = 4, ratio: float = 0.0, **kw: object) -> Scheduler:
+    """A scheduler whose requests draft with a draft model (its KV `ratio` of the model's)."""
+    spec = SpeculativeConfig("draft", num_tokens=num_tokens, draft_kv_ratio=ratio)
     return make_scheduler(speculative=spec, **kw)
 
 
@@ -908,3 +908,23 @@ def test_a_row_that_leaves_or_is_preempted_lets_its_draft_kv_go() -> None:
     s._preempt(b)
     step = until_step(s)
     assert ReleaseDrafts("draft", (b.id,)) in step.ops and not b.speculation.held  # type: ignore[union-attr]
+
+
+def test_the_draft_models_kv_counts_in_the_kv_budget() -> None:
+    """A row that drafts with a draft model needs its draft KV too (its context and the drafts
+    it feeds itself, at what a token of it costs in the model's KV): two rows of 30 tokens fit
+    a budget of 70 without it, and not with a draft KV half the model's."""
+    for ratio, together in ((0.0, True), (0.5, False)):
+        s = drafting(num_tokens=4, ratio=ratio, kv_budget_tokens=70)
+        a, b = admit(s, length=30)[0], admit(s, length=30)[0]
+        assert a.kv_need == 31 + (0 if not ratio else 17)  # ceil(0.5 * (30 + 4))
+        update(s, step := until_step(s), answer(step))
+        assert (b in s.running) is together and a in s.running
+        if not together:
+            assert b in s.waiting or b in s.joining
+    # the KV held counts it too, once the draft model holds the row
+    s = drafting(num_tokens=4, ratio=0.5)
+    (a,) = admit(s, length=30)
+    step = until_step(s)
+    update(s, step, answer(step))  # (its proposer holds its context: 31 tokens)
+    assert s.kv_held() == a.total_tokens + 16  # ceil(0.5 * 31)

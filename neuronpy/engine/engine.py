@@ -44,6 +44,12 @@ __all__ = ["Engine", "EngineStats", "RequestStream"]
 log = logging.getLogger(__name__)
 
 
+def kv_bytes_per_token(model: LlamaModel) -> int:
+    """K and V, every layer: what one token of a sequence's context takes."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+
+
 class Engine:
     """Serves many generations of one model through one lockstep (B, 1) decode per step."""
 
@@ -70,11 +76,7 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_running = config.max_in_flight if config.batching else 1
-        c = model.config
-        # K and V, every layer: what one token of a sequence's context takes
-        self.kv_bytes_per_token = (
-            2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
-        )
+        self.kv_bytes_per_token = kv_bytes_per_token(model)
         kv_budget = int(config.kv_budget)
         self.kv_budget_tokens = kv_budget // self.kv_bytes_per_token
         if kv_budget and not self.kv_budget_tokens:
@@ -88,12 +90,15 @@ class Engine:
         self._worker = worker or DeviceWorker(model, name, config.prefill_chunk)
         if config.speculative == "draft" and self._worker.drafts is None:
             raise ValueError(f'model {name!r}: speculative = "draft" needs its draft model loaded')
+        drafts = self._worker.drafts
         speculative = SpeculativeConfig(
             config.speculative,
             config.num_speculative_tokens,
             config.prompt_lookup_min,
             config.prompt_lookup_max,
             config.max_drafts_per_step,
+            # (the draft model's KV counts in the budget, in this model's tokens)
+            kv_bytes_per_token(drafts.model) / self.kv_bytes_per_token if drafts else 0.0,
         )
         self._scheduler = Scheduler(
             name=name,

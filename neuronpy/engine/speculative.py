@@ -9,6 +9,7 @@ and one more token always comes from the target. No torch, no anyio: plain data.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,9 @@ class SpeculativeConfig:
     # never change what they emit, so the batch may share them out: a step's cost grows with
     # its tokens once the batch is wide); sampled rows keep their own draft lengths
     step_budget: int = 32
+    # what one token of a row's KV in the draft model costs in the KV budget, in tokens of the
+    # model's KV (the two models' KV bytes per token, divided); 0: no draft model
+    draft_kv_ratio: float = 0.0
 
     def tokens_for(self, method: str) -> int:
         """The most drafts a row of this method verifies per step."""
@@ -128,6 +132,20 @@ class Speculation:
         """The target accepted the first `accepted` of its drafts: the proposer's drafts among
         them (those it fed itself) still agree with the context."""
         self.kept = self.fed + min(accepted, self.held - self.fed)
+
+    def kv_need(self, tokens: int) -> int:
+        """What its draft KV takes through its next step, in tokens of the model's KV, for a
+        request of `tokens` tokens: its context and the drafts the draft model feeds itself
+        (none but with a draft model)."""
+        if self.method != "draft" or not self.config.draft_kv_ratio:
+            return 0
+        return math.ceil(self.config.draft_kv_ratio * (tokens + self.length.num_tokens))
+
+    def kv_held(self) -> int:
+        """What its draft KV takes now, in tokens of the model's KV."""
+        if self.method != "draft" or not self.config.draft_kv_ratio:
+            return 0
+        return math.ceil(self.config.draft_kv_ratio * self.held)
 
 
 def share_budget(lengths: list[int], greedy: Sequence[bool], budget: int) -> list[int]:
