@@ -66,12 +66,12 @@ async def concurrently(
 
     decode = engine._runner.decode
 
-    async def gated(plan: Any) -> Any:
+    async def gated(plan: Any, *drafts: Any) -> Any:
         """A decode step waits until the job after the last that started has arrived."""
         firsts = sum(event.is_set() for event in started)
         while submitted < min(len(jobs), firsts + 1):
             await anyio.sleep(0.001)
-        return await decode(plan)
+        return await decode(plan, *drafts)
 
     if stagger:
         engine._runner.decode = gated  # type: ignore[method-assign]

@@ -15,10 +15,13 @@ from hypothesis import strategies as st
 
 from neuronpy.engine.budget import fit
 from neuronpy.engine.costs import MIN_CHUNK
+from neuronpy.engine.drafting.ngram import NgramProposer
+from neuronpy.engine.drafting.proposer import Proposal, Proposals
 from neuronpy.engine.lifecycle import Messages
 from neuronpy.engine.plans import (
     CacheOutcome,
     DecodeOutcome,
+    DecodePlan,
     DropCached,
     DropSnapshots,
     Loaded,
@@ -26,6 +29,7 @@ from neuronpy.engine.plans import (
     Phase,
     PrefillOutcome,
     RebatchOutcome,
+    ReleaseDrafts,
     Sampled,
     SaveSession,
     StepOutcome,
@@ -33,6 +37,7 @@ from neuronpy.engine.plans import (
 )
 from neuronpy.engine.request import Cause, Finish, Request, RequestStatus
 from neuronpy.engine.scheduler import Scheduler
+from neuronpy.engine.speculative import SpeculativeConfig
 from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest
 from neuronpy.errors import QueueFullError
 
@@ -98,8 +103,32 @@ def answer(
     if plan.decode is not None and decode is None:
         d = plan.decode
         rides = tuple(PrefillOutcome(tuple(Sampled(TOKEN) for _ in c.sampled)) for c in d.rides)
-        decode = DecodeOutcome(tuple(Sampled(choose(r)) for r in d.rows), rides)
+        proposed = tuple(held(p) for p in d.proposals)  # (it drafts nothing)
+        decode = DecodeOutcome(tuple(Sampled(choose(r)) for r in d.rows), rides, proposed=proposed)
     return StepOutcome(tuple(Loaded() for _ in plan.loads), prefill, rebatch, decode)
+
+
+def held(proposals: Proposals, fed_itself: int = 0) -> Proposal:
+    """A hand-made proposer's answer: no drafts; it holds each row's context and
+    `fed_itself` drafts of its own."""
+    rows = proposals.rows
+    return Proposal(tuple(() for _ in rows), tuple(r.context + fed_itself for r in rows))
+
+
+def lookup(s: Scheduler, plan: DecodePlan) -> tuple[tuple[tuple[int, ...], ...], Proposal]:
+    """What prompt lookup (a proposer kept per scheduler) drafts for the plan's rows: per
+    row, and its answer."""
+    proposer = NGRAM.setdefault(s, NgramProposer(1, 4))
+    (proposals,) = plan.proposals
+    assert proposals.method == "ngram"
+    proposal = proposer.propose_now(proposals.rows)
+    drafts: list[tuple[int, ...]] = [()] * len(plan.rows)
+    for row, row_drafts in zip(proposals.rows, proposal.drafts, strict=True):
+        drafts[row.row] = row_drafts
+    return tuple(drafts), proposal
+
+
+NGRAM: weakref.WeakKeyDictionary[Scheduler, NgramProposer] = weakref.WeakKeyDictionary()
 
 
 def update(s: Scheduler, plan: StepPlan, outcome: StepOutcome) -> None:
@@ -685,6 +714,7 @@ from neuronpy.engine.plans import (
     DecodeOutcome, PrefillOutcome, RebatchOutcome, Sampled, StepOutcome
 )
 from neuronpy.engine.scheduler import Scheduler
+from neuronpy.engine.speculative import SpeculativeConfig
 from neuronpy.engine.types import SamplingParams
 
 s = Scheduler(name="m", max_running=2, max_queue=2, queue_timeout=0,
@@ -729,8 +759,6 @@ def test_retry_after_is_when_a_row_frees_at_the_measured_step_time() -> None:
 
 
 def test_verify_steps_book_several_tokens_and_trim_the_rejected_columns_next() -> None:
-    from neuronpy.engine.speculative import SpeculativeConfig
-
     s = make_scheduler(speculative=SpeculativeConfig("ngram", num_tokens=4, lookup_min=1))
     prompt = s.validate([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=6))
     (a,) = s.admit(prompt, [SamplingParams(max_tokens=6)], frozenset({EOS}), now=0.0)
@@ -739,10 +767,13 @@ def test_verify_steps_book_several_tokens_and_trim_the_rejected_columns_next() -
     step = until_step(s)  # both prefilled, first token TOKEN (7): a's context ends 5 6 7
     plan = step.decode
     assert plan is not None and step.rebatch is not None
-    assert plan.drafts[0] == (8, 5, 6, 7) and plan.drafts[1] == () and plan.trim == ()
+    drafts, proposal = lookup(s, plan)
+    assert drafts[0] == (8, 5, 6, 7) and drafts[1] == () and plan.trim == ()
     # a: two drafts stand, then its own 3; b: its one token
     verified = DecodeOutcome(
-        (Sampled(3, accepted=((8, None), (5, None))), Sampled(9)), drafted=(4, 0)
+        (Sampled(3, accepted=((8, None), (5, None))), Sampled(9)),
+        drafted=(4, 0),
+        proposed=(proposal,),
     )
     update(s, step, answer(step, decode=verified))
     assert a.output_ids == [7, 8, 5, 3] and b.output_ids == [7, 9]
@@ -751,21 +782,23 @@ def test_verify_steps_book_several_tokens_and_trim_the_rejected_columns_next() -
     nxt = step.decode
     assert nxt is not None and step.rebatch is None
     assert nxt.trim == (2, 0)  # a fed 5 tokens, keeps 3 (7, 8, 5: its last emitted is not fed)
-    update(s, step, answer(step, decode=DecodeOutcome((Sampled(6), Sampled(9)))))  # a: 7 8 5 3 6
+    _, proposal = lookup(s, nxt)
+    answered = DecodeOutcome((Sampled(6), Sampled(9)), proposed=(proposal,))
+    update(s, step, answer(step, decode=answered))  # a: 7 8 5 3 6
     step = until_step(s)
     third = step.decode
     assert third is not None and third.trim == ()  # the trim is given once
     # drafts never run past max_tokens (6): a has 5 tokens, so its step may emit one: no draft
     # (b, whose reply repeats 9, drafts 9 again)
-    assert third.drafts == ((), (9,)) and third.draft_lengths == ()
+    drafts, proposal = lookup(s, third)
+    assert drafts == ((), (9,)) and [r.row for r in third.proposals[0].rows] == [1]
     # a's draft is rejected (EOS instead: it ends); b ends too
-    update(s, step, answer(step, decode=DecodeOutcome((Sampled(EOS), Sampled(EOS)))))
+    answered = DecodeOutcome((Sampled(EOS), Sampled(EOS)), proposed=(proposal,))
+    update(s, step, answer(step, decode=answered))
     assert a.done and a.output_ids == [7, 8, 5, 3, 6, EOS] and b.done
 
 
 def test_a_rebatch_after_a_verify_step_carries_the_trim() -> None:
-    from neuronpy.engine.speculative import SpeculativeConfig
-
     s = make_scheduler(speculative=SpeculativeConfig("ngram", num_tokens=3, lookup_min=1))
     prompt = s.validate([4, 7, 4, 7, 4], SamplingParams(max_tokens=20))
     (a,) = s.admit(prompt, [SamplingParams(max_tokens=20)], frozenset({EOS}), now=0.0)
@@ -773,12 +806,125 @@ def test_a_rebatch_after_a_verify_step_carries_the_trim() -> None:
     step = until_step(s)  # first tokens 7: contexts end 4 7 4 7 4 7
     plan = step.decode
     assert plan is not None
-    assert plan.drafts == ((4, 7), (4, 7))  # what followed "4 7 4 7" before: all there is
+    drafts, proposal = lookup(s, plan)
+    assert drafts == ((4, 7), (4, 7))  # what followed "4 7 4 7" before: all there is
     # a: one draft stands then 9; b: the first draft is rejected, and b ends (EOS)
-    outcome = DecodeOutcome((Sampled(9, accepted=((4, None),)), Sampled(EOS)), drafted=(2, 2))
+    outcome = DecodeOutcome(
+        (Sampled(9, accepted=((4, None),)), Sampled(EOS)), drafted=(2, 2), proposed=(proposal,)
+    )
     update(s, step, answer(step, decode=outcome))
     assert b.done and a.output_ids == [7, 4, 9]
     step = until_step(s)  # b leaves: the survivors are extracted after the trim
     rebatch = step.rebatch
     assert rebatch is not None and rebatch.extract and rebatch.trim == (1, 2)
     assert step.decode is not None and step.decode.trim == ()  # the rebatch took it
+    # and prompt lookup lets b's index go
+    assert ReleaseDrafts("ngram", (b.id,)) in step.ops
+
+
+# ---- drafting: what the proposers are asked, what they hold -------------------------------------
+
+
+def drafting(num_tokens: int = 4, ratio: float = 0.0, **kw: object) -> Scheduler:
+    """A scheduler whose requests draft with a draft model (its KV `ratio` of the model's)."""
+    spec = SpeculativeConfig("draft", num_tokens=num_tokens, draft_kv_ratio=ratio)
+    return make_scheduler(speculative=spec, **kw)
+
+
+def test_a_draft_job_carries_only_what_is_new_and_rolls_back_what_was_rejected() -> None:
+    s = drafting(num_tokens=4)
+    (a,) = admit(s, length=5, max_tokens=40)  # prompt 1..5
+    step = until_step(s)
+    plan = step.decode
+    assert plan is not None
+    (proposals,) = plan.proposals
+    (row,) = proposals.rows
+    # new to the draft model: its whole context, the first token (TOKEN) last
+    assert proposals.method == "draft" and row.fresh and row.length == 4
+    assert row.tokens == (1, 2, 3, 4, 5, TOKEN) and row.rollback == 0 and row.context == 6
+    # it drafts 4 (feeding itself 3 of them); the target accepts 2, then writes 9
+    answered = DecodeOutcome(
+        (Sampled(9, accepted=((11, None), (12, None))),),
+        drafted=(4,),
+        proposed=(Proposal(((11, 12, 13, 14),), (6 + 3,)),),
+    )
+    update(s, step, answer(step, decode=answered))
+    assert a.output_ids == [TOKEN, 11, 12, 9]
+    step = until_step(s)
+    assert step.decode is not None
+    (row,) = step.decode.proposals[0].rows
+    # it keeps the context and the 2 drafts that stood; the third goes; it is fed 9 alone
+    assert not row.fresh and row.rollback == 1 and row.tokens == (9,) and row.context == 9
+    # every draft stands: it lacks its last draft (never fed to itself) and the target's token
+    answered = DecodeOutcome(
+        (Sampled(8, accepted=((21, None), (22, None), (23, None), (24, None))),),
+        drafted=(4,),
+        proposed=(Proposal(((21, 22, 23, 24),), (9 + 3,)),),
+    )
+    update(s, step, answer(step, decode=answered))
+    step = until_step(s)
+    assert step.decode is not None
+    (row,) = step.decode.proposals[0].rows
+    assert row.rollback == 0 and row.tokens == (24, 8) and row.context == 14
+
+
+def test_a_draft_model_steps_every_row_it_holds_and_restarts_one_far_behind() -> None:
+    from neuronpy.engine.drafting.planner import MAX_CATCH_UP
+
+    s = drafting(num_tokens=2)
+    a, b = admit(s, length=5, max_tokens=200)[0], admit(s, length=5, max_tokens=200)[0]
+    step = until_step(s)
+    assert step.decode is not None
+    assert [r.key for r in step.decode.proposals[0].rows] == [a.id, b.id]
+    update(s, step, answer(step))  # (nothing drafted: each holds its context)
+    # b stops drafting (its drafts stopped paying) and a drafts on: b rides a's draft job to
+    # keep its draft KV up to date
+    b.speculation.length.rate = 0.0  # type: ignore[union-attr]
+    step = until_step(s)
+    assert step.decode is not None
+    rows = {r.key: r for r in step.decode.proposals[0].rows}
+    assert rows[a.id].length == 2 and rows[b.id].length == 0 and rows[b.id].tokens == (TOKEN,)
+    update(s, step, answer(step))
+    # a row whose draft KV lags its context too far starts again from its whole context
+    b.speculation.kept -= MAX_CATCH_UP  # type: ignore[union-attr]
+    step = until_step(s)
+    assert step.decode is not None
+    row = {r.key: r for r in step.decode.proposals[0].rows}[b.id]
+    assert row.fresh and row.rollback == 0 and len(row.tokens) == b.total_tokens
+
+
+def test_a_row_that_leaves_or_is_preempted_lets_its_draft_kv_go() -> None:
+    s = drafting(num_tokens=2, max_running=2)
+    a, b = admit(s, max_tokens=200)[0], admit(s, max_tokens=200)[0]
+    update(s, step := until_step(s), answer(step, {a.id: EOS}))  # a ends on its first step
+    step = until_step(s)  # a leaves: the draft model lets its KV go, b's stays
+    assert step.rebatch is not None and ids(step.rebatch.leaving) == [a.id]
+    assert [op for op in step.ops if isinstance(op, ReleaseDrafts)] == [
+        ReleaseDrafts("draft", (a.id,))
+    ]
+    assert a.speculation.held == 0 and b.speculation.held > 0  # type: ignore[union-attr]
+    update(s, step, answer(step))
+    # b is preempted (a KV budget, by hand): its draft KV goes with its row
+    s._preempt(b)
+    step = until_step(s)
+    assert ReleaseDrafts("draft", (b.id,)) in step.ops and not b.speculation.held  # type: ignore[union-attr]
+
+
+def test_the_draft_models_kv_counts_in_the_kv_budget() -> None:
+    """A row that drafts with a draft model needs its draft KV too (its context and the drafts
+    it feeds itself, at what a token of it costs in the model's KV): two rows of 30 tokens fit
+    a budget of 70 without it, and not with a draft KV half the model's."""
+    for ratio, together in ((0.0, True), (0.5, False)):
+        s = drafting(num_tokens=4, ratio=ratio, kv_budget_tokens=70)
+        a, b = admit(s, length=30)[0], admit(s, length=30)[0]
+        assert a.kv_need == 31 + (0 if not ratio else 17)  # ceil(0.5 * (30 + 4))
+        update(s, step := until_step(s), answer(step))
+        assert (b in s.running) is together and a in s.running
+        if not together:
+            assert b in s.waiting or b in s.joining
+    # the KV held counts it too, once the draft model holds the row
+    s = drafting(num_tokens=4, ratio=0.5)
+    (a,) = admit(s, length=30)
+    step = until_step(s)
+    update(s, step, answer(step))  # (its proposer holds its context: 31 tokens)
+    assert s.kv_held() == a.total_tokens + 16  # ceil(0.5 * 31)

@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from neuronpy.engine.drafting.ngram import NgramDrafter
 from neuronpy.engine.sampling import Sampler, verify_rows
-from neuronpy.engine.speculative import DraftLength, NgramDrafter
+from neuronpy.engine.speculative import DraftLength
 from neuronpy.engine.types import Completion, FinishReason, SamplingParams
 from tests.factories import hf_model, make_engine, tokenizer
 

@@ -44,6 +44,12 @@ __all__ = ["Engine", "EngineStats", "RequestStream"]
 log = logging.getLogger(__name__)
 
 
+def kv_bytes_per_token(model: LlamaModel) -> int:
+    """K and V, every layer: what one token of a sequence's context takes."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+
+
 class Engine:
     """Serves many generations of one model through one lockstep (B, 1) decode per step."""
 
@@ -70,11 +76,7 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_running = config.max_in_flight if config.batching else 1
-        c = model.config
-        # K and V, every layer: what one token of a sequence's context takes
-        self.kv_bytes_per_token = (
-            2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
-        )
+        self.kv_bytes_per_token = kv_bytes_per_token(model)
         kv_budget = int(config.kv_budget)
         self.kv_budget_tokens = kv_budget // self.kv_bytes_per_token
         if kv_budget and not self.kv_budget_tokens:
@@ -88,6 +90,16 @@ class Engine:
         self._worker = worker or DeviceWorker(model, name, config.prefill_chunk)
         if config.speculative == "draft" and self._worker.drafts is None:
             raise ValueError(f'model {name!r}: speculative = "draft" needs its draft model loaded')
+        drafts = self._worker.drafts
+        speculative = SpeculativeConfig(
+            config.speculative,
+            config.num_speculative_tokens,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+            config.max_drafts_per_step,
+            # (the draft model's KV counts in the budget, in this model's tokens)
+            kv_bytes_per_token(drafts.model) / self.kv_bytes_per_token if drafts else 0.0,
+        )
         self._scheduler = Scheduler(
             name=name,
             max_running=self.max_running,
@@ -99,13 +111,7 @@ class Engine:
             prefix_cache_bytes=config.prefix_cache_bytes if config.prefix_cache else 0,
             chunk_steps=config.chunk_steps,
             prefill_chunk=config.prefill_chunk,
-            speculative=SpeculativeConfig(
-                config.speculative,
-                config.num_speculative_tokens,
-                config.prompt_lookup_min,
-                config.prompt_lookup_max,
-                config.max_drafts_per_step,
-            ),
+            speculative=speculative,
         )
         self._runner = Runner(
             self._worker,
@@ -113,6 +119,7 @@ class Engine:
             session_metadata=lambda: session_metadata(name, self.fingerprint, model.dtype),
             on_saved=self._saved,
             spawn=self._spawn,
+            speculative=speculative,
         )
         assert isinstance(config.max_compile_bytes, int)
         self.grammars = Grammars(
@@ -441,8 +448,6 @@ class Engine:
                     if not s.saving:  # (a session's write wakes the loop when done)
                         self._idle.set()
                     self._wake = anyio.Event()
-                    # (a submit while the draft KV goes sets the new event: no wake is lost)
-                    await self._runner.release_drafts()
                     await self._wake.wait()
                     continue
                 self._turns += 1

@@ -276,8 +276,13 @@ class Lifecycle:
             request.end(Cause.LENGTH)
 
     def kv_held(self) -> int:
-        """Tokens of KV the running rows (those not leaving) and the joiners hold now."""
-        running = sum(r.total_tokens for r in (*self.running, *self.entering) if not r.done)
+        """Tokens of KV the running rows (those not leaving) and the joiners hold now, the
+        running rows' draft KV included (in the model's tokens: Speculation.kv_held)."""
+        running = sum(
+            r.total_tokens + (r.speculation.kv_held() if r.speculation else 0)
+            for r in (*self.running, *self.entering)
+            if not r.done
+        )
         return running + sum(r.prefilled for r in self.joining)
 
     # ---- ending -------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from neuronpy.engine.costs import StepCosts
+from neuronpy.engine.drafting.planner import DraftPlanner
 from neuronpy.engine.lifecycle import Lifecycle
 from neuronpy.engine.planner import RowView, plan_step
 from neuronpy.engine.plans import (
@@ -21,7 +22,6 @@ from neuronpy.engine.plans import (
 )
 from neuronpy.engine.prefill import Prefills
 from neuronpy.engine.request import Request, RequestStatus
-from neuronpy.engine.speculative import cut_at_stop, share_budget
 
 BookPrefill = Callable[[PrefillPlan, PrefillOutcome, bool], None]
 
@@ -49,9 +49,11 @@ class LiveBatch:
         # per row of the live batch: decode columns the last verify step gave back, for the
         # next job that reads the batch (decode or extract) to trim first
         self._trim: tuple[int, ...] = ()
+        self.drafting = DraftPlanner(requests.speculative, requests.context_len)
 
     def clear(self) -> None:
         self.live, self._trim = False, ()
+        self.drafting.clear()
 
     # ---- rebatch: extract the survivors, assemble again -----------------------------------------
 
@@ -135,51 +137,17 @@ class LiveBatch:
         self, rows: tuple[Request, ...], rides: Sequence[PrefillPlan] = ()
     ) -> DecodePlan:
         """The next step over `rows` (the live batch's, as the rebatch before it leaves them):
-        every row's token, the drafts of rows that speculate (within what max_tokens and the
-        context leave), the columns the last verify step gave back."""
-        spec = self.requests.speculative
+        every row's token, the rows that draft and how (see DraftPlanner), the columns the last
+        verify step gave back."""
         tokens = tuple(r.next_token for r in rows)
-        lengths = [self._draft_length(r) for r in rows]
-        if sum(lengths) > spec.step_budget:
-            greedy = [r.params.greedy for r in rows]
-            lengths = share_budget(lengths, greedy, spec.step_budget)
-        drafts = tuple(
-            self._draft(r, k) if r.speculation and r.speculation.method == "ngram" else ()
-            for r, k in zip(rows, lengths, strict=True)
-        )
-        model_drafts = tuple(
-            k if r.speculation and r.speculation.method == "draft" else 0
-            for r, k in zip(rows, lengths, strict=True)
-        )
         trim, self._trim = self._trim, ()
         return DecodePlan(
             rows,
             tokens,  # type: ignore[arg-type]
             tuple(rides),
-            drafts if any(drafts) else (),
+            self.drafting.plan(rows),
             trim,
-            model_drafts if any(model_drafts) else (),
         )
-
-    def _draft_length(self, request: Request) -> int:
-        """How many tokens the request drafts for its next step: none once it is done, never
-        past max_tokens or the context (the step emits one token of its own besides)."""
-        spec = request.speculation
-        if spec is None or request.done:
-            return 0
-        room = min(
-            request.params.max_tokens - len(request.output_ids),
-            self.requests.context_len - request.total_tokens,
-        )
-        return spec.length.next(room - 1)
-
-    def _draft(self, request: Request, k: int) -> tuple[int, ...]:
-        """Prompt-lookup drafts for the request's next step."""
-        if not k:
-            return ()
-        assert request.speculation is not None
-        drafts = request.speculation.propose(request.prompt_ids, request.output_ids, k)
-        return cut_at_stop(drafts, request.stop_ids)
 
     def book_decode(self, plan: DecodePlan, outcome: DecodeOutcome) -> None:
         """One step's tokens, and the riding chunks' results."""
@@ -204,6 +172,10 @@ class LiveBatch:
                 alone = "peer_prefilling" if q.joining else "peer_queued"
         kv = sum(r.total_tokens for r in rows)  # fed tokens, this step's included
         c.count_step(len(rows), self._padding_columns, kv, q.kv_held(), alone)
+        if plan.proposals:
+            self.drafting.book(
+                rows, plan.proposals, outcome.proposed, outcome.tokens, outcome.drafted
+            )
         if not outcome.drafted:
             for request, sampled in zip(rows, outcome.tokens, strict=True):
                 q.accept(request, sampled)
@@ -214,11 +186,8 @@ class LiveBatch:
             # the row's KV keeps its fed token and the drafts before its last emitted token
             trim.append(drafted + 1 - max(1, taken))
             if drafted:
-                accepted = len(sampled.accepted)
                 c.spec_verify_rows += 1
                 c.spec_draft_tokens += drafted
-                c.spec_accepted_tokens += accepted
+                c.spec_accepted_tokens += len(sampled.accepted)
                 c.spec_emitted_tokens += taken
-                if request.speculation is not None:
-                    request.speculation.length.observe(drafted, accepted)
         self._trim = tuple(trim) if any(trim) else ()

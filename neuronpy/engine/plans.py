@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
+from neuronpy.engine.drafting.proposer import Proposal, Proposals
 from neuronpy.engine.request import Request
 from neuronpy.engine.types import TokenLogprob
 
@@ -44,7 +45,16 @@ class SaveSession:
     drop: bool
 
 
-Op = DropSnapshots | DropCached | Offload | SaveSession
+@dataclass(frozen=True)
+class ReleaseDrafts:
+    """What the proposer of `method` holds of these rows (requests) goes: they left the live
+    batch, ended or were preempted (a draft model's KV of them, prompt lookup's index)."""
+
+    method: str
+    keys: tuple[int, ...]
+
+
+Op = DropSnapshots | DropCached | Offload | SaveSession | ReleaseDrafts
 
 
 # ---- plans with results
@@ -130,13 +140,11 @@ class DecodePlan:
     rows: tuple[Request, ...]
     tokens: tuple[int, ...]
     rides: tuple[PrefillPlan, ...] = ()
-    # per row: drafted tokens to verify after tokens[b] (speculative decoding); empty: none
-    drafts: tuple[tuple[int, ...], ...] = ()
+    # the rows that draft before the step (speculative decoding), by method: the runner asks
+    # their proposers, and the step verifies what they drafted; empty: no row drafts
+    proposals: tuple[Proposals, ...] = ()
     # per row: decode columns to give back first (the last verify step's rejected drafts)
     trim: tuple[int, ...] = ()
-    # per row: how many tokens the draft model drafts for it (rows drafting with it; the
-    # runner fills `drafts` with them before the step); empty: none
-    draft_lengths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -145,8 +153,10 @@ class DecodeOutcome:
     rides: tuple[PrefillOutcome, ...] = ()  # one per DecodePlan.rides
     seconds: float = 0.0  # the forward's time, sampling aside
     sampling_seconds: float = 0.0
-    # per row: the drafts verified (the plan's, cut where a row's grammar refused one)
+    # per row: the drafts verified (the proposers', cut at a stop token or where a row's
+    # grammar refused one); empty: none
     drafted: tuple[int, ...] = ()
+    proposed: tuple[Proposal, ...] = ()  # one per DecodePlan.proposals
 
 
 @dataclass(frozen=True)
@@ -197,8 +207,8 @@ class Phase(enum.Enum):
 class StepPlan:
     """Everything one call of the runner does, in this order: the housekeeping `ops` queued
     since the last plan, the session `loads`, the `prefill` in a forward of its own, the
-    `rebatch` (extract, cache, assemble), then the `decode` step (the runner first fills the
-    drafts of rows drafting with the draft model: `DecodePlan.draft_lengths`)."""
+    `rebatch` (extract, cache, assemble), then the `decode` step (its drafting rows' proposers
+    draft first: `DecodePlan.proposals`)."""
 
     phase: Phase
     ops: tuple[Op, ...] = ()
@@ -216,4 +226,4 @@ class StepOutcome:
     prefill: PrefillOutcome | None = None
     rebatch: RebatchOutcome | None = None
     decode: DecodeOutcome | None = None
-    draft_seconds: float = 0.0  # the draft model's drafting before the decode step
+    draft_seconds: float = 0.0  # the proposers' drafting before the decode step

@@ -137,8 +137,11 @@ class Request:
 
     @property
     def kv_need(self) -> int:
-        """KV columns it needs through its next step: its tokens so far and one more."""
-        return self.total_tokens + 1
+        """KV columns it needs through its next step: its tokens so far and one more, and what
+        its draft KV takes then, when a draft model drafts for it (in the model's columns)."""
+        spec = self.speculation
+        draft = spec.kv_need(self.total_tokens) if spec is not None else 0
+        return self.total_tokens + 1 + draft
 
     def end(self, cause: Cause, error: str | None = None, param: str | None = None) -> None:
         """Decides how it ends; a later cause changes nothing."""

@@ -14,6 +14,10 @@ import anyio
 import torch
 
 from neuronpy.arch.kv import DEFAULT_HEADROOM
+from neuronpy.engine.drafting.drafter import Drafter
+from neuronpy.engine.drafting.model import DraftModelProposer
+from neuronpy.engine.drafting.ngram import NgramProposer
+from neuronpy.engine.drafting.proposer import Proposer
 from neuronpy.engine.grammar import GrammarError, Matcher
 from neuronpy.engine.plans import (
     CacheOutcome,
@@ -29,6 +33,7 @@ from neuronpy.engine.plans import (
     PrefillPlan,
     RebatchOutcome,
     RebatchPlan,
+    ReleaseDrafts,
     Sampled,
     SaveSession,
     StepOutcome,
@@ -36,7 +41,7 @@ from neuronpy.engine.plans import (
 )
 from neuronpy.engine.request import Request
 from neuronpy.engine.sampling import Sampler, sample_rows, verify_rows
-from neuronpy.engine.speculative import cut_at_stop
+from neuronpy.engine.speculative import SpeculativeConfig
 from neuronpy.engine.types import TokenLogprob
 from neuronpy.errors import WorkerError
 from neuronpy.worker.jobs import (
@@ -44,9 +49,6 @@ from neuronpy.worker.jobs import (
     AssembleResult,
     CacheKvSnapshots,
     CacheResult,
-    DraftResult,
-    DraftSampler,
-    DraftTokens,
     DropCachedKv,
     DropKvSnapshot,
     ExtractKvRows,
@@ -101,10 +103,18 @@ class Runner:
         session_metadata: Callable[[], Mapping[str, str]],
         on_saved: OnSaved,
         spawn: Spawn,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
+        """`speculative`: how prompt lookup looks (the draft model drafts where the worker
+        has one)."""
         self.worker = worker
         self.fingerprint = fingerprint
         self.samplers: dict[int, Sampler] = {}
+        spec = speculative or SpeculativeConfig()
+        proposers: dict[str, Proposer] = {"ngram": NgramProposer(spec.lookup_min, spec.lookup_max)}
+        if worker.drafts is not None:
+            proposers["draft"] = DraftModelProposer(self.call, self.samplers)
+        self.drafter = Drafter(proposers, self._matcher)
         self._session_metadata = session_metadata
         self._on_saved = on_saved
         self._spawn = spawn
@@ -126,10 +136,10 @@ class Runner:
         rebatch = None if plan.rebatch is None else await self.rebatch(plan.rebatch)
         decode, draft_seconds = None, 0.0
         if plan.decode is not None:
-            step = plan.decode
-            if step.draft_lengths:  # (the plan names how many; the draft model writes them)
-                step, draft_seconds = await self.draft(step)
-            decode = await self.decode(step)
+            drafts = await self.drafter.propose(plan.decode)  # (empty: no row drafts)
+            decode = await self.decode(plan.decode, drafts.rows)
+            decode = dataclasses.replace(decode, proposed=drafts.proposed)
+            draft_seconds = drafts.seconds
         return StepOutcome(loads, prefill, rebatch, decode, draft_seconds)
 
     async def call(self, job: Job, meanwhile: Callable[[], None] | None = None) -> Any:
@@ -223,6 +233,8 @@ class Runner:
                     await self.call(OffloadKv(ids))
                 case SaveSession():
                     await self._save(op)
+                case ReleaseDrafts():
+                    await self.drafter.release(op)
 
     async def _save(self, op: SaveSession) -> None:
         """Takes the snapshot's CPU copy now (jobs that follow may drop it); the file is written
@@ -289,9 +301,12 @@ class Runner:
         outcome = self._prefill_outcome(plan, result)
         return dataclasses.replace(outcome, seconds=seconds, sampling_seconds=sampling)
 
-    async def decode(self, plan: DecodePlan) -> DecodeOutcome:
-        """One lockstep step, and the chunks riding it; with drafts, a verify step."""
-        drafts = self._within_grammar(plan.rows, plan.drafts) if plan.drafts else ()
+    async def decode(
+        self, plan: DecodePlan, drafts: Sequence[tuple[int, ...]] = ()
+    ) -> DecodeOutcome:
+        """One lockstep step, and the chunks riding it; with `drafts` (per row), a verify
+        step."""
+        drafts = tuple(drafts)
         job = ForwardLogitsBatch(
             plan.tokens,
             sample=None if drafts else self.sampling(plan.rows),
@@ -314,66 +329,6 @@ class Runner:
         tokens = self._verified(plan.rows, result.verified)
         drafted = tuple(len(d) for d in drafts)
         return DecodeOutcome(tokens, rides, seconds, sampling, drafted)
-
-    async def draft(self, plan: DecodePlan) -> tuple[DecodePlan, float]:
-        """The plan with the draft model's drafts for the rows drafting with it, and the
-        seconds it took. Every such row rides the draft job (its draft KV kept up to date),
-        those with no draft this step too."""
-        rows = [
-            i
-            for i, r in enumerate(plan.rows)
-            if r.speculation is not None and r.speculation.method == "draft" and not r.done
-        ]
-        if not plan.draft_lengths or not rows:
-            return plan, 0.0
-        requests = [plan.rows[i] for i in rows]
-        job = DraftTokens(
-            tuple(r.id for r in requests),
-            tuple((*r.prompt_ids, *r.output_ids) for r in requests),
-            tuple(plan.draft_lengths[i] for i in rows),
-            sample=self.draft_sampling(requests),
-        )
-        began = time.perf_counter()
-        result: DraftResult = await self.call(job)
-        seconds = time.perf_counter() - began
-        drafts = list(plan.drafts or ((),) * len(plan.rows))
-        for i, row in zip(rows, result.drafts, strict=True):
-            drafts[i] = cut_at_stop(row, plan.rows[i].stop_ids)
-        return dataclasses.replace(plan, drafts=tuple(drafts)), seconds
-
-    async def release_drafts(self) -> None:
-        """The draft model's KV of every row goes (nothing is running)."""
-        drafts = self.worker.drafts
-        if drafts is not None and drafts.rows:
-            await self.call(DraftTokens((), (), ()))
-
-    def draft_sampling(self, requests: Sequence[Request]) -> DraftSampler:
-        """Draft tokens from the draft model's logits, each row by its own sampler (see
-        Sampler.draft), on the worker thread."""
-        samplers = [self.samplers.get(r.id) for r in requests]
-
-        def sample(logits: torch.Tensor, step: int) -> list[int]:
-            if step == 0:
-                for s in samplers:
-                    if s is not None:
-                        s.end_verify()
-            return [
-                s.draft(logits[i]) if s is not None else int(torch.argmax(logits[i]))
-                for i, s in enumerate(samplers)
-            ]
-
-        return sample
-
-    def _within_grammar(
-        self, requests: Sequence[Request], drafts: Sequence[tuple[int, ...]]
-    ) -> tuple[tuple[int, ...], ...]:
-        """The drafts, each row's cut before the first its grammar refuses (constrained rows):
-        no step verifies a token it could never emit."""
-        out = []
-        for request, row in zip(requests, drafts, strict=True):
-            matcher = self._matcher(request) if row else None
-            out.append(row if matcher is None else row[: matcher.valid_prefix(row)])
-        return tuple(out)
 
     def verifying(
         self, requests: Sequence[Request], drafts: Sequence[tuple[int, ...]]

@@ -135,6 +135,8 @@ class Scheduler(Lifecycle):
             log.error("%s: request %d is stuck (%s); it fails", self.name, request.id, why)
         rows = tuple(self.running) if rebatch is None else rebatch.order
         decode = self.batch.plan_decode(rows, self._rides()) if rows else None
+        for release in self.batch.drafting.releases(rows):  # (rows gone: their drafts' state)
+            self.queue(release)
         return StepPlan(Phase.STEP, self.take_ops(), rebatch=rebatch, decode=decode)
 
     def update(self, plan: StepPlan, outcome: StepOutcome) -> Messages:

@@ -1,4 +1,5 @@
-"""Speculative decoding's pure parts: prompt-lookup drafting and each row's draft length.
+"""Speculative decoding's pure parts: its configuration, each row's draft length and what its
+proposer holds of it (the proposers themselves: engine/drafting/).
 
 A row with drafts feeds its next token and k drafted tokens in one lockstep step; the target
 model's logits at those k + 1 positions decide how many drafts stand (greedy: the longest
@@ -8,6 +9,7 @@ and one more token always comes from the target. No torch, no anyio: plain data.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -17,7 +19,6 @@ __all__ = [
     "DEFAULT_DRAFTS",
     "SPECULATIVE_METHODS",
     "DraftLength",
-    "NgramDrafter",
     "Speculation",
     "SpeculativeConfig",
     "cut_at_stop",
@@ -50,6 +51,9 @@ class SpeculativeConfig:
     # never change what they emit, so the batch may share them out: a step's cost grows with
     # its tokens once the batch is wide); sampled rows keep their own draft lengths
     step_budget: int = 32
+    # what one token of a row's KV in the draft model costs in the KV budget, in tokens of the
+    # model's KV (the two models' KV bytes per token, divided); 0: no draft model
+    draft_kv_ratio: float = 0.0
 
     def tokens_for(self, method: str) -> int:
         """The most drafts a row of this method verifies per step."""
@@ -63,45 +67,6 @@ def cut_at_stop(drafts: tuple[int, ...], stop_ids: Collection[int]) -> tuple[int
         if token in stop_ids:
             return drafts[: i + 1]
     return drafts
-
-
-class NgramDrafter:
-    """Prompt lookup over one sequence (its prompt and its output so far): an index from each
-    n-gram (n in [lookup_min, lookup_max]) to the position after its latest occurrence that is
-    not the sequence's own end, kept up to date token by token (O(n sizes) per token)."""
-
-    def __init__(self, token_ids: Sequence[int], lookup_min: int = 2, lookup_max: int = 4):
-        if not 1 <= lookup_min <= lookup_max:
-            raise ValueError(f"lookup sizes {lookup_min}..{lookup_max}")
-        self.sizes = range(lookup_max, lookup_min - 1, -1)
-        self.tokens: list[int] = []
-        self._after: dict[tuple[int, ...], int] = {}
-        self.extend(token_ids)
-
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """The sequence grew by these tokens."""
-        tokens, after = self.tokens, self._after
-        for token in token_ids:
-            # the n-grams ending at the old last token are no longer the sequence's end: from
-            # now on their continuation is the token appended here
-            end = len(tokens)
-            for n in self.sizes:
-                if n <= end:
-                    after[tuple(tokens[end - n : end])] = end
-            tokens.append(token)
-
-    def propose(self, k: int) -> tuple[int, ...]:
-        """Up to k tokens that followed the longest recent match of the sequence's end."""
-        tokens = self.tokens
-        if k < 1:
-            return ()
-        for n in self.sizes:
-            if n > len(tokens):
-                continue
-            at = self._after.get(tuple(tokens[len(tokens) - n :]))
-            if at is not None:
-                return tuple(tokens[at : at + k])
-        return ()
 
 
 class DraftLength:
@@ -137,27 +102,50 @@ class DraftLength:
 
 
 class Speculation:
-    """One request's speculation: its method, its draft length, and for prompt lookup its
-    drafter, built on first use over the prompt and output so far and kept in step with them.
+    """One request's speculation: its method, its draft length, and what its method's proposer
+    holds of it (engine/drafting/proposer.py), as the scheduler books it: `fed` tokens of its
+    context at its last proposal, `held` tokens then held (the context and any drafts the
+    proposer fed itself), of which `kept` still agree with the context once the target has
+    verified (the rest, `held - kept`, the next proposal rolls back). All 0: it holds nothing.
     """
 
     def __init__(self, config: SpeculativeConfig, method: str) -> None:
         self.config = config
         self.method = method
         self.length = DraftLength(config.tokens_for(method))
-        self._ngram: NgramDrafter | None = None
+        self.fed = self.held = self.kept = 0
 
-    def propose(self, prompt: Sequence[int], output: Sequence[int], k: int) -> tuple[int, ...]:
-        """Up to k prompt-lookup drafts to follow the prompt and the output so far (each call's
-        output extends the last one's)."""
-        c = self.config
-        if self._ngram is None:
-            self._ngram = NgramDrafter([*prompt, *output], c.lookup_min, c.lookup_max)
-        else:
-            fed = len(self._ngram.tokens) - len(prompt)
-            if len(output) > fed:
-                self._ngram.extend(output[fed:])
-        return self._ngram.propose(k)
+    @property
+    def proposed(self) -> bool:
+        """Whether its proposer holds anything of it."""
+        return self.held > 0
+
+    def forget(self) -> None:
+        """Its proposer's state of it went (released)."""
+        self.fed = self.held = self.kept = 0
+
+    def book(self, fed: int, held: int) -> None:
+        """A proposal for it: its proposer had `fed` tokens of its context, holds `held`."""
+        self.fed, self.held, self.kept = fed, held, fed
+
+    def book_verified(self, accepted: int) -> None:
+        """The target accepted the first `accepted` of its drafts: the proposer's drafts among
+        them (those it fed itself) still agree with the context."""
+        self.kept = self.fed + min(accepted, self.held - self.fed)
+
+    def kv_need(self, tokens: int) -> int:
+        """What its draft KV takes through its next step, in tokens of the model's KV, for a
+        request of `tokens` tokens: its context and the drafts the draft model feeds itself
+        (none but with a draft model)."""
+        if self.method != "draft" or not self.config.draft_kv_ratio:
+            return 0
+        return math.ceil(self.config.draft_kv_ratio * (tokens + self.length.num_tokens))
+
+    def kv_held(self) -> int:
+        """What its draft KV takes now, in tokens of the model's KV."""
+        if self.method != "draft" or not self.config.draft_kv_ratio:
+            return 0
+        return math.ceil(self.config.draft_kv_ratio * self.held)
 
 
 def share_budget(lengths: list[int], greedy: Sequence[bool], budget: int) -> list[int]:

@@ -102,15 +102,19 @@ class ForwardResult:
 
 @dataclass(frozen=True)
 class DraftTokens:
-    """The draft model drafts up to lengths[b] tokens to follow contexts[b] (row b's prompt and
-    output so far, its last token fed to neither model yet), for the target's next verify
-    step. Its KV of each row is kept between jobs under keys[b]: rolled back to what still
-    agrees with the context (drafts the target rejected) and caught up with what is new, in
-    one batched step of its own, then lengths' max (B, 1) steps draft. Rows not in the job
-    are released. `sample` chooses the tokens (None: each row's argmax)."""
+    """The draft model drafts up to lengths[b] tokens to follow row b's context (its prompt and
+    output so far, the last token fed to neither model yet), for the target's next verify
+    step. Its KV of each row is kept between jobs under keys[b]: it first gives back the last
+    rollback[b] tokens of it (drafts the target rejected), then feeds tokens[b] (what it lacks
+    of the context), every row in one batched step of its own; a row it does not hold, or
+    `fresh[b]`, starts over: tokens[b] is its whole context, prefilled. Then lengths' max
+    (B, 1) steps draft. Every row the draft model holds is in the job (ReleaseDraftKv lets
+    one go). `sample` chooses the tokens (None: each row's argmax)."""
 
     keys: tuple[int, ...]
-    contexts: tuple[tuple[int, ...], ...]
+    tokens: tuple[tuple[int, ...], ...]
+    rollback: tuple[int, ...]
+    fresh: tuple[bool, ...]
     lengths: tuple[int, ...]
     sample: DraftSampler | None = None
 
@@ -118,6 +122,16 @@ class DraftTokens:
 @dataclass(frozen=True)
 class DraftResult:
     drafts: tuple[tuple[int, ...], ...]  # per row: lengths[b] tokens
+    # per row: the tokens of KV the draft model holds of it now (its context, and the drafts
+    # it fed itself: lengths' max - 1 of them)
+    held: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReleaseDraftKv:
+    """The draft model's KV of these rows (keys) goes."""
+
+    keys: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -260,6 +274,7 @@ Job = (
     | ForwardLogitsBatch
     | ExtractKvRows
     | DraftTokens
+    | ReleaseDraftKv
     | DropKvSnapshot
     | CacheKvSnapshots
     | DropCachedKv

@@ -39,6 +39,7 @@ from neuronpy.worker.jobs import (
     Prefill,
     PrefillResult,
     ProfileResult,
+    ReleaseDraftKv,
     SaveKvSnapshot,
     SaveResult,
     Shutdown,
@@ -155,6 +156,10 @@ class DeviceWorker:
                 if self.drafts is None:
                     raise WorkerError("this model has no draft model")
                 return self.drafts.draft(job)
+            case ReleaseDraftKv():
+                if self.drafts is not None:
+                    self.drafts.release(job.keys)
+                return None
             case DropKvSnapshot():
                 dropped = sum(self._snapshots.pop(i, None) is not None for i in job.snapshot_ids)
                 return DropResult(dropped)
