@@ -257,7 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "eval":
         return quality.run(args)
     if args.command == "tp-follower":
-        from neuronpy.worker.tp import RankLostError, run_follower
+        from neuronpy.worker.collectives import RankLostError
+        from neuronpy.worker.tp_start import run_follower
 
         try:
             run_follower(model=args.model)

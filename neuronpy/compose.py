@@ -26,12 +26,8 @@ from neuronpy.loading import (
     resolve_device,
 )
 from neuronpy.worker.session_files import model_fingerprint
-from neuronpy.worker.tp import (
-    DEFAULT_STARTUP_TIMEOUT,
-    DEFAULT_TIMEOUT,
-    ShardSpec,
-    start_tensor_parallel_worker,
-)
+from neuronpy.worker.tp import DEFAULT_TIMEOUT, ShardSpec
+from neuronpy.worker.tp_start import DEFAULT_STARTUP_TIMEOUT, start_tensor_parallel_worker
 from neuronpy.worker.worker import DeviceWorker
 
 log = logging.getLogger("neuronpy")
@@ -203,7 +199,7 @@ def start_tensor_parallel(
 ) -> Engine:
     """An Engine over `world_size` tensor-parallel ranks of `model` (a load_pretrained spec;
     None: the default model), rank 0 in this process. `spawn`: start the other ranks here
-    (one machine); else wait for them to call `run_follower` (see neuronpy.worker.tp).
+    (one machine); else wait for them to call `run_follower` (see neuronpy.worker.tp_start).
     `config.quantize` and `config.prefill_chunk` apply to every rank. `threads`: torch threads
     of each spawned follower. Blocking: call it from a thread, as the server loads models."""
     config = config or EngineConfig()

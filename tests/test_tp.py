@@ -38,7 +38,8 @@ from neuronpy.worker.jobs import (
     ForwardLogitsBatch,
     Prefill,
 )
-from neuronpy.worker.tp import ShardSpec, TensorParallelWorker, start_tensor_parallel_worker
+from neuronpy.worker.tp import ShardSpec, TensorParallelWorker
+from neuronpy.worker.tp_start import start_tensor_parallel_worker
 from neuronpy.worker.worker import DeviceWorker
 from tests.factories import fixture_dir, hf_model, make_engine, tokenizer
 from tests.servers import run_server
