@@ -49,7 +49,7 @@ warnings.filterwarnings(
 )
 
 CAN_FORK = sys.platform.startswith("linux") and hasattr(os, "fork")
-_POLL_SECONDS = 0.05  # how often a waiting parent looks at its cancel flag
+_POLL_SECONDS = 0.05  # how often a waiting parent looks at its cancel flag and child's memory
 _OK, _FAILED = b"o", b"e"  # what the child writes: it compiled; or an error's message follows
 _HELD = struct.Struct("<Q")  # what the child writes first: the bytes it holds as it begins
 _OUT_OF_MEMORY = 3  # the child's exit status when its memory cap stopped it
@@ -81,8 +81,8 @@ def try_in_child(
     os.close(write_end)
     status = None
     try:
-        data = _read(read_end, seconds, cancelled, pid, memory)
-        if data[_HELD.size : _HELD.size + 1] not in (_OK, _FAILED):  # it died before it said: how?
+        reply = _read(read_end, seconds, cancelled, pid, memory)[_HELD.size :]
+        if reply[:1] not in (_OK, _FAILED):  # it died before it said: how?
             _, status = os.waitpid(pid, 0)
             if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _OUT_OF_MEMORY:
                 raise CompileLimitError(_too_much(memory))
@@ -93,8 +93,8 @@ def try_in_child(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-    if data[_HELD.size : _HELD.size + 1] == _FAILED:
-        raise RuntimeError(data[_HELD.size + 1 :].decode("utf-8", "replace"))
+    if reply[:1] == _FAILED:
+        raise RuntimeError(reply[1:].decode("utf-8", "replace"))
 
 
 def _too_much(memory: int) -> str:

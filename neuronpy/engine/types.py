@@ -20,7 +20,7 @@ MAX_ALLOWED_TOKENS = 1 << 17  # allowed_token_ids entries (past any vocabulary's
 # OpenAI's range; past it a distribution is all but flat anyway
 MAX_TEMPERATURE = 2.0
 MAX_TOP_K = 2**31 - 1  # what the tensor ops take as a count
-MAX_TOKEN_ID = 2**31  # ids past any vocabulary (stop_token_ids, logit_bias)
+MAX_TOKEN_ID = 2**31  # ids past any vocabulary (stop_token_ids, logit_bias, allowed_token_ids)
 # Temperatures below this are greedy, as in vLLM: dividing by one near zero overflows float32
 # and the softmax turns to NaN.
 MIN_TEMPERATURE = 1e-5
@@ -33,6 +33,10 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the client or by shutdown
     ERROR = "error"  # the engine or this request failed
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKEN_ID
 
 
 def _check_number(name: str, value: object) -> float:
@@ -182,8 +186,7 @@ class SamplingParams:
                 f"each 'stop' string must have 1 to {MAX_STOP_LENGTH} characters", "stop"
             )
         if not isinstance(self.stop_token_ids, tuple) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID
-            for t in self.stop_token_ids
+            _is_token_id(t) for t in self.stop_token_ids
         ):
             raise InvalidRequestError(
                 "'stop_token_ids' must be a list of non-negative integers", "stop_token_ids"
@@ -223,11 +226,7 @@ def _check_logit_bias(bias: object) -> None:
         raise InvalidRequestError(
             f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias"
         )
-    bad_ids = [
-        t
-        for t, _ in bias
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < MAX_TOKEN_ID
-    ]
+    bad_ids = [t for t, _ in bias if not _is_token_id(t)]
     bad_values = [
         b
         for _, b in bias
@@ -251,10 +250,7 @@ def _check_allowed(allowed: object, constraint: object) -> None:
     if (
         not isinstance(allowed, tuple)
         or not 1 <= len(allowed) <= MAX_ALLOWED_TOKENS
-        or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID
-            for t in allowed
-        )
+        or not all(_is_token_id(t) for t in allowed)
     ):
         raise InvalidRequestError(
             f"'allowed_token_ids' must be 1 to {MAX_ALLOWED_TOKENS} non-negative token ids",

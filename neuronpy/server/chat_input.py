@@ -4,6 +4,7 @@ description and parameters; nothing else of the request reaches the template."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -194,9 +195,10 @@ class ChatInput(WireModel):
         """The messages as the template sees them."""
         return [message.for_template() for message in self.messages]
 
-    @property
+    @functools.cached_property
     def chat_tools(self) -> ChatTools:
-        """`tools`, `tool_choice` and `parallel_tool_calls`, as what they mean."""
+        """`tools`, `tool_choice` and `parallel_tool_calls`, as what they mean (worked out once:
+        the validators, the constraint, the output format and the template all ask)."""
         names = [tool.function.name for tool in self.tools or ()]
         choice, named = _tool_choice(self.tool_choice, names)
         if not names or choice == "none":
