@@ -13,7 +13,19 @@ from neuronpy.config import EngineConfig
 from neuronpy.engine.engine import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
-FAMILIES = ("tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
+# one fixture per family and feature set (tests/fixtures/build_fixtures.py says which)
+FAMILIES = (
+    "tiny-llama",
+    "tiny-llama3",
+    "tiny-mistral",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma2",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-smollm3",
+    "tiny-granite",
+)
 
 
 def fixture_dir(name: str = "tiny-llama") -> Path:

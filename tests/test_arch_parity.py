@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -127,7 +129,7 @@ def test_rebatch_keeps_unchanged_groups_and_narrows_the_others() -> None:
     assert batch.row(0).length == len(PROMPTS[0]) + 3
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3"])
 def test_parity_several_groups_decode_like_one(name: str) -> None:
     """A batch of two KV groups decodes exactly as the same rows in one group, and greedy tokens
     match row by row: the groups share every linear layer, attention stays per group."""
@@ -150,7 +152,7 @@ def test_parity_several_groups_decode_like_one(name: str) -> None:
     assert extract_row(grouped, 3).token_ids == extract_row(single, 3).token_ids
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])
 def test_parity_prefill_chunk_riding_a_decode_step(name: str) -> None:
     """A joiner's prompt prefilled chunk by chunk inside decode steps gives the decode rows
     what they get without it, and the joiner what a plain prefill gives."""
@@ -175,7 +177,7 @@ def test_parity_prefill_chunk_riding_a_decode_step(name: str) -> None:
     assert batch.row_lengths == alone.row_lengths
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gemma2"])
 def test_parity_several_joiners_ride_one_decode_step(name: str) -> None:
     """Chunks of three joiners in one step, of different lengths and progress (one starting,
     one after a past of its own): each gets what its plain prefill gives, the decode rows what
@@ -240,6 +242,64 @@ def test_rope_per_row_positions_match_uniform_tables() -> None:
     x = torch.randn(3, 2, 16)
     rotated = apply_rope(x, cos, sin)
     assert torch.allclose(rotated.norm(dim=-1), x.norm(dim=-1), atol=1e-5)  # a rotation
+
+
+# what each family's fixture is built to exercise: the config field of the feature, and a
+# value that turns it off. Turned off, the logits move: parity on the fixture covers it.
+FEATURES = [
+    ("tiny-gemma2", "sliding_layers", ()),
+    ("tiny-gemma2", "attn_softcap", None),
+    ("tiny-gemma2", "final_softcap", None),
+    ("tiny-gemma2", "attn_scale", None),
+    ("tiny-gemma3", "sliding_layers", ()),
+    ("tiny-gemma3", "layer_rope", ()),
+    ("tiny-gemma3", "act", "silu"),
+    ("tiny-phi3", "rotary_dim", 0),
+    ("tiny-smollm3", "layer_rope", ()),
+    ("tiny-granite", "embed_scale", 1.0),
+    ("tiny-granite", "residual_scale", 1.0),
+    ("tiny-granite", "attn_scale", None),
+    ("tiny-granite", "logits_scale", 1.0),
+]
+
+
+@pytest.mark.parametrize(("name", "field", "off"), FEATURES)
+def test_each_family_feature_changes_the_logits(name: str, field: str, off: object) -> None:
+    model = native(name)
+    ids = PROMPTS[2] + PROMPTS[0]  # 18 tokens: past the fixtures' sliding window of 8
+    expected = reference_logits(name, ids)
+    torch.testing.assert_close(model.logits(model.prefill(ids)[1]), expected, atol=2e-4, rtol=1e-4)
+    if field == "rotary_dim":  # RoPE over every dim of each head instead of its first half
+        d = model.config.head_dim
+        model.ropes = [(1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d)), 1.0)]
+    model.config = dataclasses.replace(model.config, **{field: off})
+    moved = (model.logits(model.prefill(ids)[1]) - expected).abs().max()
+    assert moved > 1e-2, f"{name}: {field} = {off!r} leaves the logits as they are"
+
+
+def test_gemma_sliding_layers_see_only_their_window() -> None:
+    """Layer 0 slides over 8 tokens: its output at position p depends on tokens p-7..p only,
+    so layer 1's keys past position 7 are the same whatever token 0 was; a mixed model keeps
+    its whole context."""
+    model = native("tiny-gemma3")
+    assert model.config.sliding_layers == (True, False) and model.config.sliding_window == 8
+    assert model.config.context_len == 512
+    ids = PROMPTS[2] + PROMPTS[0]
+    other = [ids[0] + 1, *ids[1:]]
+    a, b = model.prefill(ids, chunk_size=5)[0], model.prefill(other, chunk_size=5)[0]
+    assert torch.equal(a.keys[1][:, :, 8:], b.keys[1][:, :, 8:])
+    assert not torch.allclose(a.keys[1][:, :, :8], b.keys[1][:, :, :8])
+    model.config = dataclasses.replace(model.config, sliding_layers=())  # no window: it moves
+    a, b = model.prefill(ids)[0], model.prefill(other)[0]
+    assert not torch.allclose(a.keys[1][:, :, 8:], b.keys[1][:, :, 8:])
+
+
+def test_longrope_caps_the_context_at_its_short_factors() -> None:
+    config = ArchConfig.from_hf(hf_model("tiny-phi3").config)
+    assert config.context_len == 256 and config.rotary_dim == 8
+    model = native("tiny-phi3")
+    with pytest.raises(ValueError, match="exceeds the context of 256"):
+        model.prefill(list(range(3, 260)))
 
 
 def test_unsupported_architecture_is_refused_by_name() -> None:

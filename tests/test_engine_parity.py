@@ -112,6 +112,23 @@ async def test_parity_concurrent_equals_sequential(family: str, compile: str) ->
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.parametrize(
+    "family", ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-smollm3", "tiny-granite"]
+)
+async def test_parity_every_family_concurrent_equals_sequential(family: str) -> None:
+    """Each family's features (sliding windows past their width, soft-caps, partial rotary
+    embeddings, layers without RoPE, scalar multipliers) keep batched == alone."""
+    tok = tokenizer(family)
+    jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
+    async with make_engine(family, max_in_flight=1, compile="off") as serial:
+        expected = await one_at_a_time(serial, jobs)
+    async with make_engine(family, max_in_flight=8, compile="off") as engine:
+        got = await concurrently(engine, jobs)
+        stats = engine.stats()
+    assert [summary(c) for c in got] == [summary(c) for c in expected]
+    assert stats.max_batch_size >= 3 and stats.rebatches >= 4
+
+
 async def test_parity_stop_strings_and_queueing() -> None:
     """Stop strings and a queue behind max_in_flight=2 do not change anyone's output."""
     ps = prompts()

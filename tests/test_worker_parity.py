@@ -43,7 +43,17 @@ def reference(worker: DeviceWorker, ids: list[int]) -> torch.Tensor:
     return worker.model.logits(hidden[-1])
 
 
-def test_parity_jobs_end_to_end_with_join_and_leave(worker: DeviceWorker) -> None:
+@pytest.fixture(params=["tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"])
+def family_worker(request: pytest.FixtureRequest) -> Iterator[DeviceWorker]:
+    """A worker over one family's fixture (Gemma's sliding windows and soft-caps, Phi-3's
+    partial rotary embeddings, through the jobs)."""
+    w = DeviceWorker(LlamaModel.from_hf(hf_model(request.param)), prefill_chunk=4).start()
+    yield w
+    w.shutdown(timeout=10)
+
+
+def test_parity_jobs_end_to_end_with_join_and_leave(family_worker: DeviceWorker) -> None:
+    worker = family_worker
     seqs = [list(p) for p in PROMPTS]
     next_tokens = []
     for sid, p in enumerate(PROMPTS):

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from neuronpy.arch.kv import KvGroup, KvSnapshot
 
@@ -70,6 +69,26 @@ def snapshot_of(
     )
 
 
+def column_positions(group: KvGroup, columns: int) -> torch.Tensor:
+    """[B_g, columns]: the position of the token in each row's KV column (a row's prefix
+    columns are its first positions, its decode columns the ones after; what a padding gap
+    column gets is never read, the padding mask hides it)."""
+    col = torch.arange(columns, device=group.device)[None, :]
+    decoded = group.prefix_lens_tensor()[:, None] + (col - group.padded_len)
+    return torch.where(col < group.padded_len, col, decoded)
+
+
+def window_decode_mask(group: KvGroup, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """The next step's mask in a sliding-window layer: [B_g, 1, 1, used + 1], the padding mask
+    and, per row, only the columns less than `window` positions behind its query (at
+    `positions` [B_g])."""
+    columns = group.used + 1
+    col = torch.arange(columns, device=group.device)[None, :]
+    valid = (col < group.prefix_lens_tensor()[:, None]) | (col >= group.padded_len)
+    near = column_positions(group, columns) > positions[:, None] - window
+    return (valid & near)[:, None, None, :]
+
+
 @dataclass(frozen=True)
 class UniformStep:
     """A group whose rows each feed one token into the same column (`used`)."""
@@ -78,6 +97,7 @@ class UniformStep:
     first: int  # the group's first row among the forward's tokens
     mask: torch.Tensor | None
     positions: torch.Tensor  # [B_g]
+    banded: torch.Tensor | None = None  # the sliding-window layers' mask (window_decode_mask)
 
     @property
     def tokens(self) -> int:
@@ -97,8 +117,9 @@ class UniformStep:
         k_cache[:, :, col] = k[lo:hi]
         v_cache[:, :, col] = v[lo:hi]
         q_g = q[lo:hi].reshape(hi - lo, c.num_kv_heads, c.group_size, c.head_dim)
-        out = F.scaled_dot_product_attention(
-            q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], attn_mask=self.mask
+        mask = self.banded if c.window(layer) is not None else self.mask
+        out = model.sdpa(
+            layer, q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], mask
         )  # [B_g, KVH, G, D]: one query per row and head
         return out.reshape(hi - lo, c.num_heads * c.head_dim)
 
@@ -122,6 +143,7 @@ class RaggedStep:
     columns: int  # KV columns attended
     positions: torch.Tensor  # [n_g]: the RoPE position of each token, in the forward's order
     first: int = 0  # the group's first token in the forward
+    banded: torch.Tensor | None = None  # the sliding-window layers' mask, as `mask`
 
     @property
     def tokens(self) -> int:
@@ -152,11 +174,20 @@ class RaggedStep:
         valid = (col[None, None] < prefix[:, None, None]) | (
             (col[None, None] >= group.padded_len) & (col[None, None] <= cols[:, :, None])
         )  # [B_g, T, columns]
-        mask = valid.repeat(1, model.config.group_size, 1)[:, None]
+        g = model.config.group_size
+        mask = valid.repeat(1, g, 1)[:, None]
         lens = torch.tensor(group.row_lengths, device=dev)
-        positions = (lens[:, None] + j[None])[real]
+        query_pos = lens[:, None] + j[None]  # [B_g, T]
+        banded = None
+        window = model.config.sliding_window if model.config.windowed else None
+        if window is not None:
+            near = column_positions(group, columns)[:, None, :] > query_pos[:, :, None] - window
+            banded = (valid & near).repeat(1, g, 1)[:, None]
+        positions = query_pos[real]
         rows = torch.arange(group.batch_size, device=dev)[:, None]
-        return cls(group, list(counts), take, cols, rows, keep, mask, columns, positions, first)
+        return cls(
+            group, list(counts), take, cols, rows, keep, mask, columns, positions, first, banded
+        )
 
     def attend(
         self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -172,11 +203,12 @@ class RaggedStep:
         k_cache, v_cache = self.group.keys[layer], self.group.values[layer]
         k_cache[self.rows, :, self.cols] = k_t
         v_cache[self.rows, :, self.cols] = v_t
-        out = F.scaled_dot_product_attention(
+        out = model.sdpa(
+            layer,
             model.group_queries(q_t),  # [B_g, KVH, G * T, D]
             k_cache[:, :, : self.columns],
             v_cache[:, :, : self.columns],
-            attn_mask=self.mask,
+            self.banded if model.config.window(layer) is not None else self.mask,
         )
         out = model.ungroup(out, t)  # [B_g * T, H * D]
         return out if even else out[self.keep]
@@ -192,6 +224,7 @@ class SequenceAttention:
     start: int
     total: int
     mask: torch.Tensor  # [G * T, total] (see LlamaModel._causal_mask)
+    banded: torch.Tensor | None = None  # the sliding-window layers' mask, as `mask`
 
     @property
     def tokens(self) -> int:
@@ -204,11 +237,12 @@ class SequenceAttention:
         k_cache, v_cache = self.keys[layer], self.values[layer]
         k_cache[0, :, self.start : self.total] = k.transpose(0, 1)
         v_cache[0, :, self.start : self.total] = v.transpose(0, 1)
-        out = F.scaled_dot_product_attention(
+        out = model.sdpa(
+            layer,
             model.group_queries(q[None]),
             k_cache[:, :, : self.total],
             v_cache[:, :, : self.total],
-            attn_mask=self.mask,
+            self.banded if model.config.window(layer) is not None else self.mask,
         )
         return model.ungroup(out, self.tokens)
 

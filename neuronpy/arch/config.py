@@ -1,7 +1,19 @@
-"""ArchConfig: what the native Llama-family forward needs, read off a transformers config."""
+"""ArchConfig: what the native decoder forward needs, read off a transformers config.
+
+A family is a set of features over one forward (arch/llama.py), not a copy of it:
+- Llama, Mistral, Qwen2, Qwen3: the base (Qwen2's q/k/v biases, Qwen3's per-head q/k norm).
+- Gemma 2 / Gemma 3 (text): GeGLU, `(1 + w)` RMSNorm (folded into the weights at load),
+  sandwich norms around attention and the MLP, embeddings scaled by sqrt(hidden), a query
+  scale of its own; Gemma 2's tanh soft-capping of attention scores and logits; Gemma 3's
+  per-head q/k norm; sliding-window layers mixed with global ones, each with its RoPE base.
+- Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint (split where a shard needs
+  it), partial rotary embeddings, longrope (the context capped at its short-factor range).
+- SmolLM3: RoPE skipped on some layers. Granite 3: its four scalar multipliers.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,10 +21,28 @@ import torch
 
 from neuronpy.errors import UnsupportedArchitectureError
 
+log = logging.getLogger(__name__)
+
 # model_type -> the family features it may use. Everything else is refused by name.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "smollm3",
+    "granite",
+)
 # RoPE variants whose inverse frequencies do not depend on the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# ...and longrope, whose short factors hold up to its original context (the context is capped
+# there: past it, transformers switches every position to the long factors at once)
+ROPE_TYPES = (*STATIC_ROPE_TYPES, "longrope")
+# hidden_act / hidden_activation -> the MLP's gate activation
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+GEMMA = ("gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -27,8 +57,25 @@ class ArchConfig:
     intermediate_size: int
     rms_norm_eps: float
     context_len: int
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k before RoPE
     tie_word_embeddings: bool
+    act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh" (GeGLU)
+    attn_scale: float | None = None  # the query scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
+    embed_scale: float = 1.0  # Gemma: sqrt(hidden); Granite: embedding_multiplier
+    embed_scale_rounded: bool = False  # Gemma: the scale rounded to the model's dtype first
+    residual_scale: float = 1.0  # Granite: each block's output times residual_multiplier
+    logits_scale: float = 1.0  # Granite: logits divided by logits_scaling
+    sandwich_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs too
+    norm_offset: float = 0.0  # Gemma: norms multiply by (offset + w)
+    rotary_dim: int = 0  # rotated dims of each head (0: all; Phi-4-mini: 3/4 of them)
+    # per layer: the RoPE it uses, an index into the model's ropes (None: no RoPE, SmolLM3);
+    # empty: every layer uses rope 0
+    layer_rope: tuple[int | None, ...] = ()
+    sliding_window: int | None = None  # the window of the layers that have one
+    # per layer: whether it attends within `sliding_window` (empty: none does)
+    sliding_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -42,6 +89,21 @@ class ArchConfig:
         """Query heads that share one KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to the whole context)."""
+        if self.sliding_layers and self.sliding_layers[layer]:
+            return self.sliding_window
+        return None
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer attends within a sliding window."""
+        return any(self.sliding_layers)
+
+    def rope_of(self, layer: int) -> int | None:
+        """Which of the model's ropes `layer` uses (None: none)."""
+        return self.layer_rope[layer] if self.layer_rope else 0
+
     @classmethod
     def from_hf(cls, hf_config: Any, arch_name: str | None = None) -> ArchConfig:
         """Reads a transformers config; refuses what the native layer cannot compute exactly."""
@@ -50,43 +112,122 @@ class ArchConfig:
             archs = getattr(hf_config, "architectures", None) or [arch_name or model_type]
             raise UnsupportedArchitectureError(
                 f"architecture {', '.join(map(str, archs))} (model_type {model_type!r}) is not "
-                f"supported; neuronpy supports the Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"supported; neuronpy supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedArchitectureError(f"hidden_act {act!r} is not supported (only silu)")
-        rope_type = rope_parameters(hf_config).get("rope_type", "default")
-        if rope_type not in STATIC_ROPE_TYPES:
+        act = getattr(hf_config, "hidden_activation", None) or getattr(
+            hf_config, "hidden_act", "silu"
+        )
+        if act not in ACTIVATIONS:
             raise UnsupportedArchitectureError(
-                f"RoPE type {rope_type!r} is not supported; "
-                f"supported: {', '.join(STATIC_ROPE_TYPES)}"
+                f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
             )
-        if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedArchitectureError("partial rotary embeddings are not supported")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        context_len = hf_config.max_position_embeddings
-        # With a sliding window no longer than the context, full attention over at most
-        # `window` tokens is exactly sliding-window attention: cap the context there.
+        context_len = int(hf_config.max_position_embeddings)
+        layers = int(hf_config.num_hidden_layers)
+        ropes, layer_rope = layer_ropes(hf_config)
+        partial = 1.0
+        for params in ropes:
+            rope_type = params.get("rope_type", "default")
+            if rope_type not in ROPE_TYPES:
+                raise UnsupportedArchitectureError(
+                    f"RoPE type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+                )
+            if rope_type == "longrope":
+                short = int(params["original_max_position_embeddings"])
+                if short < context_len:
+                    log.warning(
+                        "longrope: the context is capped at %d tokens (its short factors' "
+                        "range); the model's %d would switch every position to the long "
+                        "factors past it",
+                        short,
+                        context_len,
+                    )
+                    context_len = short
+            partial = float(
+                params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1))
+                or 1.0
+            )
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise UnsupportedArchitectureError(f"partial rotary factor {partial} is not supported")
         window = getattr(hf_config, "sliding_window", None)
         if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
             window = None
-        if window:
+        if model_type == "smollm3" and not getattr(hf_config, "use_sliding_window", False):
+            window = None
+        sliding: tuple[bool, ...] = ()
+        if model_type in GEMMA and window:
+            # sliding-window layers mixed with global ones: a banded mask per layer, over the
+            # full KV (exact; the cache keeps every column of the sliding layers too)
+            types = getattr(hf_config, "layer_types", None) or [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            ]
+            sliding = tuple(t == "sliding_attention" for t in types)
+        elif window:
+            # every layer slides: with a window no longer than the context, full attention over
+            # at most `window` tokens is exactly sliding-window attention: cap the context there
             context_len = min(context_len, int(window))
+            window = None
+        gemma = model_type in GEMMA
+        granite = model_type == "granite"
+        scalar = getattr(hf_config, "query_pre_attn_scalar", None)
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=layers,
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             intermediate_size=hf_config.intermediate_size,
             rms_norm_eps=float(hf_config.rms_norm_eps),
             context_len=int(context_len),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            act=ACTIVATIONS[act],
+            attn_scale=(
+                float(hf_config.attention_multiplier)
+                if granite
+                else (float(scalar) ** -0.5 if gemma and scalar else None)
+            ),
+            attn_softcap=_cap(getattr(hf_config, "attn_logit_softcapping", None)),
+            final_softcap=_cap(getattr(hf_config, "final_logit_softcapping", None)),
+            embed_scale=(
+                float(hf_config.hidden_size) ** 0.5
+                if gemma
+                else float(getattr(hf_config, "embedding_multiplier", 1.0))
+            ),
+            embed_scale_rounded=gemma,
+            residual_scale=float(getattr(hf_config, "residual_multiplier", 1.0)),
+            logits_scale=float(getattr(hf_config, "logits_scaling", 1.0)),
+            sandwich_norms=gemma,
+            norm_offset=1.0 if gemma else 0.0,
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+            layer_rope=layer_rope,
+            sliding_window=int(window) if sliding and any(sliding) else None,
+            sliding_layers=sliding if any(sliding) else (),
         )
+
+
+def _cap(value: Any) -> float | None:
+    return float(value) if value else None
+
+
+def layer_ropes(hf_config: Any) -> tuple[list[dict[str, Any]], tuple[int | None, ...]]:
+    """The distinct RoPE settings of a model, and per layer the index of its own (None: the
+    layer has no RoPE): one for most models; Gemma 3 one per layer type (a local base for the
+    sliding layers); SmolLM3 none on the layers its `no_rope_layers` marks 0."""
+    params = rope_parameters(hf_config)
+    layers = int(hf_config.num_hidden_layers)
+    types = getattr(hf_config, "layer_types", None)
+    if types and all(isinstance(params.get(t), dict) for t in set(types)):
+        kinds = sorted(set(types), key=list(types).index)
+        return [dict(params[k], layer_type=k) for k in kinds], tuple(kinds.index(t) for t in types)
+    use = getattr(hf_config, "no_rope_layers", None)
+    if use is not None and not all(use):
+        return [params], tuple(0 if u else None for u in use[:layers])
+    return [params], ()
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -101,18 +242,27 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return out
 
 
-def rope_inv_freq(hf_config: Any) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim/2] and the cos/sin scale, as transformers computes them."""
-    params = rope_parameters(hf_config)
+def rope_inv_freq(
+    hf_config: Any, params: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [rotary_dim/2] and the cos/sin scale, as transformers computes them,
+    of `params` (one of layer_ropes'; None: the model's only one)."""
+    params = rope_parameters(hf_config) if params is None else params
     rope_type = params.get("rope_type", "default")
+    layer_type = params.get("layer_type")
     if rope_type == "default":
         base = float(params.get("rope_theta", 10000.0))
-        dim = getattr(hf_config, "head_dim", None) or (
+        head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads
         )
+        partial = params.get(
+            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1)
+        )
+        dim = int(head_dim * float(partial or 1.0))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, **kwargs)
     return inv_freq.float(), float(scale)

@@ -1,5 +1,7 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch: chunked prefill into a
-snapshot, and the lockstep (B, 1) decode step over a live batch."""
+"""The decoder in plain PyTorch: chunked prefill into a snapshot, and the lockstep (B, 1)
+decode step over a live batch. One forward for every family; what a family changes in it
+(norms, activation, RoPE per layer, sliding windows, scales and soft-caps) is its ArchConfig's
+(arch/config.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from neuronpy.arch.attention import (
     StepOutput,
     UniformStep,
     snapshot_of,
+    window_decode_mask,
 )
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch
@@ -37,13 +40,22 @@ REFINED_LOGITS = 16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 as the reference does."""
+    """RMSNorm over the last dim, computed in float32 as the reference does. A float32 weight
+    over a lower-precision x multiplies before rounding (Gemma's `(x * w).to(dtype)`), one in
+    x's dtype after (Llama's `w * x.to(dtype)`)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # one fused operation rather than seven (bitwise the same result in float32)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2's bound on attention scores and logits."""
+    return torch.tanh(x / cap) * cap
 
 
 class LlamaModel:
@@ -58,14 +70,25 @@ class LlamaModel:
         lm_head: AnyLinear,
         inv_freq: torch.Tensor,
         rope_scale: float,
+        ropes: Sequence[tuple[torch.Tensor, float]] = (),
     ) -> None:
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden]
         self.lm_head = lm_head  # hidden -> vocab
-        self.inv_freq = inv_freq.to(embed.device)  # [D/2] float32
+        self.inv_freq = inv_freq.to(embed.device)  # [rotary_dim/2] float32
         self.rope_scale = rope_scale
+        # every RoPE the layers use (config.rope_of(layer) picks one); the first is inv_freq's
+        self.ropes = [(self.inv_freq, rope_scale)] + [
+            (f.to(embed.device), scale) for f, scale in list(ropes)[1:]
+        ]
+        # Gemma scales embeddings by sqrt(hidden) rounded to its dtype; Granite by a float
+        self._embed_scale: float | torch.Tensor = config.embed_scale
+        if config.embed_scale_rounded:
+            self._embed_scale = torch.tensor(
+                config.embed_scale, dtype=self.dtype, device=self.device
+            )
         # Tensor parallelism (arch/tp.py): o_proj and down hold a slice of their inputs, so each
         # rank's output is a partial sum that this all-reduce completes before the residual.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -75,8 +98,12 @@ class LlamaModel:
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):
-            return F.embedding(ids, self.embed)
-        return self.embed(ids)  # kept quantized (arch/quant.py)
+            x = F.embedding(ids, self.embed)
+        else:
+            x = self.embed(ids)  # kept quantized (arch/quant.py)
+        if self.config.embed_scale_rounded:
+            return x * self._embed_scale
+        return x if self.config.embed_scale == 1.0 else x * self.config.embed_scale
 
     def identity(self) -> dict[str, torch.Tensor]:
         """Tensors that tell this model's weights from another's (saved sessions' fingerprint):
@@ -85,7 +112,7 @@ class LlamaModel:
         norms = {
             f"{i}.{name}": t
             for i, lw in enumerate(self.layers)
-            for name in ("input_norm", "post_norm")
+            for name in ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
             if (t := getattr(lw, name)) is not None
         }
         return {"embed": embed, "norm": self.norm, **norms}
@@ -128,6 +155,7 @@ class LlamaModel:
             lm_head=weights.lm_head,
             inv_freq=weights.inv_freq,
             rope_scale=weights.rope_scale,
+            ropes=weights.ropes,
         )
 
     @classmethod
@@ -220,10 +248,13 @@ class LlamaModel:
 
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
-        cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, positions, self.dtype)  # [N, D]
+        # cos/sin [N, rotary_dim] of each RoPE the layers use, once per forward
+        tables = [rope_cos_sin(f, scale, positions, self.dtype) for f, scale in self.ropes]
         x = self._embed(ids)  # [N, hidden]
         for layer, lw in enumerate(self.layers):
-            q, k, v = self._qkv(layer, lw, x, cos, sin)  # q [N, H, D]; k, v [N, KVH, D]
+            rope = c.rope_of(layer)
+            cos_sin = None if rope is None else tables[rope]
+            q, k, v = self._qkv(layer, lw, x, cos_sin)  # q [N, H, D]; k, v [N, KVH, D]
             x = self._finish_layer(layer, lw, x, self._attend(layer, q, k, v))
         return rms_norm(x, self.norm, c.rms_norm_eps)
 
@@ -245,12 +276,25 @@ class LlamaModel:
         return lin(x)
 
     def _qkv(
-        self, layer: int, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        layer: int,
+        lw: LayerWeights,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [N, hidden] -> q [N, H, D], k and v [N, KVH, D] (q and k after RoPE)."""
+        """x: [N, hidden] -> q [N, H, D], k and v [N, KVH, D] (q and k after RoPE, when the
+        layer has one: `cos_sin`)."""
         c = self.config
         n, d = x.shape[0], c.head_dim
         qkv = self._linear(layer, 0, lw.qkv, rms_norm(x, lw.input_norm, c.rms_norm_eps))
+        if cos_sin is None:  # a layer without RoPE (SmolLM3)
+            q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+            q, k, v = q.view(n, c.num_heads, d), k.view(n, c.num_kv_heads, d), v.view(n, -1, d)
+            if lw.q_norm is not None and lw.k_norm is not None:
+                q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
+            return q, k, v
+        cos, sin = cos_sin
         if lw.q_norm is None and lw.k_norm is None:
             # RoPE over the query and key heads at once: half the operations (same values)
             heads = c.num_heads + c.num_kv_heads
@@ -275,13 +319,47 @@ class LlamaModel:
         out = self._linear(layer, 1, lw.o_proj, attn)
         if self.reduce is not None:
             out = self.reduce(out)
-        x = x + out
+        x = self._residual(x, out, lw.attn_out_norm)
         normed = rms_norm(x, lw.post_norm, c.rms_norm_eps)
         gate, up = self._linear(layer, 2, lw.gate_up, normed).chunk(2, dim=-1)
-        out = self._linear(layer, 3, lw.down, F.silu(gate) * up)
+        act = F.silu(gate) if c.act == "silu" else F.gelu(gate, approximate="tanh")
+        out = self._linear(layer, 3, lw.down, act * up)
         if self.reduce is not None:
             out = self.reduce(out)
+        return self._residual(x, out, lw.mlp_out_norm)
+
+    def _residual(
+        self, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x plus a block's output: normed first (Gemma's sandwich norms), scaled (Granite)."""
+        c = self.config
+        if norm is not None:
+            out = rms_norm(out, norm, c.rms_norm_eps)
+        if c.residual_scale != 1.0:
+            out = out * c.residual_scale
         return x + out
+
+    def sdpa(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention over grouped queries (see group_queries): q [B, KVH, Q, D], k and v
+        [B, KVH, L, D], mask broadcasting to [B, KVH, Q, L] (True = attend) -> [B, KVH, Q, D].
+        PyTorch's fused kernel, at the family's query scale; with Gemma 2's soft-capped
+        scores, the scores written out (the kernel has no cap) and softmaxed in float32."""
+        c = self.config
+        if c.attn_softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.attn_scale)
+        scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
+        scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, c.attn_softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)
 
     def group_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q: [B, T, H, D] -> [B, KVH, G * T, D]: each KV head's query heads side by side, so
@@ -290,12 +368,29 @@ class LlamaModel:
         c = self.config
         return q.transpose(1, 2).reshape(b, c.num_kv_heads, c.group_size * t, d)
 
-    def _causal_mask(self, positions: torch.Tensor, columns: int) -> torch.Tensor:
+    def _causal_mask(
+        self, positions: torch.Tensor, columns: int, window: int | None = None
+    ) -> torch.Tensor:
         """[G * T, columns] bool for queries at absolute `positions` [T] over the first
-        `columns` KV columns: each sees the columns up to its own position, in grouped query
-        order (see group_queries)."""
-        causal = torch.arange(columns, device=positions.device)[None, :] <= positions[:, None]
+        `columns` KV columns: each sees the columns up to its own position (and, with a
+        sliding `window`, none `window` or more behind it), in grouped query order (see
+        group_queries)."""
+        col = torch.arange(columns, device=positions.device)[None, :]
+        causal = col <= positions[:, None]
+        if window is not None:
+            causal &= col > positions[:, None] - window
         return causal.repeat(self.config.group_size, 1)
+
+    def _sequence_attention(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, total: int
+    ) -> SequenceAttention:
+        """A sequence's tokens at columns [start, total) of its own buffers (see
+        SequenceAttention), with the banded mask of the sliding layers when there are any."""
+        positions = torch.arange(start, total, device=self.device)
+        window = self.config.sliding_window if self.config.windowed else None
+        banded = None if window is None else self._causal_mask(positions, total, window)
+        mask = self._causal_mask(positions, total)
+        return SequenceAttention(keys, values, start, total, mask, banded)
 
     def ungroup(self, out: torch.Tensor, t: int) -> torch.Tensor:
         """[B, KVH, G * T, D] -> [B * T, H * D]."""
@@ -338,9 +433,8 @@ class LlamaModel:
         for lo in range(0, len(new), chunk_size):
             hi = min(lo + chunk_size, len(new))
             a, b = start + lo, start + hi  # absolute columns of this chunk
-            positions = torch.arange(a, b, device=dev)
-            chunk = SequenceAttention(keys, values, a, b, self._causal_mask(positions, b))
-            hidden_out.append(self._run(ids[lo:hi], positions, chunk))
+            chunk = self._sequence_attention(keys, values, a, b)
+            hidden_out.append(self._run(ids[lo:hi], torch.arange(a, b, device=dev), chunk))
         return snapshot_of(keys, values, past, new), torch.cat(hidden_out)
 
     def _kv_buffers(
@@ -431,11 +525,9 @@ class LlamaModel:
             if not new or total > c.context_len:
                 raise ValueError(f"a prefill chunk of {len(new)} tokens after {start} does not fit")
             keys, values = self._kv_buffers(chunk.past, total, chunk.reserve, chunk.extend)
-            chunk_pos = torch.arange(start, total, device=self.device)
-            positions.append(chunk_pos)
+            positions.append(torch.arange(start, total, device=self.device))
             ids.append(torch.tensor(new, dtype=torch.long, device=self.device))
-            mask = self._causal_mask(chunk_pos, total)
-            riders.append(SequenceAttention(keys, values, start, total, mask))
+            riders.append(self._sequence_attention(keys, values, start, total))
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
         flat = torch.cat(ids) if len(ids) > 1 else ids[0]
         hidden = self._run(flat, rows, StepAttention(steps, riders))  # [N + n, hidden]
@@ -465,7 +557,12 @@ class LlamaModel:
         group's steps (the lockstep case), else a ragged write and mask (RaggedStep)."""
         if group.uniform and all(n == 1 for n in counts):
             group.ensure_headroom(1)
-            return UniformStep(group, first, group.decode_mask(), group.positions())
+            positions = group.positions()
+            banded = None
+            if self.config.windowed:
+                assert self.config.sliding_window is not None
+                banded = window_decode_mask(group, positions, self.config.sliding_window)
+            return UniformStep(group, first, group.decode_mask(), positions, banded)
         return RaggedStep.plan(self, group, counts, first)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -474,6 +571,11 @@ class LlamaModel:
             out = self.lm_head(hidden).float()
             if self._refines_logits:
                 out = self._refine(hidden, out)
+            c = self.config
+            if c.logits_scale != 1.0:  # Granite
+                out = out / c.logits_scale
+            if c.final_softcap is not None:  # Gemma 2
+                out = soft_cap(out, c.final_softcap)
             return out
 
     @property

@@ -10,7 +10,7 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for the given positions.
 
-    inv_freq: [D/2] float32; positions: [N] integer -> cos, sin: [N, D] in `dtype`.
+    inv_freq: [R/2] float32; positions: [N] integer -> cos, sin: [N, R] in `dtype`.
     Computed in float32 as transformers does, so positions far into the context stay exact.
     """
     freqs = positions[:, None].float() * inv_freq  # [N, D/2]
@@ -19,7 +19,11 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, D]; cos, sin: [N, D] -> [N, heads, D] (rotate-half convention)."""
+    """x: [N, heads, D]; cos, sin: [N, R] -> [N, heads, D] (rotate-half convention). With
+    R < D (partial rotary embeddings) the first R dims of each head rotate, the rest pass."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot, rest = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+        return torch.cat((apply_rope(rot, cos, sin), rest), dim=-1)
     cos, sin = cos[:, None], sin[:, None]  # [N, 1, D]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from neuronpy.arch.config import ArchConfig, rope_inv_freq
+from neuronpy.arch.config import ArchConfig, layer_ropes, rope_inv_freq
 from neuronpy.arch.linear import (
     AnyLinear,
     FusedLinear,
@@ -45,6 +45,9 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: AnyLinear  # hidden -> 2 * inter: gate and up fused
     down: AnyLinear  # inter -> hidden
+    # Gemma's sandwich norms: on the attention's output and the MLP's, before each residual
+    attn_out_norm: torch.Tensor | None = None  # [hidden]
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]
 
 
 @dataclass
@@ -56,8 +59,10 @@ class ModelWeights:
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
     lm_head: Any  # AnyLinear, or a stand-in giving [..., 0] on ranks whose logits go unread
-    inv_freq: torch.Tensor  # [D/2] float32
+    inv_freq: torch.Tensor  # [rotary_dim/2] float32
     rope_scale: float
+    # every RoPE the layers use (config.layer_rope indexes it); the first is inv_freq's
+    ropes: list[tuple[torch.Tensor, float]] = dataclasses.field(default_factory=list)
 
 
 class Checkpoint(Protocol):
@@ -69,6 +74,10 @@ class Checkpoint(Protocol):
 
     def get(self, name: str) -> AnyWeight | None:
         """Tensor `name` (a plain tensor, or a quantized layout of arch/quant.py), or None."""
+        ...
+
+    def __contains__(self, name: str) -> bool:
+        """Whether it holds tensor `name` (nothing is read)."""
         ...
 
 
@@ -84,6 +93,9 @@ class HFCheckpoint:
     def get(self, name: str) -> AnyWeight | None:
         t = self._params.get(name)
         return None if t is None else t.detach()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._params
 
 
 def as_checkpoint(source: Any) -> Checkpoint:
@@ -249,27 +261,61 @@ def take_weights(
         )
 
     def norm(name: str) -> torch.Tensor:
+        if config.norm_offset:  # Gemma's (1 + w), in float32 as it computes it
+            return dequantized(tensor(name), torch.float32) + config.norm_offset
         return dequantized(tensor(name), dtype)
 
+    hd, kvd, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
+
+    def qkv(attn: str) -> list[tuple[str, int, int]]:
+        if f"{attn}.qkv_proj.weight" in ckpt:  # fused in the checkpoint (Phi-3)
+            fused = f"{attn}.qkv_proj"
+            return [
+                (fused, q_lo, q_hi),
+                (fused, hd + kv_lo, hd + kv_hi),
+                (fused, hd + kvd + kv_lo, hd + kvd + kv_hi),
+            ]
+        return [
+            (f"{attn}.q_proj", q_lo, q_hi),
+            (f"{attn}.k_proj", kv_lo, kv_hi),
+            (f"{attn}.v_proj", kv_lo, kv_hi),
+        ]
+
+    def gate_up(mlp: str) -> list[tuple[str, int, int]]:
+        if f"{mlp}.gate_up_proj.weight" in ckpt:  # fused in the checkpoint (Phi-3)
+            return [
+                (f"{mlp}.gate_up_proj", i_lo, i_hi),
+                (f"{mlp}.gate_up_proj", inter + i_lo, inter + i_hi),
+            ]
+        return [(f"{mlp}.gate_proj", i_lo, i_hi), (f"{mlp}.up_proj", i_lo, i_hi)]
+
+    # Gemma's norms: input, then post_attention on the attention's output, pre_feedforward
+    # before the MLP and post_feedforward on its output; Llama's post_attention is the MLP's
+    pre_mlp = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
     layers = []
     for i in range(config.num_layers):
-        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        block = f"model.layers.{i}"
+        attn, mlp = f"{block}.self_attn", f"{block}.mlp"
         layers.append(
             LayerWeights(
-                input_norm=norm(f"model.layers.{i}.input_layernorm.weight"),
-                qkv=column(
-                    [
-                        (f"{attn}.q_proj", q_lo, q_hi),
-                        (f"{attn}.k_proj", kv_lo, kv_hi),
-                        (f"{attn}.v_proj", kv_lo, kv_hi),
-                    ]
-                ),
+                input_norm=norm(f"{block}.input_layernorm.weight"),
+                qkv=column(qkv(attn)),
                 q_norm=norm(f"{attn}.q_norm.weight") if config.qk_norm else None,
                 k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm else None,
                 o_proj=row(f"{attn}.o_proj", q_lo, q_hi),
-                post_norm=norm(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=column([(f"{mlp}.gate_proj", i_lo, i_hi), (f"{mlp}.up_proj", i_lo, i_hi)]),
+                post_norm=norm(f"{block}.{pre_mlp}.weight"),
+                gate_up=column(gate_up(mlp)),
                 down=row(f"{mlp}.down_proj", i_lo, i_hi),
+                attn_out_norm=(
+                    norm(f"{block}.post_attention_layernorm.weight")
+                    if config.sandwich_norms
+                    else None
+                ),
+                mlp_out_norm=(
+                    norm(f"{block}.post_feedforward_layernorm.weight")
+                    if config.sandwich_norms
+                    else None
+                ),
             )
         )
     embed_weight = tensor("model.embed_tokens.weight")
@@ -279,7 +325,8 @@ def take_weights(
         bias = _plain(ckpt.get("lm_head.bias"), dtype)
         weight = embed_weight if weight is None else weight
         head = make_linear(weight, bias, head_mode(quantize), stats.get("lm_head"), dtype=dtype)
-    inv_freq, scale = rope_inv_freq(hf_config)
+    ropes = [rope_inv_freq(hf_config, params) for params in layer_ropes(hf_config)[0]]
+    inv_freq, scale = ropes[0]
     return ModelWeights(
         config=local,
         embed=make_embedding(embed_weight, quantize, dtype),
@@ -288,4 +335,5 @@ def take_weights(
         lm_head=head,
         inv_freq=inv_freq,
         rope_scale=scale,
+        ropes=ropes,
     )
