@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from neuronpy.arch.moe import MOE_MODEL_TYPES, MoeConfig, moe_config
 from neuronpy.errors import UnsupportedArchitectureError
 
 # model_type -> the family features it may use. Everything else is refused by name.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 # RoPE variants whose inverse frequencies do not depend on the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -29,6 +30,8 @@ class ArchConfig:
     context_len: int
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_word_embeddings: bool
+    moe: MoeConfig | None = None  # mixture-of-experts families (arch/moe.py); None when dense
+    qk_norm_full: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -61,6 +64,8 @@ class ArchConfig:
                 f"RoPE type {rope_type!r} is not supported; "
                 f"supported: {', '.join(STATIC_ROPE_TYPES)}"
             )
+        if getattr(hf_config, "clip_qkv", None) is not None:
+            raise UnsupportedArchitectureError("clip_qkv (OLMoE) is not supported")
         if getattr(hf_config, "partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedArchitectureError("partial rotary embeddings are not supported")
         num_heads = hf_config.num_attention_heads
@@ -84,8 +89,10 @@ class ArchConfig:
             intermediate_size=hf_config.intermediate_size,
             rms_norm_eps=float(hf_config.rms_norm_eps),
             context_len=int(context_len),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            moe=moe_config(hf_config),
+            qk_norm_full=model_type == "olmoe",
         )
 
 
