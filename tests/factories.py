@@ -13,7 +13,8 @@ from neuronpy.config import EngineConfig
 from neuronpy.engine.engine import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
-FAMILIES = ("tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3")
+MOE_FAMILIES = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe")
+FAMILIES = ("tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3", *MOE_FAMILIES)
 
 
 def fixture_dir(name: str = "tiny-llama") -> Path:

@@ -2,9 +2,15 @@
 top-k of E experts (each a SiLU-gated MLP of its own), and the token's output is their
 outputs weighted by the router's probabilities.
 
-The router runs in float32 (its weight kept in float32 whatever the model computes in):
-softmax over the E logits, top-k, renormalized over the k where the family does (Mixtral
-always, Qwen3-MoE and OLMoE as `norm_topk_prob` says), as transformers does.
+The router computes as transformers does: its logits in the model's dtype (the router weight
+is kept as the checkpoint holds it, never quantized), the softmax over the E experts in
+float32, top-k, renormalized over the k where the family does (Mixtral always, Qwen3-MoE and
+OLMoE as `norm_topk_prob` says), and the k weights cast back to the model's dtype before they
+scale the experts' outputs (Qwen3-MoE, OLMoE; Mixtral scales in float32). In float32 models
+all of this is float32. (A router kept in float32 in a bfloat16 model was measured against
+transformers' bfloat16 forward of the tiny OLMoE fixture: its experts' choices part from the
+reference's on near-ties at bfloat16's resolution, and the logits with them, 1.7 off where the
+router in the model's dtype stays within 0.63; so the reference's arithmetic it is.)
 
 The experts run grouped: the step's N * k (token, expert) assignments are sorted by expert and
 counted, and each expert that some token chose runs once over all of its tokens (one gate/up
@@ -41,11 +47,11 @@ import torch.nn.functional as F
 from neuronpy.arch.linear import AnyLinear, Linear, make_linear
 
 # model_type -> (the config's field for the experts' intermediate size, whether the top-k
-# probabilities are always renormalized)
+# probabilities are always renormalized, whether they scale the experts in the model's dtype)
 MOE_MODEL_TYPES = {
-    "qwen3_moe": ("moe_intermediate_size", False),
-    "mixtral": ("intermediate_size", True),
-    "olmoe": ("intermediate_size", False),
+    "qwen3_moe": ("moe_intermediate_size", False, True),
+    "mixtral": ("intermediate_size", True, False),
+    "olmoe": ("intermediate_size", False, True),
 }
 
 
@@ -58,6 +64,7 @@ class MoeConfig:
     intermediate_size: int  # each expert's (this rank's share of it, in a shard's config)
     norm_topk_prob: bool  # renormalize the top-k probabilities to sum to one
     sparse_layers: tuple[int, ...]  # the layers whose MLP is a MoE block (the rest are dense)
+    cast_weights: bool = True  # routing weights cast to the model's dtype before they scale
 
     def shard(self, world_size: int) -> MoeConfig:
         """One tensor-parallel rank's: its share of every expert's intermediate columns."""
@@ -69,7 +76,7 @@ def moe_config(hf_config: Any) -> MoeConfig | None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in MOE_MODEL_TYPES:
         return None
-    size_field, always_norm = MOE_MODEL_TYPES[model_type]
+    size_field, always_norm, cast = MOE_MODEL_TYPES[model_type]
     num_experts = getattr(hf_config, "num_experts", None) or hf_config.num_local_experts
     layers = range(hf_config.num_hidden_layers)
     if model_type == "qwen3_moe":  # dense MLPs mixed in: mlp_only_layers, decoder_sparse_step
@@ -84,6 +91,7 @@ def moe_config(hf_config: Any) -> MoeConfig | None:
         intermediate_size=int(getattr(hf_config, size_field)),
         norm_topk_prob=always_norm or bool(getattr(hf_config, "norm_topk_prob", False)),
         sparse_layers=sparse,
+        cast_weights=cast,
     )
 
 
@@ -100,7 +108,7 @@ class MoeBlock:
         if not len(gate_up) == len(down) == config.num_experts == router.out_features:
             raise ValueError("a MoE block needs a gate/up and a down for each routed expert")
         self.config = config
-        self.router = router  # hidden -> experts, float32
+        self.router = router  # hidden -> experts
         self.gate_up = gate_up  # per expert: hidden -> 2 * inter (gate, then up)
         self.down = down  # per expert: inter -> hidden
 
@@ -111,7 +119,7 @@ class MoeBlock:
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> each token's top-k routing weights [N, k] (float32) and experts
         [N, k], as transformers computes them: float32 softmax, top-k, renormalized or not."""
-        probs = self.router(x.float()).softmax(dim=-1)  # [N, E]
+        probs = self.router(x).softmax(dim=-1, dtype=torch.float32)  # [N, E]
         weights, experts = probs.topk(self.config.top_k, dim=-1)
         if self.config.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -131,8 +139,10 @@ class MoeBlock:
                 outs.append(self._expert(expert, inputs[at : at + n]))
                 at += n
         out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+        scale = weights.reshape(-1)[order, None]
+        if self.config.cast_weights:
+            scale = scale.to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, (out * scale).to(x.dtype))
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
@@ -180,4 +190,4 @@ def take_moe_block(
         ups.append(make_linear(w.detach(), None, quantize, dtype=dtype))
         d = down[e] if whole else down[e][:, lo:hi].contiguous()
         downs.append(make_linear(d.detach(), None, quantize, dtype=dtype))
-    return MoeBlock(config.shard(world_size), Linear(router.detach().float()), ups, downs)
+    return MoeBlock(config.shard(world_size), Linear(router.detach().to(dtype)), ups, downs)
