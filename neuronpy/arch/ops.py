@@ -1,5 +1,6 @@
-"""The two operations a compiled forward leaves to the model itself: its linear layers and its
-attention, called by handle from the graph PyTorch's compiler builds around them.
+"""The operations a compiled forward leaves to the model itself: its linear layers, its
+attention and its mixture-of-experts blocks, called by handle from the graph PyTorch's
+compiler builds around them.
 
 A compiled graph holds tensors and numbers, not Python objects. The model's linear layers keep
 weights the graph cannot hold (oneDNN-packed, int8: opaque layouts), and its attention runs
@@ -8,7 +9,8 @@ graph and change every step. So the graph calls these two operators with a handl
 tensor naming the model, a graph input like any other, so one graph serves every model of the
 same shape) and plain ints (which projection, which layer); each finds the model and runs its
 eager code. Everything between them (norms, RoPE, residuals, SiLU, the embedding) is the
-compiler's to fuse.
+compiler's to fuse. A mixture-of-experts block (arch/moe.py) is one operator too: which
+experts run, over how many tokens each, depends on the routing, a shape no graph can fix.
 """
 
 from __future__ import annotations
