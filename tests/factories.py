@@ -13,6 +13,7 @@ from neuronpy.config import EngineConfig
 from neuronpy.engine.engine import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
+MOE_FAMILIES = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe")
 # one fixture per family and feature set (tests/fixtures/build_fixtures.py says which)
 FAMILIES = (
     "tiny-llama",
@@ -25,6 +26,7 @@ FAMILIES = (
     "tiny-phi3",
     "tiny-smollm3",
     "tiny-granite",
+    *MOE_FAMILIES,
 )
 
 

@@ -75,7 +75,10 @@ def test_fixture_loads_and_is_consistent(name: str) -> None:
     model, tok = _model(name), _tokenizer(name)
     cfg = model.config
     assert cfg.vocab_size == len(tok) == bf.VOCAB_SIZE
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, 2, 128)
+    # (Mixtral's and OLMoE's intermediate_size is each expert's; Qwen3-MoE's its dense layer's)
+    moe_only = name in bf.MOE_FIXTURES and name != "tiny-qwen3-moe"
+    inter = bf.MOE_INTERMEDIATE_SIZE if moe_only else 128
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, 2, inter)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
     assert cfg.max_position_embeddings == 512
     assert cfg.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
@@ -117,6 +120,23 @@ def test_qwen3_has_q_norm_k_norm_and_explicit_head_dim() -> None:
         assert not torch.allclose(norm.weight, torch.ones(16))
     raw = json.loads((FIXTURES_DIR / "tiny-qwen3" / "config.json").read_text())
     assert raw["head_dim"] == 16
+
+
+def test_moe_fixtures_route_to_experts() -> None:
+    """8 experts, 2 per token; Qwen3-MoE's layer 0 dense; OLMoE's q/k norms over the whole
+    projection (not per head)."""
+    for name in bf.MOE_FIXTURES:
+        model = _model(name)
+        for i, layer in enumerate(model.model.layers):
+            if name == "tiny-qwen3-moe" and i == 0:
+                assert layer.mlp.gate_proj.weight.shape == (128, 64)
+                continue
+            assert layer.mlp.gate.weight.shape == (8, 64)
+            assert layer.mlp.experts.gate_up_proj.shape == (8, 2 * bf.MOE_INTERMEDIATE_SIZE, 64)
+            assert layer.mlp.experts.down_proj.shape == (8, 64, bf.MOE_INTERMEDIATE_SIZE)
+        assert model.config.num_experts_per_tok == 2
+    attn = _model("tiny-olmoe").model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,)
 
 
 def test_llama3_rope_scaling_changes_frequencies() -> None:

@@ -81,7 +81,7 @@ def drafts_for(row: int, step: int, truth: list[int], at: int, left: int) -> lis
     return guess
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-mistral"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen3-moe"])
 def test_parity_verify_steps_equal_one_token_steps(name: str) -> None:
     model = native(name)
     refs = [reference(model, list(p), STEPS * 5 + 2) for p in PROMPTS]

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from neuronpy.arch.moe import MOE_MODEL_TYPES, MoeConfig, moe_config
 from neuronpy.errors import UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ SUPPORTED_MODEL_TYPES = (
     "phi3",
     "smollm3",
     "granite",
+    *MOE_MODEL_TYPES,
 )
 # RoPE variants whose inverse frequencies do not depend on the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -76,6 +78,8 @@ class ArchConfig:
     sliding_window: int | None = None  # the window of the layers that have one
     # per layer: whether it attends within `sliding_window` (empty: none does)
     sliding_layers: tuple[bool, ...] = ()
+    moe: MoeConfig | None = None  # mixture-of-experts families (arch/moe.py); None when dense
+    qk_norm_full: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -121,6 +125,8 @@ class ArchConfig:
             raise UnsupportedArchitectureError(
                 f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
             )
+        if getattr(hf_config, "clip_qkv", None) is not None:
+            raise UnsupportedArchitectureError("clip_qkv (OLMoE) is not supported")
         num_heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         context_len = int(hf_config.max_position_embeddings)
@@ -183,7 +189,7 @@ class ArchConfig:
             intermediate_size=hf_config.intermediate_size,
             rms_norm_eps=float(hf_config.rms_norm_eps),
             context_len=int(context_len),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             act=ACTIVATIONS[act],
             attn_scale=(
@@ -207,6 +213,8 @@ class ArchConfig:
             layer_rope=layer_rope,
             sliding_window=int(window) if sliding and any(sliding) else None,
             sliding_layers=sliding if any(sliding) else (),
+            moe=moe_config(hf_config),
+            qk_norm_full=model_type == "olmoe",
         )
 
 

@@ -30,6 +30,7 @@ from neuronpy.arch.attention import (
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch
 from neuronpy.arch.linear import Linear
+from neuronpy.arch.moe import MoeBlock
 from neuronpy.arch.quant import QuantEmbedding
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.arch.weights import AnyLinear, LayerWeights, ModelWeights, take_weights
@@ -118,7 +119,9 @@ class LlamaModel:
         return {"embed": embed, "norm": self.norm, **norms}
 
     def _linears(self) -> list[Any]:
-        return [lin for lw in self.layers for lin in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+        dense = [(lw.qkv, lw.o_proj, lw.gate_up, lw.down) for lw in self.layers]
+        experts = [lw.moe.linears() for lw in self.layers if lw.moe is not None]
+        return [lin for lins in dense + experts for lin in lins if lin is not None]
 
     def weight_bytes(self) -> int:
         """The bytes its weights take (the embedding, projections, norms)."""
@@ -233,6 +236,12 @@ class LlamaModel:
     def _projections(self) -> list[AnyLinear]:
         return [p for lw in self.layers for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
 
+    def moe_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s mixture-of-experts block over x (arch/ops)."""
+        block = self.layers[layer].moe
+        assert block is not None
+        return block(x)
+
     def attend_at(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
@@ -275,6 +284,14 @@ class LlamaModel:
             return ops.linear(x, self._handle, 4 * layer + slot, lin.out_features)
         return lin(x)
 
+    def _moe(self, layer: int, block: MoeBlock, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s mixture-of-experts block over x (arch/moe.py): an opaque operator
+        in a compiled graph, as its shapes depend on the routing."""
+        if torch.compiler.is_compiling():
+            assert self._handle is not None
+            return ops.moe(x, self._handle, layer)
+        return block(x)
+
     def _qkv(
         self,
         layer: int,
@@ -303,10 +320,14 @@ class LlamaModel:
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             return q, k, v.view(n, c.num_kv_heads, d)
         q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
+        if c.qk_norm_full and lw.q_norm is not None and lw.k_norm is not None:
+            # OLMoE: RMSNorm over the whole projection, before the split into heads
+            q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
         q = q.view(n, c.num_heads, d)
         k = k.view(n, c.num_kv_heads, d)
         v = v.view(n, c.num_kv_heads, d)
-        if lw.q_norm is not None and lw.k_norm is not None:
+        if lw.q_norm is not None and lw.k_norm is not None and not c.qk_norm_full:
             q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -321,9 +342,13 @@ class LlamaModel:
             out = self.reduce(out)
         x = self._residual(x, out, lw.attn_out_norm)
         normed = rms_norm(x, lw.post_norm, c.rms_norm_eps)
-        gate, up = self._linear(layer, 2, lw.gate_up, normed).chunk(2, dim=-1)
-        act = F.silu(gate) if c.act == "silu" else F.gelu(gate, approximate="tanh")
-        out = self._linear(layer, 3, lw.down, act * up)
+        if lw.moe is not None:  # routed experts in place of the dense MLP
+            out = self._moe(layer, lw.moe, normed)
+        else:
+            assert lw.gate_up is not None and lw.down is not None
+            gate, up = self._linear(layer, 2, lw.gate_up, normed).chunk(2, dim=-1)
+            act = F.silu(gate) if c.act == "silu" else F.gelu(gate, approximate="tanh")
+            out = self._linear(layer, 3, lw.down, act * up)
         if self.reduce is not None:
             out = self.reduce(out)
         return self._residual(x, out, lw.mlp_out_norm)

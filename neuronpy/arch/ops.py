@@ -1,5 +1,6 @@
-"""The two operations a compiled forward leaves to the model itself: its linear layers and its
-attention, called by handle from the graph PyTorch's compiler builds around them.
+"""The operations a compiled forward leaves to the model itself: its linear layers, its
+attention and its mixture-of-experts blocks, called by handle from the graph PyTorch's
+compiler builds around them.
 
 A compiled graph holds tensors and numbers, not Python objects. The model's linear layers keep
 weights the graph cannot hold (oneDNN-packed, int8: opaque layouts), and its attention runs
@@ -8,7 +9,8 @@ graph and change every step. So the graph calls these two operators with a handl
 tensor naming the model, a graph input like any other, so one graph serves every model of the
 same shape) and plain ints (which projection, which layer); each finds the model and runs its
 eager code. Everything between them (norms, RoPE, residuals, SiLU, the embedding) is the
-compiler's to fuse.
+compiler's to fuse. A mixture-of-experts block (arch/moe.py) is one operator too: which
+experts run, over how many tokens each, depends on the routing, a shape no graph can fix.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class Opaque(Protocol):
         """The running forward's attention in `layer`: [N, H * D]."""
         ...
 
+    def moe_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s mixture-of-experts block over x: [N, hidden]."""
+        ...
+
 
 _MODELS: dict[int, weakref.ref[Opaque]] = {}
 _KEYS = itertools.count()
@@ -55,6 +61,7 @@ def _model(handle: torch.Tensor) -> Opaque:
 _LIB = torch.library.Library("neuronpy", "DEF")
 _LIB.define("linear(Tensor x, Tensor model, int index, int out_features) -> Tensor")
 _LIB.define("attend(Tensor q, Tensor k, Tensor v, Tensor model, int layer) -> Tensor")
+_LIB.define("moe(Tensor x, Tensor model, int layer) -> Tensor")
 
 
 def _linear(x: torch.Tensor, model: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -67,9 +74,14 @@ def _attend(
     return _model(model).attend_at(layer, q, k, v)
 
 
+def _moe(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:
+    return _model(model).moe_at(layer, x)
+
+
 # (a Library kernel costs about a third of what a torch.library.custom_op does per call)
 _LIB.impl("linear", _linear, "CompositeExplicitAutograd")
 _LIB.impl("attend", _attend, "CompositeExplicitAutograd")
+_LIB.impl("moe", _moe, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("neuronpy::linear")
@@ -86,6 +98,11 @@ def _attend_shape(
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
+@torch.library.register_fake("neuronpy::moe")
+def _moe_shape(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def linear(x: torch.Tensor, model: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     """In a compiled graph: the model's projection `index` over x ([..., out_features])."""
     return torch.ops.neuronpy.linear(x, model, index, out_features)
@@ -96,3 +113,8 @@ def attend(
 ) -> torch.Tensor:
     """In a compiled graph: the model's running attention in `layer` ([N, H * D])."""
     return torch.ops.neuronpy.attend(q, k, v, model, layer)
+
+
+def moe(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:
+    """In a compiled graph: the model's mixture-of-experts block in `layer` ([N, hidden])."""
+    return torch.ops.neuronpy.moe(x, model, layer)

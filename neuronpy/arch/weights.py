@@ -7,7 +7,9 @@ Tensor parallelism is a Megatron-style split, two all-reduces per layer:
   and produce a partial sum of the full output, which an all-reduce completes (arch/tp.py).
 Embeddings and norms are replicated. The LM head is kept whole where logits are wanted (rank 0)
 and dropped elsewhere: only rank 0 answers jobs, so a follower's logits would go unread. One
-device is the split over one rank, so both paths take the weights the same way.
+device is the split over one rank, so both paths take the weights the same way. A
+mixture-of-experts block splits every expert as the dense MLP is split, its router
+replicated (arch/moe.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from neuronpy.arch.linear import (
     make_embedding,
     make_linear,
 )
+from neuronpy.arch.moe import MoeBlock, take_moe_block
 from neuronpy.arch.quant import AnyWeight, QuantEmbedding, cat_weights, dequantized
 from neuronpy.errors import NeuronError
 
@@ -43,8 +46,9 @@ class LayerWeights:
     k_norm: torch.Tensor | None
     o_proj: AnyLinear  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
-    gate_up: AnyLinear  # hidden -> 2 * inter: gate and up fused
-    down: AnyLinear  # inter -> hidden
+    gate_up: AnyLinear | None  # hidden -> 2 * inter: gate and up fused (None beside `moe`)
+    down: AnyLinear | None  # inter -> hidden
+    moe: MoeBlock | None = None  # a mixture-of-experts MLP in place of the dense one
     # Gemma's sandwich norms: on the attention's output and the MLP's, before each residual
     attn_out_norm: torch.Tensor | None = None  # [hidden]
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
@@ -139,6 +143,13 @@ def check_divisible(config: ArchConfig, world_size: int) -> None:
         "num_key_value_heads": config.num_kv_heads,
         "intermediate_size": config.intermediate_size,
     }
+    if config.moe is not None:
+        counts["moe_intermediate_size"] = config.moe.intermediate_size
+    if config.qk_norm_full and world_size > 1:
+        raise TensorParallelError(
+            "cannot split this model over tensor-parallel ranks: its q/k norm spans every "
+            "attention head at once (OLMoE)"
+        )
     bad = [f"{name} = {value}" for name, value in counts.items() if value % world_size]
     if bad:
         raise TensorParallelError(
@@ -157,6 +168,7 @@ def shard_config(config: ArchConfig, world_size: int) -> ArchConfig:
         num_heads=config.num_heads // world_size,
         num_kv_heads=config.num_kv_heads // world_size,
         intermediate_size=config.intermediate_size // world_size,
+        moe=None if config.moe is None else config.moe.shard(world_size),
     )
 
 
@@ -296,6 +308,7 @@ def take_weights(
     for i in range(config.num_layers):
         block = f"model.layers.{i}"
         attn, mlp = f"{block}.self_attn", f"{block}.mlp"
+        moe = config.moe if config.moe and i in config.moe.sparse_layers else None  # experts
         layers.append(
             LayerWeights(
                 input_norm=norm(f"{block}.input_layernorm.weight"),
@@ -304,8 +317,11 @@ def take_weights(
                 k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm else None,
                 o_proj=row(f"{attn}.o_proj", q_lo, q_hi),
                 post_norm=norm(f"{block}.{pre_mlp}.weight"),
-                gate_up=column(gate_up(mlp)),
-                down=row(f"{mlp}.down_proj", i_lo, i_hi),
+                gate_up=None if moe else column(gate_up(mlp)),
+                down=None if moe else row(f"{mlp}.down_proj", i_lo, i_hi),
+                moe=None
+                if moe is None
+                else take_moe_block(tensor, mlp, moe, rank, world_size, quantize, dtype),
                 attn_out_norm=(
                     norm(f"{block}.post_attention_layernorm.weight")
                     if config.sandwich_norms

@@ -1,0 +1,199 @@
+"""Mixture-of-experts models (arch/moe.py): the router and the grouped experts against
+transformers' block, only the experts a step routes to running, every quantize mode per
+expert, the tensor-parallel split of every expert, one compiled graph for any routing, and an
+engine's concurrent requests against one at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+
+from neuronpy.arch.config import ArchConfig
+from neuronpy.arch.llama import LlamaModel
+from neuronpy.arch.moe import MoeBlock
+from neuronpy.arch.weights import TensorParallelError, check_divisible
+from tests.factories import MOE_FAMILIES, hf_model, make_engine, tokenizer
+from tests.test_engine_parity import MAX_TOKENS, TEXTS, concurrently, greedy, one_at_a_time, summary
+from tests.test_tp import TOL, split_prefill
+
+TEXT = "The quick brown fox jumps over the lazy dog"
+
+
+def native(name: str, **kw: Any) -> LlamaModel:
+    return LlamaModel.from_hf(hf_model(name), **kw)
+
+
+def sparse_blocks(model: LlamaModel) -> list[tuple[int, MoeBlock]]:
+    return [(i, lw.moe) for i, lw in enumerate(model.layers) if lw.moe is not None]
+
+
+def test_configs_say_which_layers_route_and_how() -> None:
+    qwen = ArchConfig.from_hf(hf_model("tiny-qwen3-moe").config)
+    assert qwen.moe is not None and qwen.moe.sparse_layers == (1,)  # layer 0 is dense
+    assert (qwen.intermediate_size, qwen.moe.intermediate_size) == (128, 32)
+    assert (qwen.moe.num_experts, qwen.moe.top_k, qwen.moe.norm_topk_prob) == (8, 2, True)
+    assert qwen.qk_norm and not qwen.qk_norm_full
+    mixtral = ArchConfig.from_hf(hf_model("tiny-mixtral").config)
+    assert mixtral.moe is not None and mixtral.moe.sparse_layers == (0, 1)
+    assert mixtral.moe.norm_topk_prob and not mixtral.qk_norm  # Mixtral always renormalizes
+    olmoe = ArchConfig.from_hf(hf_model("tiny-olmoe").config)
+    assert olmoe.moe is not None and not olmoe.moe.norm_topk_prob
+    assert olmoe.qk_norm and olmoe.qk_norm_full
+    assert ArchConfig.from_hf(hf_model("tiny-qwen3").config).moe is None
+    model = native("tiny-qwen3-moe")
+    assert model.layers[0].moe is None and model.layers[0].gate_up is not None
+    assert model.layers[1].moe is not None and model.layers[1].gate_up is None
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_router_and_grouped_experts_equal_transformers_block(name: str) -> None:
+    """Random hidden states through each sparse layer's block: the same experts for every
+    token, the same routing weights, the same output."""
+    hf = hf_model(name)
+    model = native(name)
+    gen = torch.Generator().manual_seed(0)
+    for layer, block in sparse_blocks(model):
+        x = torch.randn(53, 64, generator=gen)
+        reference = hf.model.layers[layer].mlp
+        with torch.no_grad():
+            _, ref_weights, ref_experts = reference.gate(x)
+            expected = reference(x[None])[0]
+        weights, experts = block.route(x)
+        assert torch.equal(experts, ref_experts)
+        torch.testing.assert_close(weights, ref_weights.float(), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(block(x), expected, atol=1e-5, rtol=1e-5)
+        if not block.config.norm_topk_prob:  # OLMoE: the k probabilities sum to less than 1
+            assert weights.sum(-1).max() < 1 - 1e-3
+
+
+class Counted:
+    """A projection that counts its calls and the rows it was given."""
+
+    def __init__(self, inner: Any, calls: Counter[int], rows: Counter[int], expert: int) -> None:
+        self.inner, self.calls, self.rows, self.expert = inner, calls, rows, expert
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls[self.expert] += 1
+        self.rows[self.expert] += x.shape[0]
+        return self.inner(x)
+
+
+def test_a_step_runs_only_the_experts_its_tokens_route_to_once_each() -> None:
+    model = native("tiny-mixtral")
+    (_, block), _ = sparse_blocks(model)
+    calls: Counter[int] = Counter()
+    rows: Counter[int] = Counter()
+    block.gate_up = [Counted(g, calls, rows, e) for e, g in enumerate(block.gate_up)]
+    gen = torch.Generator().manual_seed(1)
+    for n in (1, 2, 40):
+        x = torch.randn(n, 64, generator=gen)
+        calls.clear()
+        rows.clear()
+        expected = block(x)
+        _, experts = block.route(x)
+        chosen = Counter(experts.flatten().tolist())
+        assert calls == Counter(dict.fromkeys(chosen, 1))  # one pass per expert present
+        assert rows == chosen  # over exactly the tokens routed to it
+        if n == 1:
+            assert len(calls) == block.config.top_k < block.config.num_experts
+        # the same output as every expert running over every token, weighted by the routing
+        weights, experts = block.route(x)
+        dense = torch.zeros_like(x)
+        for e in range(block.config.num_experts):
+            gate, up = block.gate_up[e].inner(x).chunk(2, dim=-1)  # type: ignore[attr-defined]
+            out = block.down[e](torch.nn.functional.silu(gate) * up)
+            dense += out * (weights * (experts == e)).sum(-1, keepdim=True)
+        torch.testing.assert_close(expected, dense, atol=1e-5, rtol=1e-5)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-weight", "int4"])
+def test_quantized_experts_stay_close_to_float(mode: str) -> None:
+    """Each expert quantized alike, the router kept float: each block routes random hidden
+    states as the float one does and computes nearly its output; int8's logits stay close to
+    the float model's (int4's, on these tiny random weights, are as rough as a dense
+    fixture's: not checked)."""
+    ids = tokenizer("tiny-qwen3-moe").encode(TEXT)
+    exact = native("tiny-qwen3-moe")
+    model = native("tiny-qwen3-moe", quantize=mode, calibration_ids=ids)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
+    for (_, block), (_, float_block) in zip(
+        sparse_blocks(model), sparse_blocks(exact), strict=True
+    ):
+        kinds = {lin.kind for lin in block.gate_up + block.down}
+        assert len(kinds) == 1 and kinds != {"float32"}  # every expert quantized alike
+        assert block.router.kind == "float32"  # the router never is
+        assert torch.equal(block.route(x)[1], float_block.route(x)[1])
+        assert cosine(block(x), float_block(x)) > 0.95
+    assert model.weight_bytes() < exact.weight_bytes()
+    if mode == "int8":
+        want = exact.logits(exact.prefill(ids)[1])
+        assert cosine(model.logits(model.prefill(ids)[1]), want) > 0.95
+
+
+def test_weight_counts_include_every_expert() -> None:
+    hf = hf_model("tiny-mixtral")
+    model = native("tiny-mixtral")
+    params = sum(p.nbytes for p in hf.parameters())
+    assert model.weight_bytes() == params
+    # per layer: qkv, o_proj, the router and 8 experts' two projections
+    assert model.describe_weights().startswith("projections: 38 float32;")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_parity_expert_shards_in_threads_match_one_device(name: str) -> None:
+    """Every expert's intermediate columns split over 2 ranks, the router replicated: the
+    all-reduce after the MLP completes the block."""
+    ids = tokenizer(name).encode(TEXT)
+    model = native(name)
+    expected = model.logits(model.prefill(ids)[1])
+    torch.testing.assert_close(split_prefill(name, ids, "none"), expected, **TOL)
+
+
+def test_splits_that_cut_experts_or_olmoe_norms_are_refused() -> None:
+    config = native("tiny-qwen3-moe").config
+    check_divisible(config, 2)
+    assert config.moe is not None
+    odd = dataclasses.replace(config, moe=dataclasses.replace(config.moe, intermediate_size=31))
+    with pytest.raises(TensorParallelError, match=r"moe_intermediate_size = 31 is not divisible"):
+        check_divisible(odd, 2)
+    olmoe = native("tiny-olmoe").config
+    check_divisible(olmoe, 1)
+    with pytest.raises(TensorParallelError, match="q/k norm spans every attention head"):
+        check_divisible(olmoe, 2)
+
+
+def test_one_compiled_graph_serves_any_routing() -> None:
+    """The block is an opaque operator: token counts and routings of every kind run the one
+    graph, and give the eager answers."""
+    eager = native("tiny-olmoe")
+    compiled = native("tiny-olmoe")
+    compiled.compile()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for ids in ([5], [12, 8], list(range(3, 60))):
+            want = eager.prefill(ids)[1]
+            torch.testing.assert_close(compiled.prefill(ids)[1], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("compile", ["off", "on"])
+async def test_parity_concurrent_equals_sequential_on_an_moe_model(compile: str) -> None:
+    name = "tiny-qwen3-moe"
+    tok = tokenizer(name)
+    jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
+    async with make_engine(name, max_in_flight=1, compile=compile) as serial:
+        expected = await one_at_a_time(serial, jobs)
+    async with make_engine(name, max_in_flight=8, compile=compile) as engine:
+        assert engine.model.compiled is (compile == "on")
+        got = await concurrently(engine, jobs)
+        assert engine.stats().max_batch_size >= 3
+    assert [summary(c) for c in got] == [summary(c) for c in expected]
+    assert all(c.completion_tokens for c in got)
