@@ -74,7 +74,9 @@ def test_compiled_forwards_equal_eager_in_float32(name: str) -> None:
     got, got_tokens = run(compiled)
     assert got_tokens == want_tokens
     for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        # 1e-5 of the hidden state's size (the Gemma fixtures' final norm makes it RMS ~8)
+        size = max(1.0, float(w.pow(2).mean().sqrt()))
+        torch.testing.assert_close(g, w, atol=1e-5 * size, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

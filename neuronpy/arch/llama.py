@@ -214,6 +214,11 @@ class LlamaModel:
         if self.reduce is not None:
             raise NotImplementedError("a tensor-parallel shard runs eagerly")
         self._handle = ops.register(self)
+        # every model compiles the same code (one cache entry per family, dtype and shape's
+        # guards): a process serving several, or a test over every family, passes dynamo's
+        # default of 8 entries
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
         # rounding where eager rounds (bf16, fp16): compiled or not, the same answers. (Not
         # inductor's cpp_wrapper: 2% faster alone, but it hands the GIL back and forth so
         # often that a busy event loop beside it made a step ~20x slower)
