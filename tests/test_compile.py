@@ -89,7 +89,8 @@ def test_compiled_forwards_round_as_eager_in_bfloat16(name: str) -> None:
     assert got_tokens == want_tokens
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.bfloat16
-        torch.testing.assert_close(g, w, atol=1e-2, rtol=1e-2)
+        size = max(1.0, float(w.float().pow(2).mean().sqrt()))  # (as in float32, above)
+        torch.testing.assert_close(g, w, atol=1e-2 * size, rtol=1e-2)
 
 
 def test_one_graph_serves_every_forward() -> None:
