@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -13,21 +16,22 @@ from neuronpy.config import EngineConfig
 from neuronpy.engine.engine import Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
-MOE_FAMILIES = ("tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe")
-# one fixture per family and feature set (tests/fixtures/build_fixtures.py says which)
-FAMILIES = (
-    "tiny-llama",
-    "tiny-llama3",
-    "tiny-mistral",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-gemma2",
-    "tiny-gemma3",
-    "tiny-phi3",
-    "tiny-smollm3",
-    "tiny-granite",
-    *MOE_FAMILIES,
-)
+
+
+@functools.cache
+def fixture_builder() -> ModuleType:
+    """tests/fixtures/build_fixtures.py, loaded from its path (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location("build_fixtures", FIXTURES / "build_fixtures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("build_fixtures", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+MOE_FAMILIES: tuple[str, ...] = fixture_builder().MOE_FIXTURES
+# one fixture per family and feature set (the builder says which)
+FAMILIES: tuple[str, ...] = fixture_builder().FIXTURE_NAMES
 
 
 def fixture_dir(name: str = "tiny-llama") -> Path:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from functools import cache
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -21,21 +18,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from tests.factories import fixture_builder
+
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
 
-def _load_builder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "build_fixtures", FIXTURES_DIR / "build_fixtures.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("build_fixtures", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-bf = _load_builder()
+bf = fixture_builder()
 TIED = {
     "tiny-llama",
     "tiny-qwen2",

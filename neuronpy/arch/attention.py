@@ -82,11 +82,10 @@ def window_decode_mask(group: KvGroup, positions: torch.Tensor, window: int) -> 
     """The next step's mask in a sliding-window layer: [B_g, 1, 1, used + 1], the padding mask
     and, per row, only the columns less than `window` positions behind its query (at
     `positions` [B_g])."""
-    columns = group.used + 1
-    col = torch.arange(columns, device=group.device)[None, :]
-    valid = (col < group.prefix_lens_tensor()[:, None]) | (col >= group.padded_len)
-    near = column_positions(group, columns) > positions[:, None] - window
-    return (valid & near)[:, None, None, :]
+    near = column_positions(group, group.used + 1) > positions[:, None] - window
+    padding = group.decode_mask()  # None: no row has a gap
+    near = near[:, None, None, :]
+    return near if padding is None else padding & near
 
 
 @dataclass(frozen=True)
@@ -117,9 +116,8 @@ class UniformStep:
         k_cache[:, :, col] = k[lo:hi]
         v_cache[:, :, col] = v[lo:hi]
         q_g = q[lo:hi].reshape(hi - lo, c.num_kv_heads, c.group_size, c.head_dim)
-        mask = self.banded if c.window(layer) is not None else self.mask
         out = model.sdpa(
-            layer, q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], mask
+            layer, q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], self.mask, self.banded
         )  # [B_g, KVH, G, D]: one query per row and head
         return out.reshape(hi - lo, c.num_heads * c.head_dim)
 
@@ -208,7 +206,8 @@ class RaggedStep:
             model.group_queries(q_t),  # [B_g, KVH, G * T, D]
             k_cache[:, :, : self.columns],
             v_cache[:, :, : self.columns],
-            self.banded if model.config.window(layer) is not None else self.mask,
+            self.mask,
+            self.banded,
         )
         out = model.ungroup(out, t)  # [B_g * T, H * D]
         return out if even else out[self.keep]
@@ -242,7 +241,8 @@ class SequenceAttention:
             model.group_queries(q[None]),
             k_cache[:, :, : self.total],
             v_cache[:, :, : self.total],
-            self.banded if model.config.window(layer) is not None else self.mask,
+            self.mask,
+            self.banded,
         )
         return model.ungroup(out, self.tokens)
 

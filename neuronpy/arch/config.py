@@ -150,18 +150,13 @@ class ArchConfig:
                         context_len,
                     )
                     context_len = short
-            partial = float(
-                params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1))
-                or 1.0
-            )
+            partial = partial_rotary_factor(hf_config, params)
         rotary_dim = int(head_dim * partial)
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise UnsupportedArchitectureError(f"partial rotary factor {partial} is not supported")
         window = getattr(hf_config, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-            window = None
-        if model_type == "smollm3" and not getattr(hf_config, "use_sliding_window", False):
-            window = None
+        if model_type in ("qwen2", "smollm3") and not getattr(hf_config, "use_sliding_window", 0):
+            window = None  # a window in the config that the model does not use
         sliding: tuple[bool, ...] = ()
         if model_type in GEMMA and window:
             # sliding-window layers mixed with global ones: a banded mask per layer, over the
@@ -218,6 +213,13 @@ class ArchConfig:
         )
 
 
+def partial_rotary_factor(hf_config: Any, params: dict[str, Any]) -> float:
+    """The share of each head's dims RoPE rotates (1: all), from `params` (one of
+    layer_ropes') or the config."""
+    fallback = getattr(hf_config, "partial_rotary_factor", 1)
+    return float(params.get("partial_rotary_factor", fallback) or 1.0)
+
+
 def _cap(value: Any) -> float | None:
     return float(value) if value else None
 
@@ -263,10 +265,7 @@ def rope_inv_freq(
         head_dim = getattr(hf_config, "head_dim", None) or (
             hf_config.hidden_size // hf_config.num_attention_heads
         )
-        partial = params.get(
-            "partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1)
-        )
-        dim = int(head_dim * float(partial or 1.0))
+        dim = int(head_dim * partial_rotary_factor(hf_config, params))
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

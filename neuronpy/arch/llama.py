@@ -309,16 +309,9 @@ class LlamaModel:
         c = self.config
         n, d = x.shape[0], c.head_dim
         qkv = self._linear(layer, 0, lw.qkv, rms_norm(x, lw.input_norm, c.rms_norm_eps))
-        if cos_sin is None:  # a layer without RoPE (SmolLM3)
-            q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
-            q, k, v = q.view(n, c.num_heads, d), k.view(n, c.num_kv_heads, d), v.view(n, -1, d)
-            if lw.q_norm is not None and lw.k_norm is not None:
-                q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
-                k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
-            return q, k, v
-        cos, sin = cos_sin
-        if lw.q_norm is None and lw.k_norm is None:
+        if cos_sin is not None and lw.q_norm is None and lw.k_norm is None:
             # RoPE over the query and key heads at once: half the operations (same values)
+            cos, sin = cos_sin
             heads = c.num_heads + c.num_kv_heads
             qk, v = qkv.split([heads * d, c.num_kv_heads * d], dim=-1)
             qk = apply_rope(qk.view(n, heads, d), cos, sin)
@@ -335,6 +328,9 @@ class LlamaModel:
         if lw.q_norm is not None and lw.k_norm is not None and not c.qk_norm_full:
             q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
+        if cos_sin is None:  # a layer without RoPE (SmolLM3)
+            return q, k, v
+        cos, sin = cos_sin
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _finish_layer(
@@ -376,12 +372,16 @@ class LlamaModel:
         k: torch.Tensor,
         v: torch.Tensor,
         mask: torch.Tensor | None,
+        banded: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention over grouped queries (see group_queries): q [B, KVH, Q, D], k and v
-        [B, KVH, L, D], mask broadcasting to [B, KVH, Q, L] (True = attend) -> [B, KVH, Q, D].
-        PyTorch's fused kernel, at the family's query scale; with Gemma 2's soft-capped
-        scores, the scores written out (the kernel has no cap) and softmaxed in float32."""
+        [B, KVH, L, D], mask broadcasting to [B, KVH, Q, L] (True = attend) -> [B, KVH, Q, D];
+        `banded` is the mask instead in a sliding-window layer. PyTorch's fused kernel, at
+        the family's query scale; with Gemma 2's soft-capped scores, the scores written out
+        (the kernel has no cap) and softmaxed in float32."""
         c = self.config
+        if c.window(layer) is not None:
+            mask = banded
         if c.attn_softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.attn_scale)
         scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5

@@ -15,6 +15,7 @@ replicated (arch/moe.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -279,27 +280,28 @@ def take_weights(
 
     hd, kvd, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
 
+    def parts(
+        fused: str, modules: list[str], spans: list[tuple[int, int, int]]
+    ) -> list[tuple[str, int, int]]:
+        """Rows [lo, hi) of each module (spans: lo, hi and the module's rows), or of their
+        segments in one weight when the checkpoint holds them fused (Phi-3's qkv_proj and
+        gate_up_proj), each segment after the ones before it."""
+        if f"{fused}.weight" not in ckpt:
+            return [(m, lo, hi) for m, (lo, hi, _) in zip(modules, spans, strict=True)]
+        offsets = itertools.accumulate((rows for _, _, rows in spans), initial=0)
+        return [(fused, at + lo, at + hi) for at, (lo, hi, _) in zip(offsets, spans, strict=False)]
+
     def qkv(attn: str) -> list[tuple[str, int, int]]:
-        if f"{attn}.qkv_proj.weight" in ckpt:  # fused in the checkpoint (Phi-3)
-            fused = f"{attn}.qkv_proj"
-            return [
-                (fused, q_lo, q_hi),
-                (fused, hd + kv_lo, hd + kv_hi),
-                (fused, hd + kvd + kv_lo, hd + kvd + kv_hi),
-            ]
-        return [
-            (f"{attn}.q_proj", q_lo, q_hi),
-            (f"{attn}.k_proj", kv_lo, kv_hi),
-            (f"{attn}.v_proj", kv_lo, kv_hi),
-        ]
+        modules = [f"{attn}.{p}_proj" for p in "qkv"]
+        spans = [(q_lo, q_hi, hd), (kv_lo, kv_hi, kvd), (kv_lo, kv_hi, kvd)]
+        return parts(f"{attn}.qkv_proj", modules, spans)
 
     def gate_up(mlp: str) -> list[tuple[str, int, int]]:
-        if f"{mlp}.gate_up_proj.weight" in ckpt:  # fused in the checkpoint (Phi-3)
-            return [
-                (f"{mlp}.gate_up_proj", i_lo, i_hi),
-                (f"{mlp}.gate_up_proj", inter + i_lo, inter + i_hi),
-            ]
-        return [(f"{mlp}.gate_proj", i_lo, i_hi), (f"{mlp}.up_proj", i_lo, i_hi)]
+        modules = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+        return parts(f"{mlp}.gate_up_proj", modules, [(i_lo, i_hi, inter)] * 2)
+
+    def sandwich(name: str) -> torch.Tensor | None:
+        return norm(name) if config.sandwich_norms else None
 
     # Gemma's norms: input, then post_attention on the attention's output, pre_feedforward
     # before the MLP and post_feedforward on its output; Llama's post_attention is the MLP's
@@ -322,16 +324,8 @@ def take_weights(
                 moe=None
                 if moe is None
                 else take_moe_block(tensor, mlp, moe, rank, world_size, quantize, dtype),
-                attn_out_norm=(
-                    norm(f"{block}.post_attention_layernorm.weight")
-                    if config.sandwich_norms
-                    else None
-                ),
-                mlp_out_norm=(
-                    norm(f"{block}.post_feedforward_layernorm.weight")
-                    if config.sandwich_norms
-                    else None
-                ),
+                attn_out_norm=sandwich(f"{block}.post_attention_layernorm.weight"),
+                mlp_out_norm=sandwich(f"{block}.post_feedforward_layernorm.weight"),
             )
         )
     embed_weight = tensor("model.embed_tokens.weight")
