@@ -6,6 +6,7 @@ decode step over a live batch. One forward for every family; what a family chang
 from __future__ import annotations
 
 import functools
+import types
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -214,16 +215,17 @@ class LlamaModel:
         if self.reduce is not None:
             raise NotImplementedError("a tensor-parallel shard runs eagerly")
         self._handle = ops.register(self)
-        # every model compiles the same code (one cache entry per family, dtype and shape's
-        # guards): a process serving several, or a test over every family, passes dynamo's
-        # default of 8 entries
-        dynamo = torch._dynamo.config
-        dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+        # Dynamo keeps its graphs per code object, and every model's guards differ (its own
+        # weights and config): with one shared `_layers`, each model compiled in a process
+        # took an entry of one cache of 8, and the ninth model failed under fullgraph. A copy
+        # of the code for each model gives each its own cache (the graph it traces is the same)
+        code = LlamaModel._layers.__code__.replace()
+        layers = types.MethodType(types.FunctionType(code, LlamaModel._layers.__globals__), self)
         # rounding where eager rounds (bf16, fp16): compiled or not, the same answers. (Not
         # inductor's cpp_wrapper: 2% faster alone, but it hands the GIL back and forth so
         # often that a busy event loop beside it made a step ~20x slower)
         options = {"emulate_precision_casts": True}
-        compiled = torch.compile(self._layers, dynamic=True, fullgraph=True, options=options)
+        compiled = torch.compile(layers, dynamic=True, fullgraph=True, options=options)
         self._attention = NoAttention(2)
         try:
             with torch.inference_mode():
