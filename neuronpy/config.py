@@ -34,6 +34,7 @@ from neuronpy.defaults import (
     QUANTIZE_MODES,
     REASONING_PARSERS,
     SPECULATIVE_METHODS,
+    TOOL_CALL_PARSERS,
     FieldError,
     check_bool,
     check_choice,
@@ -89,6 +90,9 @@ class EngineConfig:
     # how chat replies' thinking blocks go to reasoning_content: "auto" (when the chat template
     # writes <think>), "none", or a parser's name ("think")
     reasoning_parser: str = "auto"
+    # the markup a chat reply's tool calls are written in: "auto" (detected from the chat
+    # template; Hermes/Qwen's <tool_call> when it names none) or a format's name (README)
+    tool_call_parser: str = "auto"
     # bytes of compiled grammars (structured outputs) kept for reuse; a constraint whose
     # grammar alone is larger is refused (400)
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
@@ -131,6 +135,7 @@ class EngineConfig:
         check_bool("prefix_cache", self.prefix_cache)
         check_int("prefix_cache_bytes", self.prefix_cache_bytes, 0)
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
+        check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
         check_int("grammar_cache_bytes", self.grammar_cache_bytes, 1 << 16)
         check_int("max_compiles", self.max_compiles, 1, 256)
         check_seconds("max_compile_seconds", self.max_compile_seconds)
@@ -165,6 +170,7 @@ MODEL_KEYS = (
     "prefix_cache_bytes",
     "kv_budget",
     "reasoning_parser",
+    "tool_call_parser",
     "grammar_cache_bytes",
     "max_compiles",
     "max_compile_seconds",

@@ -18,6 +18,11 @@ COMPILE_MODES = ("auto", "on", "off")
 # What a model's `reasoning_parser` may be: "auto" (detected from the chat template), "none",
 # or a parser of neuronpy.engine.reasoning (the names of its REASONING_MARKERS).
 REASONING_PARSERS = ("auto", "none", "think")
+# What a model's `tool_call_parser` may be: "auto" (detected from the chat template) or the
+# markup of one family (neuronpy.engine.tools' TOOL_FORMATS: Hermes/Qwen's <tool_call>,
+# Granite's <|tool_call|>, Phi-4-mini's functools[...], Mistral's [TOOL_CALLS], FunctionGemma's
+# <start_function_call>).
+TOOL_CALL_PARSERS = ("auto", "hermes", "granite", "phi4_mini", "mistral", "functiongemma")
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 DEFAULT_CHUNK_STEPS = 0.5  # decode steps' time a joiner's prompt chunk may add to a step

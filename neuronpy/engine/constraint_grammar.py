@@ -19,7 +19,7 @@ except ImportError:  # pragma: no cover
 import xgrammar as xgr
 
 from neuronpy.engine.reasoning import REASONING_MARKERS
-from neuronpy.engine.tools import TOOL_CALL_END, TOOL_CALL_START
+from neuronpy.engine.tools import TOOL_FORMATS
 from neuronpy.engine.types import Constraint
 from neuronpy.errors import InvalidRequestError
 
@@ -316,30 +316,87 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+# FunctionGemma's argument notation (engine/tools.py): `key:value` pairs, strings between
+# <escape> markers. Its keys are the schema's properties when it names them, each value of its
+# property's type (a string's maxLength and an enum of strings kept); the rest of the schema
+# (required keys, nested schemas) is not enforced.
+_GEMMA_VALUES = r"""
+value ::= string | number | "true" | "false" | "null"
+    | "{" (KEY ":" value ("," KEY ":" value)*)? "}" | "[" (value ("," value)*)? "]"
+string ::= "<escape>" [^<]{0,4096} "<escape>"
+integer ::= "-"? [0-9]{1,18}
+number ::= "-"? [0-9]{1,18} ("." [0-9]{1,18})?
+"""
+_GEMMA_KEY = "[a-zA-Z_] [a-zA-Z0-9_]{0,63}"
+_GEMMA_TYPES = {"integer": "integer", "number": "number", "boolean": '("true" | "false")'}
+
+
+def _gemma_arguments(params: dict[str, Any]) -> str:
+    """The grammar of FunctionGemma arguments for a tool's `params` schema."""
+    properties = params.get("properties")
+    if not isinstance(properties, dict) or not properties:
+        pair, rules, most = f'({_GEMMA_KEY}) ":" value', [], 64
+    else:
+        most = len(properties)  # (a key may still come twice: the parser keeps the last)
+        pairs, rules = [], []
+        for i, (key, prop) in enumerate(properties.items()):
+            prop = prop if isinstance(prop, dict) else {}
+            enum = prop.get("enum")
+            if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+                rule = " | ".join(_literal(f"<escape>{e}<escape>") for e in enum)
+            elif prop.get("type") == "string" and isinstance(prop.get("maxLength"), int):
+                rule = f'"<escape>" [^<]{{0,{max(0, prop["maxLength"])}}} "<escape>"'
+            elif prop.get("type") == "string":
+                rule = "string"
+            else:
+                rule = _GEMMA_TYPES.get(prop.get("type"), "value")
+            rules.append(f"v{i} ::= {rule}")
+            pairs.append(f'{_literal(key)} ":" v{i}')
+        pair = " | ".join(f"({p})" for p in pairs)
+    more = f"{{0,{most - 1}}}"
+    body = f'root ::= (pair ("," pair){more})?\npair ::= {pair}\n' + "\n".join(rules)
+    return body + _GEMMA_VALUES.replace("KEY", f"({_GEMMA_KEY})")
+
+
 def _tool_calls(c: Constraint) -> xgr.Grammar:
-    """One or more `<tool_call>` blocks (exactly one when parallel calls are off), each naming
-    one of the tools, its arguments valid against that tool's parameters schema."""
+    """Well-formed calls in the tool format of the spec (Hermes when it names none): one or
+    more (exactly one when parallel calls are off), each naming one of the tools, its
+    arguments valid against that tool's parameters schema (FunctionGemma's, whose notation is
+    not JSON: keys of the schema and values of their types, see _gemma_arguments)."""
     spec = json.loads(c.spec)
+    fmt = TOOL_FORMATS[spec.get("format", "hermes")]
     tags = []
     for tool in spec["tools"]:
         params = tool.get("parameters") or {"type": "object", "properties": {}}
-        arguments = _json_grammar(_schema(json.dumps(params), c.param))
-        name = json.dumps(tool["name"])
+        if fmt.json_arguments:
+            arguments = str(_json_grammar(_schema(json.dumps(params), c.param)))
+        else:
+            arguments = _gemma_arguments(params)
+        name = json.dumps(tool["name"]) if fmt.quote_name else tool["name"]
         tags.append(
             {
                 "type": "tag",
-                "begin": f'{TOOL_CALL_START}\n{{"name": {name}, "arguments": ',
-                "content": {"type": "grammar", "grammar": str(arguments)},
-                "end": f"}}\n{TOOL_CALL_END}",
+                "begin": f"{fmt.call_begin}{name}{fmt.name_end}",
+                "content": {"type": "grammar", "grammar": arguments},
+                "end": fmt.call_end,
             }
         )
-    calls = {
+    calls: dict[str, Any] = {
         "type": "tags_with_separator",
         "tags": tags,
-        "separator": "\n",
+        "separator": fmt.separator,
         "at_least_one": True,
         "stop_after_first": not spec.get("parallel", True),
     }
+    if fmt.kind == "list":  # the calls as one array after the marker
+        calls = {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": f"{fmt.start}["},
+                calls,
+                {"type": "const_string", "value": "]"},
+            ],
+        }
     return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": calls}))
 
 

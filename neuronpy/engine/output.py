@@ -7,7 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from neuronpy.engine.reasoning import REASONING_MARKERS
-from neuronpy.engine.tools import TOOL_CALL_END, TOOL_CALL_START, new_call_id, parse_tool_call
+from neuronpy.engine.tools import TOOL_FORMATS, new_call_id
 from neuronpy.engine.types import OutputFormat, ToolCall
 
 
@@ -33,7 +33,7 @@ class _State(enum.Enum):
     START = "start"  # nothing but whitespace yet: a reasoning block may still open
     REASONING = "reasoning"
     CONTENT = "content"
-    TOOL_CALL = "tool_call"  # inside <tool_call>: held until </tool_call> settles it
+    TOOL_CALL = "tool_call"  # after a call's start marker: held until the call settles
 
 
 class OutputParser:
@@ -41,19 +41,22 @@ class OutputParser:
 
     A reasoning block is recognised at the very start of the reply (only whitespace before its
     start marker), or from the first character when the prompt left it open (`opened`). Tool
-    calls are recognised in the content. Text that may still be the beginning of a marker, and
+    calls, in the markup of the reply's tool format (engine/tools.py), are recognised in the
+    content. Text that may still be the beginning of a marker, and
     whitespace that may come right before one, are held back until the next delta settles
     them, so the result never depends on where the deltas were cut; `finish` settles the rest.
 
     Whitespace around the markup is dropped: at both ends of the reasoning, at the start of the
     content after it, around tool calls, and at the end of a reply that made tool calls. A tool
-    call is held until its closing tag: a well-formed one becomes a ToolCall; anything else
-    (not JSON, no name, no closing tag by the end) comes back as content, markup included.
+    call is held until it settles (its closing tag, or the end of a list format's array): a
+    well-formed one becomes a ToolCall; anything else (not JSON, no name, not closed by the
+    end) comes back as content, markup included.
     """
 
     def __init__(self, output: OutputFormat, *, opened: bool = False) -> None:
         self._markers = REASONING_MARKERS[output.reasoning] if output.reasoning else None
         self._tools = output.tool_calls
+        self._format = TOOL_FORMATS[output.tool_format]
         self._parallel = output.parallel_tool_calls
         if self._markers is None:
             self._state = _State.CONTENT
@@ -135,16 +138,16 @@ class OutputParser:
         return False
 
     def _content(self, final: bool) -> bool:
-        buf = self._buf
+        buf, start = self._buf, self._format.start
         if not self._tools:
             self._out.content += buf
             self._consume(len(buf))
             return False
-        i = buf.find(TOOL_CALL_START)
+        i = buf.find(start)
         if i >= 0:
             text = buf[:i].rstrip()
             self._out.content += text
-            self._consume(i + len(TOOL_CALL_START))
+            self._consume(i + len(start))
             self._enter(_State.TOOL_CALL)
             self._gap = buf[len(text) : i]
             return True
@@ -152,27 +155,25 @@ class OutputParser:
             self._out.content += buf.rstrip() if self._calls else buf
             self._consume(len(buf))
             return False
-        keep = _settled(buf, TOOL_CALL_START)
+        keep = _settled(buf, start)
         self._out.content += buf[:keep]
         self._consume(keep)
         return False
 
     def _tool_call(self, final: bool) -> bool:
         buf = self._buf
-        i = buf.find(TOOL_CALL_END)
-        if i < 0:
-            if final:  # never closed: it is text
-                self._out.content += self._gap + TOOL_CALL_START + buf
-                self._consume(len(buf))
-                self._enter(_State.CONTENT)
+        settled = self._format.settle(buf, final)
+        if settled is None:
             return False
-        call = parse_tool_call(buf[:i])
-        if call is None:
-            self._out.content += self._gap + TOOL_CALL_START + buf[: i + len(TOOL_CALL_END)]
-            self._consume(i + len(TOOL_CALL_END))
+        n = settled.consumed
+        if settled.calls is None:  # not a call: it is text, markup included
+            self._out.content += self._gap + self._format.start + buf[:n]
+            self._consume(n)
             self._enter(_State.CONTENT)
             return True
-        if self._parallel or not self._calls:
+        for call in settled.calls:
+            if not (self._parallel or not self._calls):
+                break
             if call.span is None:
                 pieces: tuple[str, ...] = (call.arguments,)
             else:
@@ -181,7 +182,7 @@ class OutputParser:
                 ToolCall(self._calls, new_call_id(), call.name, call.arguments, pieces)
             )
             self._calls += 1
-        self._consume(i + len(TOOL_CALL_END))
+        self._consume(n)
         self._enter(_State.CONTENT, strip=True)
         return True
 

@@ -12,11 +12,12 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from transformers import PreTrainedTokenizerBase
 
-from neuronpy.engine.detokenize import IncrementalDetokenizer
+from neuronpy.engine.detokenize import IncrementalDetokenizer, marker_ids
 from neuronpy.engine.output import OutputParser, Parsed
 from neuronpy.engine.reasoning import prompt_opens_reasoning
 from neuronpy.engine.request import Finish, RouterMessage
 from neuronpy.engine.stop import StopMatcher
+from neuronpy.engine.tools import TOOL_FORMATS
 from neuronpy.engine.types import FinishReason, GenerationEvent, SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,10 @@ async def route(
 
     async with inbox, outbox:
         try:
-            detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+            keep: frozenset[int] = frozenset()
+            if params.output.tool_calls:  # the markers stay text even as special tokens
+                keep = marker_ids(tokenizer, TOOL_FORMATS[params.output.tool_format].markers)
+            detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_special=keep)
             stop = StopMatcher(params.stop)
             parser = _parser(tokenizer, prompt_ids, params)
             async for msg in inbox:

@@ -1,34 +1,177 @@
-"""Hermes/Qwen tool-call markup: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+"""Tool-call markup: how each model family writes a call, read back as (name, arguments).
+
+A format is the marker that opens a call and how the call's text after it ends:
+
+- "tagged" formats close each call with an end marker, one call per block: Hermes/Qwen's
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/3, SmolLM3, Hermes) and
+  FunctionGemma's `<start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>`;
+- "list" formats write one JSON array of `{"name", "arguments"}` objects after the marker:
+  Granite 3's `<|tool_call|>[...]`, Phi-4-mini's `functools[...]`, Mistral's `[TOOL_CALLS][...]`.
+
+The model's format is named in its config (`tool_call_parser`) or detected from its chat
+template (`resolve_tool_format`): the marker the template writes or tells the model to write.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import secrets
 from dataclasses import dataclass
+from typing import Any, Literal
 
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
+from neuronpy.defaults import TOOL_CALL_PARSERS
 
 _DECODER = json.JSONDecoder()
 _ARGUMENT_KEYS = ("arguments", "parameters")  # some Hermes fine-tunes write "parameters"
+_WS = " \t\r\n"
 
 
 @dataclass(frozen=True)
 class ParsedCall:
-    """A well-formed call body: the function's name and its arguments' JSON text. `span` is
-    where that text lies in the body when the model wrote it there verbatim (an object), None
-    when it was rewritten (arguments given as a JSON string, or missing: "{}")."""
+    """A well-formed call: the function's name and its arguments' JSON text. `span` is where
+    that text lies in the call's own text when the model wrote it there verbatim (a JSON
+    object), None when it was rewritten (arguments given as a JSON string, missing: "{}", or
+    in a format that is not JSON)."""
 
     name: str
     arguments: str
     span: tuple[int, int] | None
 
 
+@dataclass(frozen=True)
+class Settled:
+    """What the text after a format's start marker settled into: `consumed` characters of it
+    (the end marker included), and the calls they hold, or None when they are not well-formed
+    calls (they are text, then)."""
+
+    consumed: int
+    calls: tuple[ParsedCall, ...] | None
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's tool-call markup (see the module's docstring)."""
+
+    name: str
+    start: str  # the marker that opens a call (a block, or a list of calls)
+    kind: Literal["tagged", "list"]
+    end: str = ""  # a tagged call's closing marker
+    # a constrained reply's calls (tool_choice required or named), as xgrammar's structural tag
+    # writes them: each call is `call_begin` + name + `name_end` + arguments + `call_end`
+    call_begin: str = '{"name": '
+    name_end: str = ', "arguments": '
+    call_end: str = "}"
+    separator: str = ", "  # between a list's calls (tagged blocks: between blocks)
+    quote_name: bool = True  # the name as a JSON string (FunctionGemma's is bare)
+    json_arguments: bool = True  # arguments as JSON (FunctionGemma's are its own notation)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The markers this format's replies hold (kept in the text even when they are
+        special tokens)."""
+        return (self.start, self.end) if self.end else (self.start,)
+
+    def settle(self, text: str, final: bool) -> Settled | None:
+        """What `text`, everything after a start marker so far, settles into; None while more
+        text may still change it (`final`: the reply has ended, so it cannot)."""
+        if self.kind == "tagged":
+            i = text.find(self.end)
+            if i < 0:
+                return Settled(len(text), None) if final else None
+            call = self.parse_call(text[:i])
+            return Settled(i + len(self.end), None if call is None else (call,))
+        return self._settle_list(text, final)
+
+    def parse_call(self, body: str) -> ParsedCall | None:
+        """The call in a tagged block's text (between its markers), or None."""
+        if self.name == "functiongemma":
+            return parse_function_gemma(body)
+        return parse_tool_call(body)
+
+    def _settle_list(self, text: str, final: bool) -> Settled | None:
+        items = _json_items(text)
+        if items is None:  # not a list: the marker was text, and what follows is read on
+            return Settled(0, None)
+        if items == "open":
+            return None if not final else Settled(len(text), None)
+        end, spans = items
+        calls: list[ParsedCall] = []
+        for a, b in spans:
+            call = parse_tool_call(text[a:b])
+            if call is None:
+                return Settled(end, None)
+            span = None if call.span is None else (a + call.span[0], a + call.span[1])
+            calls.append(ParsedCall(call.name, call.arguments, span))
+        return Settled(end, tuple(calls) if calls else None)
+
+
+TOOL_FORMATS: dict[str, ToolFormat] = {
+    "hermes": ToolFormat(
+        "hermes",
+        "<tool_call>",
+        "tagged",
+        end="</tool_call>",
+        call_begin='<tool_call>\n{"name": ',
+        call_end="}\n</tool_call>",
+        separator="\n",
+    ),
+    "granite": ToolFormat("granite", "<|tool_call|>", "list"),
+    "phi4_mini": ToolFormat("phi4_mini", "functools", "list"),
+    "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "list"),
+    "functiongemma": ToolFormat(
+        "functiongemma",
+        "<start_function_call>",
+        "tagged",
+        end="<end_function_call>",
+        call_begin="<start_function_call>call:",
+        name_end="{",
+        call_end="}<end_function_call>",
+        separator="",
+        quote_name=False,
+        json_arguments=False,
+    ),
+}
+assert set(TOOL_FORMATS) == set(TOOL_CALL_PARSERS) - {"auto"}
+HERMES = TOOL_FORMATS["hermes"]
+TOOL_CALL_START, TOOL_CALL_END = HERMES.start, HERMES.end
+
+# What a chat template writes (or tells the model to write) that shows its format, most
+# specific first; a template that shows none gets Hermes markup (what a forced tool_choice
+# writes, so that it is read back).
+_TEMPLATE_SIGNS = (
+    ("<start_function_call>", "functiongemma"),
+    ("<|tool_call|>", "granite"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("functools", "phi4_mini"),
+    ("<|tool|>", "phi4_mini"),  # Phi-4-mini's template shows the tools between <|tool|> tags
+    ("<tool_call>", "hermes"),
+)
+
+
+def resolve_tool_format(setting: str, tokenizer: object) -> ToolFormat:
+    """The tool-call format a model's `setting` means: for "auto", the one its chat template
+    shows (Hermes when it shows none). `tokenizer`: a transformers tokenizer (its
+    `chat_template` is read)."""
+    if setting not in TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {setting!r}"
+        )
+    if setting != "auto":
+        return TOOL_FORMATS[setting]
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        for sign, name in _TEMPLATE_SIGNS:
+            if sign in template:
+                return TOOL_FORMATS[name]
+    return HERMES
+
+
 def parse_tool_call(body: str) -> ParsedCall | None:
-    """The call in the text between `<tool_call>` and `</tool_call>`, or None if it is not one
-    JSON object with a non-empty string "name" and an object (or a string holding one) as
-    "arguments". Other keys are ignored."""
+    """The call in a JSON call's text (a Hermes block's body, one item of a list format), or
+    None if it is not one JSON object with a non-empty string "name" and an object (or a
+    string holding one) as "arguments". Other keys are ignored."""
     try:
         call = json.loads(body)
     except (ValueError, RecursionError):
@@ -66,6 +209,130 @@ def _value_span(body: str, key: str, value: object) -> tuple[int, int] | None:
         if found == value:
             return match.end(), end
     return None
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _json_items(text: str) -> tuple[int, list[tuple[int, int]]] | Literal["open"] | None:
+    """A list format's calls at the start of `text` (after whitespace): where the array ends
+    and where each of its items lies; "open" while it may still be completed; None when it
+    cannot be one (not an array, nor a lone object, which some fine-tunes write)."""
+    i = _skip(text, 0)
+    if i == len(text):
+        return "open"
+    if text[i] == "{":
+        try:
+            _, end = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return "open"
+        return end, [(i, end)]
+    if text[i] != "[":
+        return None
+    spans: list[tuple[int, int]] = []
+    i = _skip(text, i + 1)
+    if text[i : i + 1] == "]":
+        return i + 1, spans
+    while True:
+        try:
+            _, end = _DECODER.raw_decode(text, i)
+        except (ValueError, RecursionError):
+            return "open"
+        spans.append((i, end))
+        i = _skip(text, end)
+        if i == len(text):
+            return "open"
+        if text[i] == "]":
+            return i + 1, spans
+        if text[i] != ",":
+            return None
+        i = _skip(text, i + 1)
+
+
+# ---- FunctionGemma's notation: {key:value,...}, strings between <escape> markers ------------
+
+_ESCAPE = "<escape>"
+_BARE = re.compile(r"[^,}\]]*")
+_KEY = re.compile(r"\s*([^\s:{}\[\],<]+)\s*:")
+_NAME = re.compile(r"call:([^\s{}]+)\{")
+
+
+class _NotationError(ValueError):
+    pass
+
+
+def parse_function_gemma(body: str) -> ParsedCall | None:
+    """The call in a FunctionGemma block (`call:NAME{key:value,...}`), its arguments as JSON,
+    or None when the block is not one."""
+    m = _NAME.match(body.strip())
+    if m is None:
+        return None
+    text = body.strip()
+    try:
+        arguments, end = _gemma_object(text, m.end())
+    except (_NotationError, RecursionError):
+        return None
+    if text[end:].strip():
+        return None
+    return ParsedCall(m.group(1), json.dumps(arguments, ensure_ascii=False), None)
+
+
+def _gemma_object(text: str, i: int) -> tuple[dict[str, Any], int]:
+    """The object whose `{` came right before `i`: its entries and where it ends."""
+    out: dict[str, Any] = {}
+    i = _skip(text, i)
+    if text[i : i + 1] == "}":
+        return out, i + 1
+    while True:
+        key = _KEY.match(text, i)
+        if key is None:
+            raise _NotationError(f"a key at {i}")
+        out[key.group(1)], i = _gemma_value(text, _skip(text, key.end()))
+        i = _skip(text, i)
+        if text[i : i + 1] == "}":
+            return out, i + 1
+        if text[i : i + 1] != ",":
+            raise _NotationError(f"',' or '}}' at {i}")
+        i += 1
+
+
+def _gemma_value(text: str, i: int) -> tuple[Any, int]:
+    if text.startswith(_ESCAPE, i):
+        end = text.find(_ESCAPE, i + len(_ESCAPE))
+        if end < 0:
+            raise _NotationError("an unclosed string")
+        return text[i + len(_ESCAPE) : end], end + len(_ESCAPE)
+    if text[i : i + 1] == "{":
+        return _gemma_object(text, i + 1)
+    if text[i : i + 1] == "[":
+        items: list[Any] = []
+        i = _skip(text, i + 1)
+        if text[i : i + 1] == "]":
+            return items, i + 1
+        while True:
+            value, i = _gemma_value(text, i)
+            items.append(value)
+            i = _skip(text, i)
+            if text[i : i + 1] == "]":
+                return items, i + 1
+            if text[i : i + 1] != ",":
+                raise _NotationError(f"',' or ']' at {i}")
+            i = _skip(text, i + 1)
+    bare = _BARE.match(text, i)
+    assert bare is not None
+    word = bare.group().strip()
+    if not word:
+        raise _NotationError(f"a value at {i}")
+    try:
+        value = json.loads(word)  # numbers, true, false, null
+    except ValueError:
+        value = word  # an unquoted word: a string
+    if isinstance(value, (dict, list)) or (isinstance(value, float) and not math.isfinite(value)):
+        value = word  # (NaN, Infinity and quoted JSON are words too)
+    return value, bare.end()
 
 
 def new_call_id() -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from neuronpy.engine.reasoning import REASONING_MARKERS
 from neuronpy.engine.speculative import SPECULATIVE_METHODS
+from neuronpy.engine.tools import TOOL_FORMATS
 from neuronpy.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
@@ -53,12 +54,15 @@ class OutputFormat:
     The default splits nothing: every character is content."""
 
     reasoning: str | None = None  # a reasoning parser ("think"); None: no reasoning block
-    tool_calls: bool = False  # Hermes/Qwen <tool_call>{...}</tool_call> markup -> ToolCalls
+    tool_calls: bool = False  # tool-call markup (in `tool_format`) -> ToolCalls
     parallel_tool_calls: bool = True  # False: only the first tool call is returned
+    tool_format: str = "hermes"  # the markup's format, a name of engine/tools.py's TOOL_FORMATS
 
     def __post_init__(self) -> None:
         if self.reasoning is not None and self.reasoning not in REASONING_MARKERS:
             raise InvalidRequestError(f"unknown reasoning parser {self.reasoning!r}")
+        if self.tool_format not in TOOL_FORMATS:
+            raise InvalidRequestError(f"unknown tool-call format {self.tool_format!r}")
 
 
 # What a constrained request may ask (engine/grammar.py compiles it; docs/structured-outputs.md)
@@ -73,7 +77,8 @@ class Constraint:
     """What a request's output must match, for constrained decoding: a JSON Schema
     ("json_schema", `spec` its JSON text), any JSON object ("json_object"), a regex, one of
     `choices` ("choice"), an EBNF grammar ("grammar"), or well-formed calls of the tools in
-    `spec` ("tools": {"tools": [{"name", "parameters"}], "parallel": bool}, as JSON).
+    `spec` ("tools": {"tools": [{"name", "parameters"}], "parallel": bool, "format": a tool
+    format of engine/tools.py, Hermes when absent}, as JSON).
 
     `param` is the request field it came from, named by its errors; it is not part of the
     constraint's identity (two requests with the same schema share one compiled grammar)."""

@@ -7,6 +7,7 @@ request is admitted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -74,6 +75,16 @@ def tool_constraint(tools: ChatTools, other: Constraint | None) -> Constraint | 
         "parallel": tools.parallel and tools.choice == "required",
     }
     return Constraint("tools", json.dumps(spec), param="tool_choice")
+
+
+def with_tool_format(constraint: Constraint | None, tool_format: str) -> Constraint | None:
+    """`constraint`, its calls written in the model's `tool_format` when it is a tools one."""
+    if constraint is None or constraint.kind != "tools":
+        return constraint
+    spec = json.loads(constraint.spec)
+    if spec.get("format", "hermes") == tool_format:
+        return constraint
+    return dataclasses.replace(constraint, spec=json.dumps({**spec, "format": tool_format}))
 
 
 def _response_format(value: object) -> Constraint | None:

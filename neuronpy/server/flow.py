@@ -19,6 +19,7 @@ from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.stream import RequestStream
+from neuronpy.engine.tools import resolve_tool_format
 from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.copies import Copy, cancel_on_disconnect, gather, prompt_totals
@@ -115,6 +116,7 @@ async def admit(
     engine = model.ready_engine()
     refuse_unshown_tools(model, req)
     reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
+    tools = resolve_tool_format(engine.config.tool_call_parser, engine.tokenizer).name
     prompts = [
         await anyio.to_thread.run_sync(prompt_ids, req, engine.tokenizer, i)
         for i in range(req.prompt_count)
@@ -129,7 +131,10 @@ async def admit(
             f"{engine.config.max_queue}",
             param="prompt",
         )
-    plans = [(ids, req.sampling_params(len(ids), engine.context_len, reasoning)) for ids in prompts]
+    plans = [
+        (ids, req.sampling_params(len(ids), engine.context_len, reasoning, tools))
+        for ids in prompts
+    ]
     opened = None if session is None else await session(engine)
     groups = await _admit(receive, engine, plans, n, opened, req.param_names)
     if groups is None:

@@ -27,7 +27,12 @@ from neuronpy.engine.types import (
 )
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.chat_input import ChatInput
-from neuronpy.server.constraints import CONSTRAINT_FIELDS, parse_constraint, tool_constraint
+from neuronpy.server.constraints import (
+    CONSTRAINT_FIELDS,
+    parse_constraint,
+    tool_constraint,
+    with_tool_format,
+)
 from neuronpy.server.prompts import encode_prompt, render_chat
 from neuronpy.server.schema import WireModel, either, is_int, json_type, validate
 
@@ -232,7 +237,7 @@ class SamplingRequest(WireModel):
         None: no log-probabilities."""
         raise NotImplementedError
 
-    def output_format(self, reasoning: str | None) -> OutputFormat:
+    def output_format(self, reasoning: str | None, tool_format: str = "hermes") -> OutputFormat:
         return OutputFormat()
 
     def default_max_tokens(self, room: int) -> int:
@@ -245,12 +250,17 @@ class SamplingRequest(WireModel):
         raise NotImplementedError
 
     def sampling_params(
-        self, prompt_len: int, context_len: int, reasoning: str | None = None
+        self,
+        prompt_len: int,
+        context_len: int,
+        reasoning: str | None = None,
+        tool_format: str = "hermes",
     ) -> SamplingParams:
         """How the engine samples a prompt of `prompt_len` tokens: the request's max_tokens,
         or its default (at least 1, so that a too-long prompt is reported as such); a chat
         reply split by the model's reasoning parser `reasoning` and, with tools, into tool
-        calls."""
+        calls written in the model's `tool_format` (the markup a forced tool_choice writes,
+        too)."""
         max_tokens = self.requested_max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens(context_len - prompt_len)
@@ -276,8 +286,8 @@ class SamplingRequest(WireModel):
             logprobs=self.logprobs_count(),
             logit_bias=tuple((int(k), float(v)) for k, v in bias.items()),
             allowed_token_ids=None if allowed is None else tuple(allowed),
-            output=self.output_format(reasoning),
-            constraint=self._constraint,
+            output=self.output_format(reasoning, tool_format),
+            constraint=with_tool_format(self._constraint, tool_format),
             speculative=self.speculative,
         )
 
@@ -311,9 +321,9 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def output_format(self, reasoning: str | None) -> OutputFormat:
+    def output_format(self, reasoning: str | None, tool_format: str = "hermes") -> OutputFormat:
         tools = self.chat_tools
-        return OutputFormat(reasoning, tools.parse, tools.parallel)
+        return OutputFormat(reasoning, tools.parse, tools.parallel, tool_format)
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
         return render_chat(tokenizer, self.template_messages(), self.chat_tools.tools)

@@ -1,0 +1,333 @@
+"""Each family's tool-call markup (engine/tools.py): read back from a reply however it is cut,
+detected from the chat template, written by the grammar of a forced tool_choice, and served
+through the openai client, with markers that are special tokens kept in the text."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import openai
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from neuronpy.config import EngineConfig, load_config
+from neuronpy.engine.constraint_grammar import grammar_of
+from neuronpy.engine.tools import TOOL_FORMATS, parse_function_gemma, resolve_tool_format
+from neuronpy.engine.types import Constraint, OutputFormat, SamplingParams
+from tests.scripted import Scripts
+from tests.servers import FIXTURES, RunningServer, engine_loader, run_server
+from tests.test_fixtures import bf
+from tests.test_reasoning_tools import (
+    TOOLS,
+    Reply,
+    ToolServer,
+    ask,
+    parse,
+    reply_of,
+    run_router,
+    splits,
+    summary,
+)
+
+MODEL = bf.TOOLS_FIXTURE
+FORMATS = sorted(TOOL_FORMATS)
+
+# One reply per format: some text, then two calls (a list format writes one array of them).
+REPLIES = {
+    "hermes": (
+        "Let me check.\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
+    ),
+    "granite": (
+        "Let me check.<|tool_call|>"
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"tz": "CET"}}]'
+    ),
+    "phi4_mini": (
+        "Let me check. functools["
+        '{"name": "get_weather", "arguments": {"city": "Paris"}},'
+        '{"name": "get_time", "arguments": {"tz": "CET"}}]'
+    ),
+    "mistral": (
+        "Let me check. [TOOL_CALLS]["
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"tz": "CET"}}]'
+    ),
+    "functiongemma": (
+        "Let me check.\n<start_function_call>call:get_weather{city:<escape>Paris<escape>}"
+        "<end_function_call><start_function_call>call:get_time{tz:<escape>CET<escape>}"
+        "<end_function_call>"
+    ),
+}
+CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
+# Lookalikes that stay text: a marker that opens no call, a call never closed.
+TEXT = {
+    "hermes": 'I use <tool_call> tags: <tool_call>{"name": "f"',
+    "granite": 'The <|tool_call|> token. <|tool_call|>[{"name": "f"',
+    "phi4_mini": 'import functools as ft; functools[{"name": "f"}',
+    "mistral": 'See [TOOL_CALLS] docs. [TOOL_CALLS][{"name": "f", "arguments": {}}',
+    "functiongemma": "<start_function_call>call:f{x:<escape>1",
+}
+
+
+def output(fmt: str, parallel: bool = True) -> OutputFormat:
+    return OutputFormat(tool_calls=True, tool_format=fmt, parallel_tool_calls=parallel)
+
+
+def calls_of(out: Any) -> list[tuple[str, Any]]:
+    return [(name, json.loads(arguments)) for name, arguments in summary(out)[2]]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_reads_the_same_wherever_the_deltas_are_cut(fmt: str) -> None:
+    for text in (REPLIES[fmt], TEXT[fmt]):
+        whole = summary(parse([text], output(fmt)))
+        for head, tail in splits(text):
+            assert summary(parse([head, tail], output(fmt))) == whole, (head, tail)
+        assert summary(parse(list(text), output(fmt))) == whole
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_gives_its_calls_and_leaves_lookalikes_as_text(fmt: str) -> None:
+    out = parse([REPLIES[fmt]], output(fmt))
+    assert out.content == "Let me check."
+    assert calls_of(out) == CALLS
+    assert calls_of(parse([REPLIES[fmt]], output(fmt, parallel=False))) == CALLS[:1]
+    # another format's markup is text to this one
+    for other in FORMATS:
+        if other != fmt and TOOL_FORMATS[other].start not in REPLIES[fmt]:
+            assert parse([REPLIES[other]], output(fmt)).tool_calls == [], other
+    text = parse([TEXT[fmt]], output(fmt))
+    assert (text.content, text.tool_calls) == (TEXT[fmt], [])
+
+
+def test_list_formats_stream_each_calls_arguments_as_written() -> None:
+    text = REPLIES["granite"]
+    cut = text.index("Par") + 1
+    first, second = parse([text[:cut], text[cut:]], output("granite")).tool_calls
+    assert first.pieces == ('{"city": "P', 'aris"}')
+    assert second.pieces == ('{"tz": "CET"}',)
+    # a lone object, as some fine-tunes write it, is one call
+    (call,) = parse(
+        ['<|tool_call|>{"name": "f", "arguments": {"a": 1}}'], output("granite")
+    ).tool_calls
+    assert (call.name, call.arguments) == ("f", '{"a": 1}')
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("call:f{}", ("f", {})),
+        (
+            "call:f{a:<escape>x, y{}<escape>,n:-2.5,ok:true,none:null}",
+            ("f", {"a": "x, y{}", "n": -2.5, "ok": True, "none": None}),
+        ),
+        (
+            "call:f{p:{q:<escape>1<escape>},xs:[1,<escape>b<escape>,[]]}",
+            ("f", {"p": {"q": "1"}, "xs": [1, "b", []]}),
+        ),
+        (" call:f{word:Paris} ", ("f", {"word": "Paris"})),
+        ("call:f{a:<escape>x}", None),  # an unclosed string
+        ("call:f{a:1", None),
+        ("call:f{a:1} more", None),
+        ("call:{a:1}", None),
+        ("f{a:1}", None),
+        ("call:f{:1}", None),
+    ],
+)
+def test_function_gemma_notation(body: str, expected: tuple[str, Any] | None) -> None:
+    call = parse_function_gemma(body)
+    assert (call and (call.name, json.loads(call.arguments))) == expected
+
+
+def test_the_format_is_detected_from_the_chat_template() -> None:
+    def template(text: str | None) -> SimpleNamespace:
+        return SimpleNamespace(chat_template=text)
+
+    tools = "{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    cases = {
+        "{{ '<|start_of_role|>assistant<|end_of_role|><|tool_call|>' }}": "granite",
+        "{{ '[AVAILABLE_TOOLS]' }}" + tools + "{{ '[TOOL_CALLS][' }}": "mistral",
+        "{{ '<|system|>' + m.content + '<|tool|>' }}" + tools + "{{ '<|/tool|>' }}": "phi4_mini",
+        "{{ '<start_function_declaration>' }}{{ '<start_function_call>' }}": "functiongemma",
+        "{{ '<tool_call>' }}" + tools: "hermes",
+        tools: "hermes",  # a template that shows no format: the forced tool_choice's
+    }
+    for text, name in cases.items():
+        assert resolve_tool_format("auto", template(text)).name == name, text
+    assert resolve_tool_format("auto", template(None)).name == "hermes"
+    assert resolve_tool_format("granite", template("<tool_call>")).name == "granite"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        EngineConfig(tool_call_parser="xml")
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        load_config(models=[{"tool_call_parser": "pythonic"}], environ={})
+    (spec,) = load_config(models=[{"tool_call_parser": "granite"}], environ={}).models
+    assert spec.engine.tool_call_parser == "granite"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(FIXTURES / MODEL)
+
+
+SCHEMA_TOOLS = [
+    {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+        },
+    },
+    {"name": "get_time", "parameters": None},
+]
+
+
+CLOSERS = ('"', "<", "}", "]")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_forced_tool_choice_writes_calls_the_format_reads_back(fmt: str, tokenizer: Any) -> None:
+    """Seeded random walks through the grammar of tool_choice "required" (and of one call):
+    whatever the model picks among the tokens it allows, the text is read back as calls of
+    the given tools, their JSON arguments valid (FunctionGemma's: its notation's keys)."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    compiler = xgr.GrammarCompiler(info)
+    eos = tokenizer.eos_token_id
+    texts = [tokenizer.decode([t]) for t in range(info.vocab_size)]
+    for parallel in (True, False):
+        spec = {"tools": SCHEMA_TOOLS, "parallel": parallel, "format": fmt}
+        grammar = compiler.compile_grammar(grammar_of(Constraint("tools", json.dumps(spec))))
+        for seed in range(6):
+            matcher, rng = xgr.GrammarMatcher(grammar), random.Random(seed)
+            mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+            ids: list[int] = []
+            while not matcher.is_terminated():
+                assert len(ids) < 600, tokenizer.decode(ids)
+                matcher.fill_next_token_bitmask(mask)
+                allowed = torch.nonzero(xgr.testing.bitmask_to_bool_mask(mask, info.vocab_size)[0])
+                choices = allowed.flatten().tolist()
+                # end where it may, and close strings and objects often: the walk stays short
+                closers = [t for t in choices if any(c in texts[t] for c in CLOSERS)]
+                if eos in choices:
+                    token = eos
+                else:
+                    token = rng.choice(closers if closers and rng.random() < 0.5 else choices)
+                assert matcher.accept_token(token)
+                ids.append(token)
+            text = tokenizer.decode([t for t in ids if t != eos])
+            out = parse([text], output(fmt, parallel))
+            assert out.content == "" and out.tool_calls, text
+            assert parallel or len(out.tool_calls) == 1
+            for call in out.tool_calls:
+                arguments = json.loads(call.arguments)
+                assert call.name in ("get_weather", "get_time"), text
+                if call.name == "get_weather" and fmt != "functiongemma":
+                    assert set(arguments) == {"city", "days"}, text
+                    assert isinstance(arguments["days"], int) and len(arguments["city"]) <= 8
+                if call.name == "get_weather" and fmt == "functiongemma":
+                    assert set(arguments) <= {"city", "days"}, text
+                    assert len(arguments.get("city", "")) <= 8
+                    assert isinstance(arguments.get("days", 0), int)
+
+
+@pytest.mark.anyio
+async def test_markers_that_are_special_tokens_stay_in_the_text(tokenizer: Any) -> None:
+    """Granite's <|tool_call|> and FunctionGemma's markers are special tokens of those
+    models, which decoding skips: with tools on, the router keeps them (and skips the rest)."""
+    special = AutoTokenizer.from_pretrained(FIXTURES / MODEL)
+    markers = ["<|tool_call|>", "<start_function_call>", "<end_function_call>"]
+    special.add_special_tokens({"additional_special_tokens": markers})
+    eos = special.eos_token_id
+    im_end = special.convert_tokens_to_ids("<|im_end|>")
+    for fmt in ("granite", "functiongemma"):
+        text = REPLIES[fmt]
+        ids = [*special.encode(text), im_end, eos]
+        assert all(special.convert_tokens_to_ids(m) in ids for m in TOOL_FORMATS[fmt].markers)
+        events = await run_router(special, ids, SamplingParams(output=output(fmt)))
+        assert reply_of(events) == Reply("", "Let me check.", tuple(CALLS)), fmt
+        # without tools the markers are skipped, as every special token is
+        plain = reply_of(await run_router(special, ids, SamplingParams()))
+        assert TOOL_FORMATS[fmt].start not in plain.content and "<|im_end|>" not in plain.content
+
+
+# ---- the server: each format through the openai client -------------------------------------
+
+SERVED = {f"tools-{fmt}": fmt for fmt in FORMATS}
+# one call, then the grammar ends the reply (a random-weight model would call on and on), of
+# tools whose strings are short (it would write on and on)
+SHORT = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {key: {"type": "string", "maxLength": 6}},
+            },
+        },
+    }
+    for name, key in (("get_weather", "city"), ("get_time", "tz"))
+]
+FORCED = {"tools": SHORT, "tool_choice": "required", "parallel_tool_calls": False}
+
+
+@pytest.fixture(scope="module")
+def format_servers(tokenizer: Any) -> Iterator[dict[str, ToolServer]]:
+    models = {
+        name: engine_loader(FIXTURES / MODEL, tool_call_parser=fmt, reasoning_parser="none")
+        for name, fmt in SERVED.items()
+    }
+    with run_server(models) as server:
+        served = {}
+        for name in SERVED:
+            engine = server.state.models[name].engine
+            assert engine is not None
+            scripts = Scripts()  # one per engine: its slots' ids are its own
+            scripts.attach(engine)
+            served[name] = ToolServer(server, scripts, tokenizer)
+        yield served
+
+
+@pytest.mark.anyio
+async def test_each_format_through_the_server_streamed_and_not(
+    format_servers: dict[str, ToolServer],
+) -> None:
+    """A scripted reply in each model's format comes back as its calls; tool_choice
+    "required" on the (random-weight) model comes back as calls of the given tools, the
+    grammar having written them in that model's format."""
+    jobs: list[tuple[str, bool, dict[str, Any]]] = []
+    for name, fmt in SERVED.items():
+        ts = format_servers[name]
+        for stream in (False, True):
+            messages = ts.script(f"[{fmt}-{stream}]", REPLIES[fmt])
+            jobs.append((name, stream, {"messages": messages, "tools": TOOLS}))
+            forced = [{"role": "user", "content": f"Weather? ({fmt} {stream})"}]
+            jobs.append((name, stream, {"messages": forced, **FORCED}))
+    results: list[Reply | None] = [None] * len(jobs)
+    server: RunningServer = next(iter(format_servers.values())).server
+    async with (
+        openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=300) as api,
+        anyio.create_task_group() as tg,
+    ):
+        for k, (name, stream, kwargs) in enumerate(jobs):
+
+            async def one(k: int = k, name: str = name, stream: bool = stream, kw: Any = kwargs):
+                results[k] = await ask(api, stream, model=name, **{"max_tokens": 200, **kw})
+
+            tg.start_soon(one)
+    for (name, stream, kwargs), got in zip(jobs, results, strict=True):
+        assert got is not None and got.finish == "tool_calls", (name, stream, got)
+        if "tool_choice" in kwargs:
+            assert len(got.calls) == 1 and got.calls[0][0] in ("get_weather", "get_time")
+            assert all(isinstance(arguments, dict) for _, arguments in got.calls)
+        else:
+            assert got == Reply("", "Let me check.", tuple(CALLS), "tool_calls"), (name, stream)
