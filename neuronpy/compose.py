@@ -16,6 +16,7 @@ from neuronpy.arch.gguf import GGUFCheckpoint
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.defaults import WEIGHT_ONLY_MODES
+from neuronpy.engine.embeddings import Pooling
 from neuronpy.engine.engine import Engine
 from neuronpy.loading import (
     calibration_ids,
@@ -24,6 +25,7 @@ from neuronpy.loading import (
     load_gguf_checkpoint,
     load_pretrained,
     resolve_device,
+    sentence_transformers_pooling,
 )
 from neuronpy.worker.session_files import model_fingerprint
 from neuronpy.worker.tp import DEFAULT_TIMEOUT, ShardSpec
@@ -65,6 +67,16 @@ def engine_from_hf(
         check_draft_tokenizer(tokenizer, draft[1])
         draft_model = LlamaModel.from_hf(draft[0], quantize=config.quantize)
         compile_model(draft_model, f"{name} (its draft model)", config.compile)
+    task, pooling = resolve_pooling(source, config)
+    if task == "embed" or pooling.source != "default":
+        log.info(
+            "%s: task %s; embeddings pool by %s%s (%s)",
+            name,
+            task,
+            pooling.mode,
+            ", normalized" if pooling.normalize else "",
+            pooling.source,
+        )
     return Engine(
         model,
         tokenizer,
@@ -73,7 +85,27 @@ def engine_from_hf(
         eos_token_ids=eos_token_ids(source, tokenizer),
         fingerprint=_fingerprint(source, config.quantize),
         worker=DeviceWorker(model, name, config.prefill_chunk, draft_model),
+        task=task,
+        pooling=pooling,
     )
+
+
+def resolve_pooling(source: Any, config: EngineConfig) -> tuple[str, Pooling]:
+    """The task a model serves and how its embeddings pool: the config's where it says, else
+    the checkpoint's sentence-transformers config (which makes "auto" an embedding model),
+    else generation, pooling the last token's hidden state, normalized."""
+    declared = None if isinstance(source, GGUFCheckpoint) else sentence_transformers_pooling(source)
+    task = config.task
+    if task == "auto":
+        task = "embed" if declared is not None else "generate"
+    mode, normalize, where = "last", True, "default"
+    if declared is not None:
+        (mode, normalize), where = declared, "sentence-transformers config"
+    if config.pooling != "auto":
+        mode, where = config.pooling, "config"
+    if config.normalize is not None:
+        normalize, where = config.normalize, "config"
+    return task, Pooling(mode, normalize, where)
 
 
 def release_freed_memory() -> None:

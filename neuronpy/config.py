@@ -31,9 +31,11 @@ from neuronpy.defaults import (
     DEFAULT_PREFIX_CACHE_BYTES,
     DEFAULT_QUEUE_TIMEOUT,
     DTYPES,
+    POOLINGS,
     QUANTIZE_MODES,
     REASONING_PARSERS,
     SPECULATIVE_METHODS,
+    TASKS,
     TOOL_CALL_PARSERS,
     FieldError,
     check_bool,
@@ -93,6 +95,14 @@ class EngineConfig:
     # the markup a chat reply's tool calls are written in: "auto" (detected from the chat
     # template; Hermes/Qwen's <tool_call> when it names none) or a format's name (README)
     tool_call_parser: str = "auto"
+    # what the model serves: "auto", "generate" (chat, completions, and embeddings of its
+    # hidden states) or "embed" (embeddings only); see defaults.TASKS
+    task: str = "auto"
+    # embeddings: the pooling ("auto": the checkpoint's sentence-transformers config, else
+    # "last"; "mean", "cls") and whether vectors are L2-normalized (None: as the checkpoint
+    # says, else yes)
+    pooling: str = "auto"
+    normalize: bool | None = None
     # bytes of compiled grammars (structured outputs) kept for reuse; a constraint whose
     # grammar alone is larger is refused (400)
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
@@ -136,6 +146,10 @@ class EngineConfig:
         check_int("prefix_cache_bytes", self.prefix_cache_bytes, 0)
         check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         check_choice("tool_call_parser", self.tool_call_parser, TOOL_CALL_PARSERS)
+        check_choice("task", self.task, TASKS)
+        check_choice("pooling", self.pooling, POOLINGS)
+        if self.normalize is not None:
+            check_bool("normalize", self.normalize)
         check_int("grammar_cache_bytes", self.grammar_cache_bytes, 1 << 16)
         check_int("max_compiles", self.max_compiles, 1, 256)
         check_seconds("max_compile_seconds", self.max_compile_seconds)
@@ -171,6 +185,9 @@ MODEL_KEYS = (
     "kv_budget",
     "reasoning_parser",
     "tool_call_parser",
+    "task",
+    "pooling",
+    "normalize",
     "grammar_cache_bytes",
     "max_compiles",
     "max_compile_seconds",

@@ -22,6 +22,13 @@ REASONING_PARSERS = ("auto", "none", "think")
 # markup of one family (neuronpy.engine.tools' TOOL_FORMATS: Hermes/Qwen's <tool_call>,
 # Granite's <|tool_call|>, Phi-4-mini's functools[...], Mistral's [TOOL_CALLS], FunctionGemma's
 # <start_function_call>).
+# What a model serves: "generate" (chat and completions; embeddings too, pooling its hidden
+# states), "embed" (embeddings only: an embedding checkpoint), or "auto" (embed when the
+# checkpoint is a sentence-transformers embedding model, else generate).
+TASKS = ("auto", "generate", "embed")
+# How an embedding pools the hidden states: "auto" (the checkpoint's sentence-transformers
+# pooling config, else the last token's, as decoder embedding models pool) or one of these.
+POOLINGS = ("auto", "last", "mean", "cls")
 TOOL_CALL_PARSERS = ("auto", "hermes", "granite", "phi4_mini", "mistral", "functiongemma")
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward

@@ -231,6 +231,69 @@ def _gguf_metadata(
     return config, tokenizer
 
 
+# sentence-transformers' pooling config keys -> our pooling modes
+_ST_POOLINGS = {
+    "pooling_mode_lasttoken": "last",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+}
+
+
+def sentence_transformers_pooling(model: Any) -> tuple[str, bool] | None:
+    """The pooling a sentence-transformers checkpoint declares (its modules.json, its Pooling
+    module's config, a Normalize module): (mode, normalize), or None when `model` (a loaded
+    transformers model; its `name_or_path` is read) is not one. A pooling we do not compute
+    (max, weighted mean, ...) raises ModelLoadError naming it."""
+    name = getattr(model, "name_or_path", "") or ""
+    root = _checkpoint_file(name, "modules.json")
+    if root is None:
+        return None
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+        kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ModelLoadError(f"{root / 'modules.json'} cannot be read: {exc}") from None
+    if "Pooling" not in kinds:
+        return None
+    where = f"{kinds['Pooling']}/config.json"
+    found = _checkpoint_file(name, where)
+    try:
+        config = json.loads((found / where).read_text()) if found is not None else None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"the checkpoint's {where} cannot be read: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"the checkpoint's {where} is missing or not an object")
+    modes = [k for k, v in config.items() if k.startswith("pooling_mode_") and v]
+    if len(modes) != 1 or modes[0] not in _ST_POOLINGS:
+        raise ModelLoadError(
+            f"the checkpoint pools by {' and '.join(modes) or 'nothing'} ({where}); neuronpy "
+            "pools by the last token, the mean or the CLS token"
+        )
+    return _ST_POOLINGS[modes[0]], "Normalize" in kinds
+
+
+def _checkpoint_file(name_or_path: str, filename: str) -> Path | None:
+    """The folder holding `filename` of a checkpoint: a local directory, or a hub repository's
+    cached snapshot (fetched when the hub can be reached); None when there is none."""
+    if not name_or_path:
+        return None
+    local = Path(name_or_path)
+    if local.is_dir():
+        return local if (local / filename).is_file() else None
+    if local.exists() or _hub_offline():
+        return None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        found = hf_hub_download(name_or_path, filename)
+    except Exception:  # no such file, no such repo, no network: not a sentence-transformers one
+        return None
+    path = Path(found)
+    for _ in filename.split("/"):
+        path = path.parent
+    return path
+
+
 def calibration_ids(hf_model: Any, tokenizer: Any, quantize: str) -> list[int]:
     """The tokens the int8 mode's activation ranges are measured on (none for other modes)."""
     if quantize != "int8":

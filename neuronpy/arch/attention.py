@@ -1,6 +1,7 @@
 """What a forward's tokens attend to, layer by layer: a prompt chunk its own causal span
 (SequenceAttention), the rows of a lockstep group one column each (UniformStep) or rows that
-lag, each its own count (RaggedStep), a decode step with chunks riding it (StepAttention);
+lag, each its own count (RaggedStep), a decode step with chunks riding it (StepAttention),
+whole sequences packed one after another that keep no KV (PackedAttention: embeddings);
 and the snapshot a chunk's K/V make (snapshot_of)."""
 
 from __future__ import annotations
@@ -278,6 +279,36 @@ class StepAttention:
         for rider in self.riders:
             hi = at + rider.tokens
             outs.append(rider.attend(model, layer, q[at:hi], k[at:hi], v[at:hi]))
+            at = hi
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@dataclass(frozen=True)
+class PackedAttention:
+    """Whole sequences packed one after another, keeping no KV (a pooling forward): each
+    token sees its own sequence's tokens up to itself. Sequences of one length lie side by
+    side, and each such run is one batched attention call of that length (no padding)."""
+
+    runs: Sequence[tuple[int, int]]  # (length, how many sequences of it), in packing order
+    masks: dict[int, torch.Tensor]  # length -> causal mask [G * L, L] (LlamaModel._causal_mask)
+    banded: dict[int, torch.Tensor]  # the sliding-window layers' masks, as `masks` (or none)
+
+    @property
+    def tokens(self) -> int:
+        return sum(length * n for length, n in self.runs)
+
+    def attend(
+        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
+        outs, at = [], 0
+        for length, n in self.runs:
+            hi = at + length * n
+            qs = model.group_queries(q[at:hi].reshape(n, length, *q.shape[1:]))
+            ks = k[at:hi].reshape(n, length, *k.shape[1:]).transpose(1, 2)
+            vs = v[at:hi].reshape(n, length, *v.shape[1:]).transpose(1, 2)
+            mask, banded = self.masks[length], self.banded.get(length)
+            outs.append(model.ungroup(model.sdpa(layer, qs, ks, vs, mask, banded), length))
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

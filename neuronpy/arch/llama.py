@@ -19,6 +19,7 @@ from neuronpy.arch.attention import (
     Attention,
     GroupStep,
     NoAttention,
+    PackedAttention,
     PrefillChunk,
     RaggedStep,
     SequenceAttention,
@@ -495,6 +496,56 @@ class LlamaModel:
                 keys[layer][:, :, :start] = past.keys[layer]
                 values[layer][:, :, :start] = past.values[layer]
         return keys, values
+
+    # ---- pooling (embeddings) -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def pooled(
+        self, sequences: Sequence[Sequence[int]], pooling: str, normalize: bool
+    ) -> torch.Tensor:
+        """Each sequence's final-normed hidden states pooled into one vector, keeping no KV:
+        [len(sequences), hidden] float32, in the order given. `pooling`: "last" (the last
+        token's, as decoder embedding models such as Qwen3-Embedding pool), "mean" (over the
+        sequence's tokens) or "cls" (the first token's); `normalize`: to unit L2 norm.
+
+        The sequences go through the layers packed, one forward of all their tokens (sorted
+        by length, so that each length's attention is one call); a sequence's vector does
+        not depend on which others it is packed with, but to the last bits of float rounding
+        (the linear layers' blocking follows the number of tokens)."""
+        if not sequences or any(not s for s in sequences):
+            raise ValueError("pooling needs sequences of at least one token")
+        c = self.config
+        longest = max(len(s) for s in sequences)
+        if longest > c.context_len:
+            raise ValueError(f"sequence of {longest} tokens exceeds the context of {c.context_len}")
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        lengths = [len(sequences[i]) for i in order]
+        runs = [(length, n) for length, n in Counter(lengths).items()]  # (sorted: adjacent)
+        dev = self.device
+        ids = torch.tensor([t for i in order for t in sequences[i]], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(length, device=dev) for length in lengths])
+        window = c.sliding_window if c.windowed else None
+        masks, banded = {}, {}
+        for length, _ in runs:
+            at = torch.arange(length, device=dev)
+            masks[length] = self._causal_mask(at, length)
+            if window is not None:
+                banded[length] = self._causal_mask(at, length, window)
+        hidden = self._run(ids, positions, PackedAttention(runs, masks, banded)).float()
+        ends = torch.tensor(lengths, device=dev).cumsum(0)
+        if pooling == "last":
+            vectors = hidden[ends - 1]
+        elif pooling == "cls":
+            vectors = hidden[ends - torch.tensor(lengths, device=dev)]
+        elif pooling == "mean":
+            vectors = torch.stack([h.mean(0) for h in hidden.split(lengths)])
+        else:
+            raise ValueError(f"unknown pooling {pooling!r}: last, mean or cls")
+        if normalize:
+            vectors = F.normalize(vectors, p=2.0, dim=-1)
+        out = torch.empty_like(vectors)
+        out[torch.tensor(order, device=dev)] = vectors
+        return out
 
     # ---- lockstep decode ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import torch
 from anyio.abc import ObjectSendStream, TaskGroup
 from transformers import PreTrainedTokenizerBase
 
@@ -18,6 +19,7 @@ from neuronpy.arch.llama import LlamaModel
 from neuronpy.config import EngineConfig
 from neuronpy.engine.compiles import Compiles
 from neuronpy.engine.counters import EngineStats, StepProfile
+from neuronpy.engine.embeddings import Embedder, Pooling
 from neuronpy.engine.grammar import Grammars, Reasoning
 from neuronpy.engine.lifecycle import Messages
 from neuronpy.engine.reasoning import prompt_opens_reasoning
@@ -43,6 +45,9 @@ __all__ = ["Engine", "EngineStats", "RequestStream"]
 
 log = logging.getLogger(__name__)
 
+# embedding inputs that may wait per admission slot (max_in_flight + max_queue)
+MAX_INPUTS_PER_SLOT = 16
+
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
     """K and V, every layer: what one token of a sequence's context takes."""
@@ -63,11 +68,15 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         worker: DeviceWorker | None = None,
         fingerprint: str | None = None,
+        task: str = "generate",
+        pooling: Pooling | None = None,
     ) -> None:
         """`worker`: the device worker to run jobs on (one driving other processes, for
         tensor parallelism); by default a DeviceWorker of its own over `model`. `fingerprint`:
         what identifies the weights in saved sessions (the composition root hashes the
-        checkpoint's; by default a hash of the embeddings and norms)."""
+        checkpoint's; by default a hash of the embeddings and norms). `task`: "generate"
+        (generations, and embeddings of the hidden states) or "embed" (embeddings only);
+        `pooling`: how embeddings pool (by default the last token's, normalized)."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -132,6 +141,16 @@ class Engine:
             token_seconds=config.max_mask_ms / 1000,
         )
         self.compiles = Compiles(self.grammars, name, config.max_compiles, config.max_queue)
+        if task not in ("generate", "embed"):
+            raise ValueError(f"task must be 'generate' or 'embed', got {task!r}")
+        self.task = task
+        self.embedder = Embedder(
+            self._worker,
+            pooling or Pooling(),
+            batch_tokens=config.prefill_chunk,
+            max_waiting=max(1, config.max_queue + config.max_in_flight) * MAX_INPUTS_PER_SLOT,
+            name=name,
+        )
         self._routers: dict[int, ObjectSendStream[RouterMessage]] = {}
         self._healthy = False
         self._failure: str | None = None
@@ -150,6 +169,7 @@ class Engine:
         self._healthy = True
         self._tg.start_soon(self._loop, name=f"neuronpy-engine-{self.name}")
         self.compiles.start(self._tg)
+        self._tg.start_soon(self.embedder.run, name=f"neuronpy-embeddings-{self.name}")
         self._tg.start_soon(self._warm_grammars, name=f"neuronpy-grammars-{self.name}")
         return self
 
@@ -166,6 +186,7 @@ class Engine:
         self._healthy = False
         self._failure = self._failure or "the engine has shut down"
         self._deliver(self._scheduler.end_all(Cause.ABORTED))
+        self.embedder.fail_all(ShuttingDownError(self._failure))
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(None, None, None)
@@ -372,6 +393,25 @@ class Engine:
     def stop_admitting(self, reason: str = "the server is shutting down") -> None:
         """From now on `submit` raises ShuttingDownError(reason); admitted requests carry on."""
         self._refusal = reason
+        self.embedder.stop_admitting(reason)
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Each input's pooled hidden states (`self.embedder.pooling`): one float32 vector
+        each, batched with the inputs of concurrent requests (engine/embeddings.py).
+        InvalidRequestError for an empty input or one longer than the context (the index
+        named as `input[i]`); EngineUnhealthyError, ShuttingDownError, QueueFullError."""
+        if not self.healthy:
+            raise EngineUnhealthyError(self._unavailable())
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise InvalidRequestError(f"input[{i}] is empty", f"input[{i}]")
+            if len(ids) > self.context_len:
+                raise InvalidRequestError(
+                    f"input[{i}] has {len(ids)} tokens; model '{self.name}' takes at most "
+                    f"{self.context_len}",
+                    f"input[{i}]",
+                )
+        return await self.embedder.embed(inputs)
 
     async def drain(self, timeout: float) -> int:
         """Waits up to `timeout` seconds for every admitted request to end, then aborts the rest
@@ -482,5 +522,6 @@ class Engine:
         self._failure = self._failed(why)
         messages = self._scheduler.end_all(Cause.FAILED, self._failure)
         self._scheduler.clear()
+        self.embedder.fail_all(EngineUnhealthyError(self._failure))
         self._deliver(messages)
         self._idle.set()

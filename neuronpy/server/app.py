@@ -20,6 +20,7 @@ from neuronpy.engine.engine import Engine
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.server.auth import security_middleware
 from neuronpy.server.connections import ConcurrencyLimit
+from neuronpy.server.embeddings import embeddings
 from neuronpy.server.errors import EXCEPTION_HANDLERS, ApiError, unavailable
 from neuronpy.server.flow import generate
 from neuronpy.server.metrics import ServerMetrics
@@ -173,6 +174,9 @@ def create_app(
             return await delete_response(responses, rid)
         return await get_response(responses, rid)
 
+    async def embeddings_route(request: Request) -> Response:
+        return await embeddings(request, state, limits, metrics)
+
     async def tokenize_route(request: Request) -> Response:
         return await tokenize(request, state, limits)
 
@@ -202,6 +206,7 @@ def create_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses_route, methods=["POST"]),
         Route("/v1/responses/{rid}", responses_route, methods=["GET", "DELETE"]),
+        Route("/v1/embeddings", embeddings_route, methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
         Route("/v1/sessions", sessions_route, methods=["GET"]),
@@ -246,4 +251,11 @@ def _model_card(name: str, engine: Engine, created: int) -> dict[str, Any]:
         "created": created,
         "owned_by": "neuronpy",
         "max_model_len": engine.context_len,
+        # what it serves, and how /v1/embeddings pools its hidden states
+        "task": engine.task,
+        "pooling": {
+            "mode": engine.embedder.pooling.mode,
+            "normalize": engine.embedder.pooling.normalize,
+            "dimensions": engine.model.config.hidden_size,
+        },
     }

@@ -114,6 +114,13 @@ async def admit(
     n copies admitted, or none of them. Errors are ApiErrors naming the request's own
     fields (its `param_names`); None: the client left while its constraints compiled."""
     engine = model.ready_engine()
+    if engine.task == "embed":
+        raise ApiError(
+            400,
+            f"model '{model.name}' serves embeddings only (its task is 'embed'): use "
+            '/v1/embeddings, or serve it with task = "generate"',
+            param="model",
+        )
     refuse_unshown_tools(model, req)
     reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
     tools = resolve_tool_format(engine.config.tool_call_parser, engine.tokenizer).name

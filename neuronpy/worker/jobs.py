@@ -230,6 +230,21 @@ class LoadResult:
 
 
 @dataclass(frozen=True)
+class EmbedBatch:
+    """Pool each sequence's final hidden states into one vector (embeddings), keeping no KV:
+    the sequences packed into one forward (LlamaModel.pooled)."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    pooling: str  # "last", "mean" or "cls"
+    normalize: bool
+
+
+@dataclass(frozen=True)
+class EmbedResult:
+    vectors: torch.Tensor  # [len(sequences), hidden] float32, CPU, in the job's order
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """Ask what the worker holds (for metrics and leak checks)."""
 
@@ -281,6 +296,7 @@ Job = (
     | OffloadKv
     | SaveKvSnapshot
     | LoadKvSnapshot
+    | EmbedBatch
     | WorkerStats
     | StartProfile
     | StopProfile

@@ -27,6 +27,8 @@ from neuronpy.worker.jobs import (
     DropCachedKv,
     DropKvSnapshot,
     DropResult,
+    EmbedBatch,
+    EmbedResult,
     ExtractKvRows,
     ExtractResult,
     ForwardLogitsBatch,
@@ -173,6 +175,9 @@ class DeviceWorker:
                 return self._save(job)
             case LoadKvSnapshot():
                 return self._load(job)
+            case EmbedBatch():
+                vectors = self.model.pooled(job.sequences, job.pooling, job.normalize)
+                return EmbedResult(vectors.to("cpu"))
             case WorkerStats():
                 return WorkerStatsResult(
                     snapshots=len(self._snapshots),

@@ -1,0 +1,171 @@
+"""POST /v1/embeddings, in OpenAI's shape: one vector per input (a string or token ids), the
+model's hidden states pooled (engine/embeddings.py), batched with concurrent requests' inputs."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+import uuid
+from typing import Any
+
+import anyio
+import torch
+import torch.nn.functional as F
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from neuronpy.errors import InvalidRequestError, NeuronError
+from neuronpy.server.copies import cancel_on_disconnect
+from neuronpy.server.errors import ApiError, api_error
+from neuronpy.server.metrics import ServerMetrics
+from neuronpy.server.models import ServedModel, ServerState
+from neuronpy.server.request_id import name_request
+from neuronpy.server.requests import BodyLimits, read_json, requested_model
+from neuronpy.server.schema import is_int, json_type
+
+log = logging.getLogger(__name__)
+
+MAX_INPUTS = 2048  # inputs one request may send (OpenAI's limit)
+ENCODINGS = ("float", "base64")
+_INPUT_SHAPES = (
+    "'input' must be a string, an array of strings, an array of token ids or an array of "
+    "arrays of token ids"
+)
+
+
+def parse_inputs(value: object, vocab_size: int) -> tuple[list[str] | None, list[list[int]]]:
+    """`input` as (texts, None-or-ids): the strings to tokenize, or the token ids given.
+    InvalidRequestError naming `input` (or `input[i]`) for anything else."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{_INPUT_SHAPES}, got {json_type(value)}", "input")
+    if not value:
+        raise InvalidRequestError("'input' must not be empty", "input")
+    if all(is_int(t) for t in value):  # one input of token ids
+        value = [value]
+    if len(value) > MAX_INPUTS:
+        raise InvalidRequestError(f"'input' takes at most {MAX_INPUTS} inputs", "input")
+    if isinstance(value[0], str):  # strings, all of them
+        for i, text in enumerate(value):
+            if not isinstance(text, str):
+                raise InvalidRequestError(
+                    f"{_INPUT_SHAPES}; input[{i}] is {json_type(text)} among strings",
+                    f"input[{i}]",
+                )
+            if not text:
+                raise InvalidRequestError(f"input[{i}] is an empty string", f"input[{i}]")
+        return list(value), []
+    ids: list[list[int]] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, list) or not all(is_int(t) for t in item):
+            raise InvalidRequestError(
+                f"{_INPUT_SHAPES}; input[{i}] is {json_type(item)}", f"input[{i}]"
+            )
+        if not item:
+            raise InvalidRequestError(f"input[{i}] has no token ids", f"input[{i}]")
+        bad = [t for t in item if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"input[{i}] holds ids outside the vocabulary (0 to {vocab_size - 1}): {bad[:10]}",
+                f"input[{i}]",
+            )
+        ids.append(list(item))
+    return None, ids
+
+
+def parse_options(body: dict[str, Any], hidden: int) -> tuple[str, int | None]:
+    """`encoding_format` and `dimensions`, checked."""
+    encoding = body.get("encoding_format")
+    encoding = "float" if encoding is None else encoding
+    if encoding not in ENCODINGS:
+        raise InvalidRequestError(
+            f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", "encoding_format"
+        )
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (not is_int(dimensions) or not 1 <= dimensions <= hidden):
+        raise InvalidRequestError(
+            f"'dimensions' must be an integer from 1 to {hidden} (the model's embedding size)",
+            "dimensions",
+        )
+    return encoding, dimensions
+
+
+def encoded(vector: torch.Tensor, encoding: str) -> list[float] | str:
+    """One vector as OpenAI sends it: a list of floats, or base64 of its little-endian float32
+    bytes (what the openai client asks for and decodes itself)."""
+    if encoding == "base64":
+        data = vector.to(torch.float32).contiguous().numpy().astype("<f4").tobytes()
+        return base64.b64encode(data).decode("ascii")
+    return vector.tolist()
+
+
+async def embeddings(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
+    """{"model", "input", "encoding_format", "dimensions"} -> {"object": "list", "data":
+    [{"object": "embedding", "index", "embedding"}], "model", "usage"}. `dimensions` keeps
+    the leading components (Matryoshka truncation), normalized again when the model's vectors
+    are."""
+    started = time.perf_counter()
+    rid = name_request(request, f"embd-{uuid.uuid4().hex}")
+    model: ServedModel | None = None
+    try:
+        body = await read_json(request, limits)
+        model = state.find(requested_model(body))
+        engine = model.ready_engine()
+        assert isinstance(body, dict)
+        hidden = engine.model.config.hidden_size
+        try:
+            texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
+            encoding, dimensions = parse_options(body, hidden)
+            if texts is not None:
+                tokenizer = engine.tokenizer
+                ids = await anyio.to_thread.run_sync(
+                    lambda: [list(x) for x in tokenizer(texts)["input_ids"]],
+                    limiter=state.tokenize_threads,
+                )
+            vectors: list[torch.Tensor] = []
+            failed: list[NeuronError] = []
+
+            async def work() -> None:
+                try:
+                    vectors.extend(await engine.embed(ids))
+                except NeuronError as exc:  # (raised here, not out of the task group)
+                    failed.append(exc)
+
+            if not await cancel_on_disconnect(request.receive, work):
+                return Response(status_code=499)
+            if failed:
+                raise failed[0]
+        except NeuronError as exc:  # a bad input, a full queue, a failed model
+            raise api_error(exc) from None
+    except ApiError as exc:
+        metrics.reject(model, exc)
+        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
+        raise
+    pooling = engine.embedder.pooling
+    data = []
+    for i, vector in enumerate(vectors):
+        if dimensions is not None and dimensions < vector.shape[0]:
+            vector = vector[:dimensions]
+            if pooling.normalize:
+                vector = F.normalize(vector, p=2.0, dim=0)
+        data.append({"object": "embedding", "index": i, "embedding": encoded(vector, encoding)})
+    tokens = sum(len(x) for x in ids)
+    log.info(
+        "request %s: model %s, %d inputs, %d tokens, %.3f s",
+        rid,
+        model.name,
+        len(ids),
+        tokens,
+        time.perf_counter() - started,
+    )
+    out = {
+        "object": "list",
+        "data": data,
+        "model": model.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+    return JSONResponse(out)
