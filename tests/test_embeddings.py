@@ -181,6 +181,105 @@ def test_inputs_are_pooled_many_per_job(server: RunningServer) -> None:
     assert engine.embedder.jobs - before == math.ceil(20 / (CHUNK // len(ids)))
 
 
+def test_langchains_openai_embeddings_work_unmodified(server: RunningServer) -> None:
+    """LangChain's OpenAIEmbeddings, as RAG stacks use it: the same vectors as the API's.
+    check_embedding_ctx_length=False makes it send the texts (by default it tokenizes them
+    with tiktoken's OpenAI encodings, which it downloads, into ids of another vocabulary)."""
+    from langchain_openai import OpenAIEmbeddings
+
+    embedder = OpenAIEmbeddings(
+        model=EMBED,
+        base_url=server.v1,
+        api_key="unused",  # type: ignore[arg-type]
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
+    documents = torch.tensor(embedder.embed_documents(TEXTS))
+    query = torch.tensor(embedder.embed_query(TEXTS[0]))
+    expected = vectors(client(server).embeddings.create(model=EMBED, input=TEXTS))
+    assert torch.equal(documents, expected)
+    assert torch.equal(query, expected[0])
+
+
+def post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def test_score_is_the_cosine_of_the_embeddings(server: RunningServer) -> None:
+    api = client(server)
+    embedded = vectors(api.embeddings.create(model=EMBED, input=TEXTS, encoding_format="float"))
+    # one text against each of a list
+    out = post(server, "/v1/score", {"model": EMBED, "text_1": TEXTS[0], "text_2": TEXTS})
+    assert out.status_code == 200, out.text
+    body = out.json()
+    assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+    got = torch.tensor([d["score"] for d in body["data"]])
+    assert torch.allclose(got, embedded @ embedded[0], atol=1e-6)
+    assert got[0] == pytest.approx(1.0, abs=1e-6)
+    assert body["usage"]["prompt_tokens"] > 0 and body["model"] == EMBED
+    # two lists, pair by pair
+    pairs = post(server, "/v1/score", {"model": EMBED, "text_1": TEXTS[:2], "text_2": TEXTS[2:4]})
+    got = torch.tensor([d["score"] for d in pairs.json()["data"]])
+    expected = (embedded[:2] * embedded[2:4]).sum(-1)
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_rerank_orders_the_documents_by_relevance(server: RunningServer) -> None:
+    documents = TEXTS[1:]
+    query = TEXTS[0]
+    embedded = vectors(client(server).embeddings.create(model=EMBED, input=[query, *documents]))
+    relevance = (embedded[1:] @ embedded[0]).tolist()
+    expected = sorted(range(len(documents)), key=lambda i: -relevance[i])
+    for path in ("/v1/rerank", "/rerank"):
+        out = post(server, path, {"model": EMBED, "query": query, "documents": documents})
+        assert out.status_code == 200, out.text
+        results = out.json()["results"]
+        assert [r["index"] for r in results] == expected
+        assert [r["document"]["text"] for r in results] == [documents[i] for i in expected]
+        scores = [r["relevance_score"] for r in results]
+        assert scores == sorted(scores, reverse=True)
+        assert scores[0] == pytest.approx(relevance[expected[0]], abs=1e-6)
+    # top_n, documents as Cohere's objects, no documents returned
+    body = {
+        "model": EMBED,
+        "query": query,
+        "documents": [{"text": d} for d in documents],
+        "top_n": 2,
+        "return_documents": False,
+    }
+    results = post(server, "/v1/rerank", body).json()["results"]
+    assert [r["index"] for r in results] == expected[:2]
+    assert all("document" not in r for r in results)
+
+
+SCORE_BAD = [
+    ("/v1/score", {"model": CHAT, "text_1": "a", "text_2": "b"}, "model"),
+    ("/v1/score", {"model": EMBED, "text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
+    ("/v1/score", {"model": EMBED, "text_1": "a"}, "text_2"),
+    ("/v1/score", {"model": EMBED, "text_1": "", "text_2": "b"}, "text_1[0]"),
+    ("/v1/rerank", {"model": CHAT, "query": "a", "documents": ["b"]}, "model"),
+    ("/v1/rerank", {"model": EMBED, "query": "", "documents": ["b"]}, "query"),
+    ("/v1/rerank", {"model": EMBED, "query": "a", "documents": []}, "documents"),
+    ("/v1/rerank", {"model": EMBED, "query": "a", "documents": "b"}, "documents"),
+    ("/v1/rerank", {"model": EMBED, "query": "a", "documents": ["b", 3]}, "documents[1]"),
+    ("/v1/rerank", {"model": EMBED, "query": "a", "documents": ["b"], "top_n": 0}, "top_n"),
+    (
+        "/v1/rerank",
+        {"model": EMBED, "query": "a", "documents": ["b"], "return_documents": "yes"},
+        "return_documents",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SCORE_BAD)
+def test_bad_score_and_rerank_requests_are_a_400_naming_the_field(
+    server: RunningServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 BAD = [
     ({"input": ""}, "input[0]"),
     ({"input": []}, "input"),

@@ -35,6 +35,7 @@ from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
 from neuronpy.server.responses_api.routes import create_response, delete_response, get_response
 from neuronpy.server.responses_api.store import ResponseStore, StoreLimits
+from neuronpy.server.scoring import rerank, score
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
 from neuronpy.server.stream import EventStreamResponse
 from neuronpy.server.tokenize import detokenize, tokenize
@@ -177,6 +178,12 @@ def create_app(
     async def embeddings_route(request: Request) -> Response:
         return await embeddings(request, state, limits, metrics)
 
+    async def score_route(request: Request) -> Response:
+        return await score(request, state, limits, metrics)
+
+    async def rerank_route(request: Request) -> Response:
+        return await rerank(request, state, limits, metrics)
+
     async def tokenize_route(request: Request) -> Response:
         return await tokenize(request, state, limits)
 
@@ -207,6 +214,9 @@ def create_app(
         Route("/v1/responses", responses_route, methods=["POST"]),
         Route("/v1/responses/{rid}", responses_route, methods=["GET", "DELETE"]),
         Route("/v1/embeddings", embeddings_route, methods=["POST"]),
+        Route("/v1/score", score_route, methods=["POST"]),
+        Route("/v1/rerank", rerank_route, methods=["POST"]),
+        Route("/rerank", rerank_route, methods=["POST"]),
         Route("/tokenize", tokenize_route, methods=["POST"]),
         Route("/detokenize", detokenize_route, methods=["POST"]),
         Route("/v1/sessions", sessions_route, methods=["GET"]),

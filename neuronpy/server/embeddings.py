@@ -7,6 +7,7 @@ import base64
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from neuronpy.engine.engine import Engine
 from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.copies import cancel_on_disconnect
 from neuronpy.server.errors import ApiError, api_error
@@ -101,6 +103,74 @@ def encoded(vector: torch.Tensor, encoding: str) -> list[float] | str:
     return vector.tolist()
 
 
+async def tokenized(state: ServerState, engine: Engine, texts: list[str]) -> list[list[int]]:
+    """`texts` as the model's tokenizer encodes them, with its special tokens (on a thread)."""
+    tokenizer = engine.tokenizer
+    return await anyio.to_thread.run_sync(
+        lambda: [list(x) for x in tokenizer(texts)["input_ids"]], limiter=state.tokenize_threads
+    )
+
+
+async def pooled(
+    request: Request, engine: Engine, ids: list[list[int]]
+) -> list[torch.Tensor] | None:
+    """Each input's vector (Engine.embed), or None when the client left first (the inputs
+    not yet pooled are dropped). Raises the engine's NeuronError."""
+    vectors: list[torch.Tensor] = []
+    failed: list[NeuronError] = []
+
+    async def work() -> None:
+        try:
+            vectors.extend(await engine.embed(ids))
+        except NeuronError as exc:  # (raised here, not out of the task group)
+            failed.append(exc)
+
+    if not await cancel_on_disconnect(request.receive, work):
+        return None
+    if failed:
+        raise failed[0]
+    return vectors
+
+
+Handler = Callable[[dict[str, Any], ServedModel, Engine], Awaitable[Response]]
+
+
+async def pooling_route(
+    request: Request,
+    state: ServerState,
+    limits: BodyLimits,
+    metrics: ServerMetrics,
+    prefix: str,
+    handle: Handler,
+) -> Response:
+    """A pooling endpoint's frame: the body read, the model found, `handle` run; its errors
+    as the API's (a NeuronError as its ApiError), each refusal counted and logged."""
+    started = time.perf_counter()
+    rid = name_request(request, f"{prefix}-{uuid.uuid4().hex}")
+    model: ServedModel | None = None
+    try:
+        body = await read_json(request, limits)
+        model = state.find(requested_model(body))
+        engine = model.ready_engine()
+        assert isinstance(body, dict)
+        try:
+            response = await handle(body, model, engine)
+        except NeuronError as exc:  # a bad input, a full queue, a failed model
+            raise api_error(exc) from None
+    except ApiError as exc:
+        metrics.reject(model, exc)
+        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
+        raise
+    log.info(
+        "request %s: %s, model %s, %.3f s",
+        rid,
+        request.url.path,
+        model.name,
+        time.perf_counter() - started,
+    )
+    return response
+
+
 async def embeddings(
     request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
 ) -> Response:
@@ -108,64 +178,30 @@ async def embeddings(
     [{"object": "embedding", "index", "embedding"}], "model", "usage"}. `dimensions` keeps
     the leading components (Matryoshka truncation), normalized again when the model's vectors
     are."""
-    started = time.perf_counter()
-    rid = name_request(request, f"embd-{uuid.uuid4().hex}")
-    model: ServedModel | None = None
-    try:
-        body = await read_json(request, limits)
-        model = state.find(requested_model(body))
-        engine = model.ready_engine()
-        assert isinstance(body, dict)
-        hidden = engine.model.config.hidden_size
-        try:
-            texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
-            encoding, dimensions = parse_options(body, hidden)
-            if texts is not None:
-                tokenizer = engine.tokenizer
-                ids = await anyio.to_thread.run_sync(
-                    lambda: [list(x) for x in tokenizer(texts)["input_ids"]],
-                    limiter=state.tokenize_threads,
-                )
-            vectors: list[torch.Tensor] = []
-            failed: list[NeuronError] = []
 
-            async def work() -> None:
-                try:
-                    vectors.extend(await engine.embed(ids))
-                except NeuronError as exc:  # (raised here, not out of the task group)
-                    failed.append(exc)
+    async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
+        texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
+        encoding, dimensions = parse_options(body, engine.model.config.hidden_size)
+        if texts is not None:
+            ids = await tokenized(state, engine, texts)
+        vectors = await pooled(request, engine, ids)
+        if vectors is None:
+            return Response(status_code=499)
+        normalize = engine.embedder.pooling.normalize
+        data = []
+        for i, vector in enumerate(vectors):
+            if dimensions is not None and dimensions < vector.shape[0]:
+                vector = vector[:dimensions]
+                if normalize:
+                    vector = F.normalize(vector, p=2.0, dim=0)
+            data.append({"object": "embedding", "index": i, "embedding": encoded(vector, encoding)})
+        tokens = sum(len(x) for x in ids)
+        out = {
+            "object": "list",
+            "data": data,
+            "model": model.name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+        return JSONResponse(out)
 
-            if not await cancel_on_disconnect(request.receive, work):
-                return Response(status_code=499)
-            if failed:
-                raise failed[0]
-        except NeuronError as exc:  # a bad input, a full queue, a failed model
-            raise api_error(exc) from None
-    except ApiError as exc:
-        metrics.reject(model, exc)
-        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
-        raise
-    pooling = engine.embedder.pooling
-    data = []
-    for i, vector in enumerate(vectors):
-        if dimensions is not None and dimensions < vector.shape[0]:
-            vector = vector[:dimensions]
-            if pooling.normalize:
-                vector = F.normalize(vector, p=2.0, dim=0)
-        data.append({"object": "embedding", "index": i, "embedding": encoded(vector, encoding)})
-    tokens = sum(len(x) for x in ids)
-    log.info(
-        "request %s: model %s, %d inputs, %d tokens, %.3f s",
-        rid,
-        model.name,
-        len(ids),
-        tokens,
-        time.perf_counter() - started,
-    )
-    out = {
-        "object": "list",
-        "data": data,
-        "model": model.name,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
-    return JSONResponse(out)
+    return await pooling_route(request, state, limits, metrics, "embd", handle)
