@@ -23,9 +23,11 @@ REASONING_PARSERS = ("auto", "none", "think")
 # Granite's <|tool_call|>, Phi-4-mini's functools[...], Mistral's [TOOL_CALLS], FunctionGemma's
 # <start_function_call>).
 # What a model serves: "generate" (chat and completions; embeddings too, pooling its hidden
-# states), "embed" (embeddings only: an embedding checkpoint), or "auto" (embed when the
+# states), "embed" (embeddings, scores and reranking by their cosine: an embedding
+# checkpoint), "rerank" (scores and reranking by the model's "yes" against "no" after a
+# query-and-document prompt: a Qwen3-Reranker-style checkpoint), or "auto" (embed when the
 # checkpoint is a sentence-transformers embedding model, else generate).
-TASKS = ("auto", "generate", "embed")
+TASKS = ("auto", "generate", "embed", "rerank")
 # How an embedding pools the hidden states: "auto" (the checkpoint's sentence-transformers
 # pooling config, else the last token's, as decoder embedding models pool) or one of these.
 POOLINGS = ("auto", "last", "mean", "cls")

@@ -16,18 +16,20 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from neuronpy.compose import resolve_pooling
 from neuronpy.config import EngineConfig
 from neuronpy.engine.embeddings import Pooling
 from neuronpy.loading import load_pretrained, sentence_transformers_pooling
+from neuronpy.server.scoring import RERANK_INSTRUCTION, rerank_prompt
 from tests.servers import FIXTURES, RunningServer, engine_loader, run_server
 from tests.test_fixtures import bf
 
 EMBED = bf.EMBEDDING_FIXTURE
 CHAT = "tiny-qwen3"
 MEAN = "tiny-qwen3-mean"  # the chat fixture's embeddings, mean-pooled and not normalized
+RERANKER = bf.RERANKER_FIXTURE
 CHUNK = 64  # the servers' prefill_chunk: an embedding job's token budget
 TEXTS = [
     "The quick brown fox",
@@ -59,6 +61,7 @@ def server() -> Iterator[RunningServer]:
         EMBED: engine_loader(FIXTURES / EMBED, prefill_chunk=CHUNK),
         CHAT: engine_loader(FIXTURES / CHAT, prefill_chunk=CHUNK),
         MEAN: engine_loader(FIXTURES / CHAT, pooling="mean", normalize=False),
+        RERANKER: engine_loader(FIXTURES / RERANKER, task="rerank", prefill_chunk=CHUNK * 4),
     }
     with run_server(models) as running:
         yield running
@@ -252,6 +255,58 @@ def test_rerank_orders_the_documents_by_relevance(server: RunningServer) -> None
     assert all("document" not in r for r in results)
 
 
+def reranker_reference(query: str, documents: list[str], instruction: str) -> torch.Tensor:
+    """transformers' own forward of the reranker on each prompt alone: P("yes") against
+    "no" at its last position, as Qwen3-Reranker's model card computes it."""
+    tokenizer = AutoTokenizer.from_pretrained(FIXTURES / RERANKER)
+    model = AutoModelForCausalLM.from_pretrained(FIXTURES / RERANKER, dtype=torch.float32)
+    no, yes = (tokenizer.convert_tokens_to_ids(t) for t in ("no", "yes"))
+    out = []
+    for document in documents:
+        text = rerank_prompt(query, document, instruction)
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            logits = model.eval()(ids).logits[0, -1]
+        out.append(torch.softmax(logits[[no, yes]].float(), dim=-1)[1])
+    return torch.stack(out)
+
+
+def test_a_reranker_scores_yes_against_no_as_transformers_does(server: RunningServer) -> None:
+    query, documents = TEXTS[0], TEXTS[1:]
+    oracle = reranker_reference(query, documents, RERANK_INSTRUCTION)
+    out = post(server, "/v1/rerank", {"model": RERANKER, "query": query, "documents": documents})
+    assert out.status_code == 200, out.text
+    results = out.json()["results"]
+    got = torch.zeros(len(documents))
+    for r in results:
+        got[r["index"]] = r["relevance_score"]
+    assert (got - oracle).abs().max() < 1e-5
+    assert [r["index"] for r in results] == sorted(range(len(documents)), key=lambda i: -got[i])
+    # the same scores through /v1/score, one document at a time (alone == batched, exactly),
+    # and with an instruction of the request's own
+    for i, document in enumerate(documents):
+        one = post(server, "/v1/score", {"model": RERANKER, "text_1": query, "text_2": document})
+        assert one.json()["data"][0]["score"] == got[i].item()
+    mine = "Find the sentence that names a year"
+    scored = post(
+        server,
+        "/v1/score",
+        {"model": RERANKER, "text_1": query, "text_2": documents, "instruction": mine},
+    )
+    own = torch.tensor([d["score"] for d in scored.json()["data"]])
+    assert (own - reranker_reference(query, documents, mine)).abs().max() < 1e-5
+    # a reranker neither embeds nor chats
+    for path, body in (
+        ("/v1/embeddings", {"model": RERANKER, "input": "x"}),
+        (
+            "/v1/chat/completions",
+            {"model": RERANKER, "messages": [{"role": "user", "content": "x"}]},
+        ),
+    ):
+        refused = post(server, path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
 SCORE_BAD = [
     ("/v1/score", {"model": CHAT, "text_1": "a", "text_2": "b"}, "model"),
     ("/v1/score", {"model": EMBED, "text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
@@ -267,6 +322,11 @@ SCORE_BAD = [
         "/v1/rerank",
         {"model": EMBED, "query": "a", "documents": ["b"], "return_documents": "yes"},
         "return_documents",
+    ),
+    (
+        "/v1/rerank",
+        {"model": RERANKER, "query": "a", "documents": ["b"], "instruction": 3},
+        "instruction",
     ),
 ]
 

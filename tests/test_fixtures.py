@@ -184,7 +184,7 @@ def test_rebuild_is_byte_identical(tmp_path: Path) -> None:
             f"this is {transformers.__version__}: serialization may differ (rebuild to update)"
         )
     bf.build(tmp_path)
-    for name in (bf.TOKENIZER_DIR, *bf.FIXTURE_NAMES, bf.EMBEDDING_FIXTURE):
+    for name in (bf.TOKENIZER_DIR, *bf.FIXTURE_NAMES, bf.EMBEDDING_FIXTURE, bf.RERANKER_FIXTURE):
         committed, rebuilt = _files(FIXTURES_DIR / name), _files(tmp_path / name)
         assert sorted(committed) == sorted(rebuilt), name
         for rel, data in committed.items():

@@ -547,6 +547,13 @@ class LlamaModel:
         out[torch.tensor(order, device=dev)] = vectors
         return out
 
+    @torch.inference_mode()
+    def pair_logits(self, sequences: Sequence[Sequence[int]], ids: Sequence[int]) -> torch.Tensor:
+        """The logits of tokens `ids` after each sequence (its last position), keeping no KV:
+        [len(sequences), len(ids)] float32 (a reranker's "no" and "yes"). Packed as `pooled`."""
+        last = self.pooled(sequences, "last", False).to(self.dtype)
+        return self.logits(last)[:, list(ids)]
+
     # ---- lockstep decode ----------------------------------------------------------------------
 
     @torch.inference_mode()

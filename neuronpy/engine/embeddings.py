@@ -61,8 +61,12 @@ class Embedder:
         batch_tokens: int,
         max_waiting: int,
         name: str,
+        score_ids: tuple[int, ...] | None = None,
     ) -> None:
+        """`score_ids`: a reranker's, whose vectors are the logits of these tokens after each
+        input (its "no" and "yes")."""
         self.pooling = pooling
+        self.score_ids = score_ids
         self._worker = worker
         self._batch_tokens = batch_tokens
         self._max_waiting = max_waiting
@@ -132,7 +136,12 @@ class Embedder:
             batch = self._take()
             if not batch:
                 continue
-            job = EmbedBatch(tuple(i.ids for i in batch), self.pooling.mode, self.pooling.normalize)
+            job = EmbedBatch(
+                tuple(i.ids for i in batch),
+                self.pooling.mode,
+                self.pooling.normalize,
+                self.score_ids,
+            )
             try:
                 result: EmbedResult = await result_of(self._worker.submit(job))
             except Exception as exc:  # this job's inputs fail; the next job may run

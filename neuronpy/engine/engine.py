@@ -55,6 +55,21 @@ def kv_bytes_per_token(model: LlamaModel) -> int:
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
+# A reranker's answer tokens, in the order its scores read them: P(yes) = softmax(no, yes)[1]
+RERANK_TOKENS = ("no", "yes")
+
+
+def rerank_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The ids of RERANK_TOKENS, each one token of `tokenizer` (ValueError otherwise)."""
+    ids = []
+    for word in RERANK_TOKENS:
+        encoded = tokenizer.encode(word, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"a reranker's tokenizer must have {word!r} as one token")
+        ids.append(encoded[0])
+    return tuple(ids)
+
+
 class Engine:
     """Serves many generations of one model through one lockstep (B, 1) decode per step."""
 
@@ -141,8 +156,8 @@ class Engine:
             token_seconds=config.max_mask_ms / 1000,
         )
         self.compiles = Compiles(self.grammars, name, config.max_compiles, config.max_queue)
-        if task not in ("generate", "embed"):
-            raise ValueError(f"task must be 'generate' or 'embed', got {task!r}")
+        if task not in ("generate", "embed", "rerank"):
+            raise ValueError(f"task must be 'generate', 'embed' or 'rerank', got {task!r}")
         self.task = task
         self.embedder = Embedder(
             self._worker,
@@ -150,6 +165,7 @@ class Engine:
             batch_tokens=config.prefill_chunk,
             max_waiting=max(1, config.max_queue + config.max_in_flight) * MAX_INPUTS_PER_SLOT,
             name=name,
+            score_ids=rerank_token_ids(tokenizer) if task == "rerank" else None,
         )
         self._routers: dict[int, ObjectSendStream[RouterMessage]] = {}
         self._healthy = False

@@ -103,11 +103,15 @@ def encoded(vector: torch.Tensor, encoding: str) -> list[float] | str:
     return vector.tolist()
 
 
-async def tokenized(state: ServerState, engine: Engine, texts: list[str]) -> list[list[int]]:
-    """`texts` as the model's tokenizer encodes them, with its special tokens (on a thread)."""
+async def tokenized(
+    state: ServerState, engine: Engine, texts: list[str], special: bool = True
+) -> list[list[int]]:
+    """`texts` as the model's tokenizer encodes them, with its special tokens added unless
+    not `special` (on a thread)."""
     tokenizer = engine.tokenizer
     return await anyio.to_thread.run_sync(
-        lambda: [list(x) for x in tokenizer(texts)["input_ids"]], limiter=state.tokenize_threads
+        lambda: [list(x) for x in tokenizer(texts, add_special_tokens=special)["input_ids"]],
+        limiter=state.tokenize_threads,
     )
 
 
@@ -180,6 +184,12 @@ async def embeddings(
     are."""
 
     async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
+        if engine.task == "rerank":
+            raise InvalidRequestError(
+                f"model '{model.name}' is a reranker (its task is 'rerank'): use /v1/rerank "
+                "or /v1/score",
+                "model",
+            )
         texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
         encoding, dimensions = parse_options(body, engine.model.config.hidden_size)
         if texts is not None:

@@ -114,11 +114,12 @@ async def admit(
     n copies admitted, or none of them. Errors are ApiErrors naming the request's own
     fields (its `param_names`); None: the client left while its constraints compiled."""
     engine = model.ready_engine()
-    if engine.task == "embed":
+    if engine.task != "generate":
+        use = "/v1/embeddings" if engine.task == "embed" else "/v1/rerank or /v1/score"
         raise ApiError(
             400,
-            f"model '{model.name}' serves embeddings only (its task is 'embed'): use "
-            '/v1/embeddings, or serve it with task = "generate"',
+            f"model '{model.name}' does not generate (its task is '{engine.task}'): use "
+            f'{use}, or serve it with task = "generate"',
             param="model",
         )
     refuse_unshown_tools(model, req)

@@ -1,6 +1,8 @@
-"""POST /v1/score (vLLM's shape) and POST /v1/rerank (Jina's and Cohere's, as vLLM serves it) on
-an embedding model: each text pair's score is the cosine similarity of their embeddings (a
-bi-encoder's relevance), the texts pooled together in the embedding batches."""
+"""POST /v1/score (vLLM's shape) and POST /v1/rerank (Jina's and Cohere's, as vLLM serves it):
+each (query, document) pair's relevance. On an embedding model it is the cosine similarity of
+their embeddings (a bi-encoder's); on a reranker (task "rerank", Qwen3-Reranker's format) it is
+the probability of "yes" against "no" after a prompt holding both (a cross-encoder's). Either
+way the texts go through the embedding batches."""
 
 from __future__ import annotations
 
@@ -41,22 +43,61 @@ def _texts(value: object, name: str, *, single: bool = True) -> list[str]:
     return out
 
 
+# Qwen3-Reranker's prompt (its model card's): the judgement asked in the system turn, the
+# instruction, query and document in the user turn, an empty thinking block, then the answer
+RERANK_PREFIX = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
+    'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+    "<|im_start|>user\n"
+)
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+def rerank_prompt(query: str, document: str, instruction: str = RERANK_INSTRUCTION) -> str:
+    """The prompt a reranker judges (query, document) by."""
+    body = f"<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+    return f"{RERANK_PREFIX}{body}{RERANK_SUFFIX}"
+
+
 def _scorer(model: ServedModel, engine: Engine) -> None:
-    """A 400 unless the model is an embedding model: another's hidden states were not trained
-    to be compared."""
-    if engine.task != "embed":
+    """A 400 unless the model scores: an embedding model or a reranker (a generating model's
+    hidden states were not trained to be compared)."""
+    if engine.task not in ("embed", "rerank"):
         raise InvalidRequestError(
             f"model '{model.name}' generates (its task is '{engine.task}'); scores and "
-            "reranking need an embedding model (task 'embed')",
+            "reranking need an embedding model (task 'embed') or a reranker (task 'rerank')",
             "model",
         )
 
 
+def _instruction(body: dict[str, Any]) -> str:
+    value = body.get("instruction", RERANK_INSTRUCTION)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError("'instruction' must be a non-empty string", "instruction")
+    return value
+
+
 async def _similarities(
-    request: Request, state: ServerState, engine: Engine, left: list[str], right: list[str]
+    request: Request,
+    state: ServerState,
+    engine: Engine,
+    left: list[str],
+    right: list[str],
+    instruction: str = RERANK_INSTRUCTION,
 ) -> tuple[list[float], int] | None:
-    """The cosine similarity of each pair left[i], right[i] (a lone left text pairs with
-    every right one), and the tokens pooled; None when the client left."""
+    """Each pair left[i], right[i]'s score (a lone left text pairs with every right one),
+    and the tokens pooled; None when the client left. An embedding model's is the cosine of
+    the two embeddings; a reranker's the probability of "yes" after their prompt."""
+    if engine.task == "rerank":
+        queries = left * len(right) if len(left) == 1 else left
+        prompts = [rerank_prompt(q, d, instruction) for q, d in zip(queries, right, strict=True)]
+        ids = await tokenized(state, engine, prompts, special=False)
+        logits = await pooled(request, engine, ids)
+        if logits is None:
+            return None
+        yes = torch.softmax(torch.stack(logits), dim=-1)[:, 1]  # (RERANK_TOKENS: no, yes)
+        return yes.tolist(), sum(len(x) for x in ids)
     ids = await tokenized(state, engine, [*left, *right])
     vectors = await pooled(request, engine, ids)
     if vectors is None:
@@ -85,7 +126,7 @@ async def score(
                 f"text; it has {len(right)}",
                 "text_2",
             )
-        found = await _similarities(request, state, engine, left, right)
+        found = await _similarities(request, state, engine, left, right, _instruction(body))
         if found is None:
             return Response(status_code=499)
         scores, tokens = found
@@ -123,7 +164,7 @@ async def rerank(
         keep = body.get("return_documents", True)
         if not isinstance(keep, bool):
             raise InvalidRequestError("'return_documents' must be a boolean", "return_documents")
-        found = await _similarities(request, state, engine, [query], documents)
+        found = await _similarities(request, state, engine, [query], documents, _instruction(body))
         if found is None:
             return Response(status_code=499)
         scores, tokens = found

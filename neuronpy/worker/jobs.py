@@ -237,11 +237,15 @@ class EmbedBatch:
     sequences: tuple[tuple[int, ...], ...]
     pooling: str  # "last", "mean" or "cls"
     normalize: bool
+    # given: answer the logits of these tokens after each sequence instead (a reranker's
+    # "no" and "yes"), not the pooled hidden states
+    score_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class EmbedResult:
-    vectors: torch.Tensor  # [len(sequences), hidden] float32, CPU, in the job's order
+    # [len(sequences), hidden] float32, CPU, in the job's order ([.., len(score_ids)] with them)
+    vectors: torch.Tensor
 
 
 @dataclass(frozen=True)

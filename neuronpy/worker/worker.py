@@ -175,6 +175,8 @@ class DeviceWorker:
                 return self._save(job)
             case LoadKvSnapshot():
                 return self._load(job)
+            case EmbedBatch() if job.score_ids is not None:
+                return EmbedResult(self.model.pair_logits(job.sequences, job.score_ids).to("cpu"))
             case EmbedBatch():
                 vectors = self.model.pooled(job.sequences, job.pooling, job.normalize)
                 return EmbedResult(vectors.to("cpu"))
