@@ -204,6 +204,22 @@ def test_langchains_openai_embeddings_work_unmodified(server: RunningServer) -> 
     assert torch.equal(query, expected[0])
 
 
+def test_litellm_embeds_through_the_server(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LiteLLM, as a proxy or an app calls an OpenAI-compatible server: the same vectors."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (it would fetch it)
+    import litellm
+
+    out = litellm.embedding(
+        model=f"openai/{EMBED}", input=TEXTS, api_base=server.v1, api_key="unused"
+    )
+    got = torch.tensor([d["embedding"] for d in out.data])
+    expected = vectors(client(server).embeddings.create(model=EMBED, input=TEXTS))
+    assert torch.equal(got, expected)
+    assert out.usage.prompt_tokens > 0
+
+
 def post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, timeout=60)
 
