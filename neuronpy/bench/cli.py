@@ -189,6 +189,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seed of the synthetic prompts and arrivals (default 0)",
     )
+    embed = parser.add_argument_group("embeddings (instead of the generation workloads)")
+    embed.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="measure embedding throughput: neuronpy's engine against transformers' own "
+        "forward of the same weights, in this process (no peers, no HTTP)",
+    )
+    embed.add_argument(
+        "--embed-batches",
+        type=_int_list,
+        default=None,
+        metavar="B1,B2,..",
+        help="inputs per call (default 1,2,4,8,16,32,64)",
+    )
+    embed.add_argument(
+        "--embed-len",
+        default="128",
+        metavar="N|LO-HI",
+        help="tokens per input: N, or each drawn in LO-HI (padding for transformers; default 128)",
+    )
     mixed = parser.add_argument_group("W2-W4")
     mixed.add_argument(
         "--w2-load",
@@ -248,6 +268,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
+def run_embeddings(args: argparse.Namespace) -> int:
+    """`neuronpy bench --embeddings` (neuronpy/bench/embeddings.py): the table, and its JSON
+    under --out."""
+    from neuronpy.bench import embeddings, report
+    from neuronpy.errors import ModelLoadError
+
+    _quiet_transformers()
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    try:
+        results = embeddings.run_embedding_bench(
+            args.model,
+            dtype=dtype,
+            quantize=args.quantize or "none",
+            batches=args.embed_batches or embeddings.DEFAULT_BATCHES,
+            lengths=args.embed_len,
+            repeats=args.repeats or 3,
+        )
+    except (ValueError, ModelLoadError) as exc:
+        print(f"neuronpy bench: error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(embeddings.format_table(results))
+    stem = report.output_stem(args.out)
+    path = embeddings.write_json(results, stem.with_name(f"{stem.name}-embeddings.json"))
+    print(f"\nresults: {path}")
+    return 0
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """A BenchConfig: --quick's sizes (or the defaults) with the given flags on top."""
 
@@ -293,6 +340,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None) -> int:
     from neuronpy.bench import report
     from neuronpy.bench.runner import run_bench
     from neuronpy.errors import ModelLoadError
+
+    if args.embeddings:
+        return run_embeddings(args)
 
     try:
         config = config_from_args(args)
