@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from neuronpy.compose import engine_from_hf
@@ -58,3 +61,15 @@ def make_engine(name: str = "tiny-llama", draft: str | None = None, **config: An
     return engine_from_hf(
         hf_model(name), tokenizer(name), name=name, config=EngineConfig(**config), draft=drafting
     )
+
+
+def skip_unless_built_with_this_transformers(fixture: Path) -> None:
+    """Skip a byte-for-byte rebuild test where `fixture` was written by another transformers
+    version: its files name the version, and its serialization may differ (rebuild them with
+    tests/fixtures/build_fixtures.py to update)."""
+    built_with = json.loads((fixture / "config.json").read_text()).get("transformers_version")
+    if built_with != transformers.__version__:
+        pytest.skip(
+            f"fixtures were built with transformers {built_with}, this is "
+            f"{transformers.__version__}: serialization may differ (rebuild to update)"
+        )

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import (
@@ -18,7 +17,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from tests.factories import fixture_builder
+from tests.factories import fixture_builder, skip_unless_built_with_this_transformers
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
@@ -177,12 +176,7 @@ def test_phi3_smollm3_and_granite_fixtures_carry_their_features() -> None:
 
 
 def test_rebuild_is_byte_identical(tmp_path: Path) -> None:
-    built_with = json.loads((FIXTURES_DIR / "tiny-llama" / "config.json").read_text())
-    if built_with.get("transformers_version") != transformers.__version__:
-        pytest.skip(
-            f"fixtures were built with transformers {built_with.get('transformers_version')}, "
-            f"this is {transformers.__version__}: serialization may differ (rebuild to update)"
-        )
+    skip_unless_built_with_this_transformers(FIXTURES_DIR / "tiny-llama")
     bf.build(tmp_path)
     for name in (bf.TOKENIZER_DIR, *bf.FIXTURE_NAMES, bf.EMBEDDING_FIXTURE, bf.RERANKER_FIXTURE):
         committed, rebuilt = _files(FIXTURES_DIR / name), _files(tmp_path / name)

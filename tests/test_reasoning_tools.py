@@ -31,6 +31,7 @@ from neuronpy.engine.types import (
     TokenLogprob,
 )
 from neuronpy.server.prompts import render_chat
+from tests.factories import skip_unless_built_with_this_transformers
 from tests.scripted import Scripts
 from tests.servers import FIXTURES, RunningServer, fixture_model, run_server
 from tests.test_fixtures import bf
@@ -258,6 +259,7 @@ def test_reasoning_parser_is_detected_from_the_chat_template(tokenizer) -> None:
 
 
 def test_tools_fixture_rebuilds_byte_identical(tmp_path: Path) -> None:
+    skip_unless_built_with_this_transformers(FIXTURES / MODEL)
     bf.build_tools_fixture(tmp_path)
     committed, rebuilt = FIXTURES / MODEL, tmp_path / MODEL
     files = sorted(p.name for p in committed.iterdir())
