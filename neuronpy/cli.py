@@ -13,6 +13,7 @@ from types import FrameType
 
 import uvicorn
 
+from neuronpy import replicas
 from neuronpy.bench import cli as bench_cli
 from neuronpy.bench import quality
 from neuronpy.compose import load_engine
@@ -82,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         "aborted (default 30)",
     )
     serve.add_argument(
+        "--drain-grace",
+        type=float,
+        metavar="SECONDS",
+        help="on SIGTERM, Ctrl-C or POST /drain, how long /health says 503 while requests are "
+        "still admitted, so that a load balancer stops sending first (default 0)",
+    )
+    serve.add_argument(
         "--header-timeout",
         type=float,
         metavar="SECONDS",
@@ -135,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="enable sessions: requests with a `session` name save their conversation's KV "
         "to DIR and later ones continue from it, across restarts (default: off)",
+    )
+    serve.add_argument(
+        "--session-header",
+        metavar="NAME",
+        help="with sessions on, the header that names a request's session when its body "
+        "names none, as a router's affinity key (default x-session-id; '' turns it off)",
     )
     serve.add_argument(
         "--tensor-parallel",
@@ -195,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_cli.add_parser(commands)
     quality.add_parser(commands)
+    replicas.add_parser(commands)
     return parser
 
 
@@ -205,12 +220,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "host": args.host,
             "port": args.port,
             "drain_timeout": args.drain_timeout,
+            "drain_grace": args.drain_grace,
             "header_timeout": args.header_timeout,
             "body_timeout": args.body_timeout,
             "limit_concurrency": args.limit_concurrency,
             "api_key": args.api_key,
             "cors_allow_origins": args.cors_allow_origin,
             "sessions_dir": args.sessions_dir,
+            "session_header": args.session_header,
             "web": args.web,
         },
         "model": {
@@ -256,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench_cli.run(args)
     if args.command == "eval":
         return quality.run(args)
+    if args.command == "replicas":
+        return replicas.run(args)
     if args.command == "tp-follower":
         from neuronpy.worker.collectives import RankLostError
         from neuronpy.worker.tp_start import run_follower
@@ -272,6 +291,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"neuronpy: error: {exc}", file=sys.stderr)
         return 2
     return serve(config)
+
+
+# probes a load balancer or a router sends every few seconds: logged only when they fail
+PROBE_PATHS = frozenset({"/health", "/live", "/get_load", "/metrics"})
+
+
+class QuietProbes(logging.Filter):
+    """Drops uvicorn's access-log lines of successful probes (a router checks each replica
+    every second or two); a failing probe is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5:  # client, method, path, version, status
+            path, status = str(args[2]).split("?", 1)[0], args[4]
+            return not (path in PROBE_PATHS and isinstance(status, int) and status < 400)
+        return True
 
 
 class GracefulServer(uvicorn.Server):
@@ -310,11 +345,13 @@ def serve(config: Config) -> int:
         loaders,
         on_fatal=stop,
         drain_timeout=config.server.drain_timeout,
+        drain_grace=config.server.drain_grace,
         on_drained=stop,
         api_key=config.server.api_key,
         cors_allow_origins=config.server.cors_allow_origins,
         cors_allow_credentials=config.server.cors_allow_credentials,
         sessions_dir=config.server.sessions_dir,
+        session_header=config.server.session_header,
         web=config.server.web,
         body_timeout=config.server.body_timeout,
         limit_concurrency=config.server.limit_concurrency,
@@ -328,7 +365,7 @@ def serve(config: Config) -> int:
             admitted,
         )
     if config.server.api_key:
-        log.info("an API key is required on every route but /health")
+        log.info("an API key is required on every route but /health, /live and /get_load")
     elif config.server.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key (--api-key)", config.server.host)
     server = GracefulServer(
@@ -343,5 +380,6 @@ def serve(config: Config) -> int:
         ),
         app.state.neuron,
     )
+    logging.getLogger("uvicorn.access").addFilter(QuietProbes())  # after uvicorn's own set-up
     server.run()
     return 1 if app.state.neuron.status == "failed" else 0

@@ -30,6 +30,7 @@ from neuronpy.defaults import (
     DEFAULT_PREFILL_CHUNK,
     DEFAULT_PREFIX_CACHE_BYTES,
     DEFAULT_QUEUE_TIMEOUT,
+    DEFAULT_SESSION_HEADER,
     DTYPES,
     POOLINGS,
     QUANTIZE_MODES,
@@ -57,6 +58,8 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 # What torch.device takes, checked without importing torch: a device type, maybe an index.
 DEVICE = re.compile(r"^(auto|(cpu|cuda|mps|xpu|hpu|npu|meta)(:\d+)?)$")
 API_KEY = re.compile(r"^[\x21-\x7e]+$")  # fits an HTTP header as it is
+# an HTTP header name (RFC 9110's token), or "" for none
+HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]*$")
 ORIGIN = re.compile(r"^(\*|[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+)$")
 API_KEY_ENV = "NEURONPY_API_KEY"  # the key when neither the flag nor the file gives one
 
@@ -239,12 +242,18 @@ class ServerConfig:
     port: int = 8000
     # on SIGTERM or Ctrl-C: seconds in-flight requests get to finish before they are aborted
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    # ...after this many seconds of unreadiness (/health 503) still admitting requests, while a
+    # load balancer or a router notices and stops sending here; 0: stop admitting at once
+    drain_grace: float = 0.0
     # every route but /health needs it (Authorization: Bearer KEY); never printed
     api_key: str | None = field(default=None, repr=False)
     cors_allow_origins: tuple[str, ...] = ()  # empty: CORS off
     cors_allow_credentials: bool = False
     # where sessions (conversations' KV saved by name) live; None: sessions are off
     sessions_dir: str | None = None
+    # with sessions on: the header naming a request's session when its body names none (a
+    # router's affinity key); "" turns it off
+    session_header: str = DEFAULT_SESSION_HEADER
     # what one client can hold (see connections.py); 0 turns each off: seconds a connection's
     # request head may take to arrive (after it opened, or its previous response ended)...
     header_timeout: float = DEFAULT_HEADER_TIMEOUT
@@ -261,10 +270,19 @@ class ServerConfig:
                 raise FieldError(
                     "sessions_dir", f"must be a directory path, got {self.sessions_dir!r}"
                 )
+            if not isinstance(self.session_header, str) or not HEADER_NAME.match(
+                self.session_header
+            ):
+                raise FieldError(
+                    "session_header",
+                    f'must be an HTTP header name or "" (off), got {self.session_header!r}',
+                )
+            object.__setattr__(self, "session_header", self.session_header.lower())
             if not isinstance(self.host, str) or not self.host:
                 raise FieldError("host", f"must be a non-empty string, got {self.host!r}")
             check_int("port", self.port, 0, 65535)
             check_seconds("drain_timeout", self.drain_timeout)
+            check_seconds("drain_grace", self.drain_grace)
             check_seconds("header_timeout", self.header_timeout)
             check_seconds("body_timeout", self.body_timeout)
             check_int("limit_concurrency", self.limit_concurrency, 0, 1_000_000)

@@ -70,6 +70,9 @@ DEFAULT_BODY_TIMEOUT = 30.0
 # Above what the engines admit at the defaults (8 running + 64 queued per model) for a few
 # models, with room for the requests being read, refused or answered from memory.
 DEFAULT_LIMIT_CONCURRENCY = 256
+# The request header a router's session affinity hashes on (vllm-router's consistent_hash);
+# with sessions on, a request carrying it continues and saves the session of that name.
+DEFAULT_SESSION_HEADER = "x-session-id"
 
 
 class FieldError(ValueError):

@@ -15,7 +15,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from neuronpy.defaults import DEFAULT_BODY_TIMEOUT, DEFAULT_LIMIT_CONCURRENCY
+from neuronpy.defaults import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_LIMIT_CONCURRENCY,
+    DEFAULT_SESSION_HEADER,
+)
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.server.auth import security_middleware
@@ -31,6 +35,7 @@ from neuronpy.server.models import (
     log_batches,
     serve_model,
 )
+from neuronpy.server.replica import drain, get_load, live
 from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
 from neuronpy.server.responses_api.routes import create_response, delete_response, get_response
@@ -51,11 +56,13 @@ def create_app(
     on_fatal: Callable[[BaseException], None] | None = None,
     stats_log_seconds: float = 10.0,
     drain_timeout: float = 30.0,
+    drain_grace: float = 0.0,
     on_drained: Callable[[], None] | None = None,
     api_key: str | None = None,
     cors_allow_origins: Sequence[str] = (),
     cors_allow_credentials: bool = False,
     sessions_dir: str | Path | None = None,
+    session_header: str | None = DEFAULT_SESSION_HEADER,
     stored_responses: StoreLimits | None = None,
     web: bool = True,
 ) -> Starlette:
@@ -64,12 +71,16 @@ def create_app(
     soon as it has loaded and warmed up; a model that fails leaves the others serving.
     `on_fatal` is called with the error when no model could be started (the CLI stops).
     `app.state.neuron.request_shutdown()` (the CLI calls it on SIGTERM) stops admitting, gives
-    in-flight requests `drain_timeout` seconds, aborts the rest, then calls `on_drained`.
+    in-flight requests `drain_timeout` seconds, aborts the rest, then calls `on_drained`;
+    with `drain_grace`, /health turns 503 at once but requests are admitted that many seconds
+    more (while a load balancer notices).
     With `api_key`, every route but /health needs it; `cors_allow_origins` turns CORS on.
     A body must arrive within `body_timeout` seconds (else 408); at most `limit_concurrency`
     requests are handled at once, /health and /metrics aside (else 503); 0 turns either off.
     `sessions_dir` turns sessions on: conversations' KV saved there by name (see
-    engine/sessions.py), listed and deleted under /v1/sessions. `stored_responses`: the
+    engine/sessions.py), listed and deleted under /v1/sessions; with them on, a chat or
+    completions request that carries `session_header` (a router's affinity key, X-Session-ID)
+    and no `session` continues and saves the session of that name. `stored_responses`: the
     Responses API's store's bounds, in memory and on disk (responses_api/store.py). `web`: the
     chat page at / and the batch view at /batch (their static files need no key; what they
     fetch does)."""
@@ -105,7 +116,7 @@ def create_app(
 
             async def drain() -> None:
                 with draining:
-                    await drain_on_request(state, drain_timeout, on_drained)
+                    await drain_on_request(state, drain_timeout, on_drained, drain_grace)
 
             tg.start_soon(drain)
             try:
@@ -124,11 +135,12 @@ def create_app(
         wanted = request.query_params.get("model")
         if wanted is not None:
             model = state.find(wanted)
-            code = 200 if model.state == "ready" else 503
-            return JSONResponse({"status": model.state, "model": model.name}, status_code=code)
+            shown = state.health_of(model)
+            code = 200 if shown == "ready" else 503
+            return JSONResponse({"status": shown, "model": model.name}, status_code=code)
         body = {
             "status": state.status,
-            "models": {model.name: model.state for model in state.models.values()},
+            "models": {model.name: state.health_of(model) for model in state.models.values()},
         }
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
@@ -162,10 +174,10 @@ def create_app(
         return Response(content, headers={"Content-Type": content_type})
 
     async def chat_completions(request: Request) -> Response | EventStreamResponse:
-        return await generate(request, state, "chat", limits, metrics, store)
+        return await generate(request, state, "chat", limits, metrics, store, session_header)
 
     async def completions(request: Request) -> Response | EventStreamResponse:
-        return await generate(request, state, "text", limits, metrics, store)
+        return await generate(request, state, "text", limits, metrics, store, session_header)
 
     async def responses_route(request: Request) -> Response:
         rid = request.path_params.get("rid")
@@ -204,8 +216,17 @@ def create_app(
     async def batch_route(request: Request) -> Response:
         return await batch(state)
 
+    async def get_load_route(request: Request) -> Response:
+        return await get_load(state)
+
+    async def drain_route(request: Request) -> Response:
+        return await drain(request, state, api_key)
+
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/live", live, methods=["GET"]),
+        Route("/get_load", get_load_route, methods=["GET"]),
+        Route("/drain", drain_route, methods=["POST"]),
         Route("/v1/batch", batch_route, methods=["GET"]),
         Route("/v1/models", models_route, methods=["GET"]),
         Route("/v1/models/{model:path}", models_route, methods=["GET"]),

@@ -13,8 +13,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from neuronpy.config import check_cors
 from neuronpy.server.errors import ApiError
 
-# Routes that answer without the key: a load balancer's health probe carries no secret.
-OPEN_PATHS = frozenset({"/health"})
+# Routes that answer without the key: a load balancer's probes carry no secret (readiness,
+# liveness, and the load a router polls: counts of requests, nothing of theirs).
+OPEN_PATHS = frozenset({"/health", "/live", "/get_load"})
 # the web page's static files (they hold no data: the page asks for the key to fetch any)
 WEB_PATHS = frozenset({"/", "/batch"})
 WEB_PREFIX = "/static/"

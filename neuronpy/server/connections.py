@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # Answered whatever the load: cheap, and what tells an operator (or a load balancer) how the
 # server is doing.
-UNLIMITED_PATHS = frozenset({"/health", "/metrics"})
+UNLIMITED_PATHS = frozenset({"/health", "/live", "/get_load", "/metrics"})
 
 
 class HeadTimeoutProtocol(H11Protocol):

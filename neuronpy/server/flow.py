@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
-from neuronpy.engine.sessions import SessionStore
+from neuronpy.engine.sessions import SessionStore, valid_name
 from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.tools import resolve_tool_format
 from neuronpy.engine.types import SamplingParams, SessionRequest
@@ -44,9 +44,11 @@ async def generate(
     limits: BodyLimits,
     metrics: ServerMetrics,
     store: SessionStore | None = None,
+    session_header: str | None = None,
 ) -> Response | EventStreamResponse:
     """Validate, tokenize and admit the request's n copies (any failure is an error response
-    and admits nothing), then stream or gather them; a client that disconnects cancels them."""
+    and admits nothing), then stream or gather them; a client that disconnects cancels them.
+    With sessions on, `session_header` names the session of a request whose body names none."""
     started = time.perf_counter()
     completion_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     rid = name_request(request, completion_id)
@@ -56,6 +58,8 @@ async def generate(
         model = state.find(requested_model(body))
         engine = model.ready_engine()
         req = parse_request(kind, body)
+        if store is not None and session_header:
+            req = session_from_header(req, request.headers.get(session_header), session_header)
         admitted = await admit(
             request.receive, model, req, lambda engine: session_request(store, engine, req)
         )
@@ -90,6 +94,23 @@ async def generate(
     if req.streamed:
         return EventStreamResponse(copies, engine)
     return await _gather(request, copies, engine)
+
+
+def session_from_header(req: SamplingRequest, value: str | None, header: str) -> SamplingRequest:
+    """`req` with the session its `header` names (continued, then saved), where the body names
+    none and the request can have one (one prompt, n = 1); else `req` as it is (the header
+    was then only a router's affinity key). A value that is not a session name is a 400
+    naming the header."""
+    if value is None or req.session is not None or req.copies != 1 or req.prompt_count != 1:
+        return req
+    if not valid_name(value):
+        raise ApiError(
+            400,
+            f"the {header} header names the request's session (sessions are on): it must be "
+            "1-128 letters, digits and . _ - starting with a letter or digit, without '..'",
+            param=header,
+        )
+    return req.model_copy(update={"session": (value, True)})
 
 
 @dataclass(frozen=True)

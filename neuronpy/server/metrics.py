@@ -14,7 +14,7 @@ from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.types import FinishReason, GenerationEvent
 from neuronpy.errors import QueueFullError, ShuttingDownError
 from neuronpy.server.errors import ApiError
-from neuronpy.server.metrics_collector import REJECT_REASONS, Collector
+from neuronpy.server.metrics_collector import REJECT_REASONS, Collector, VllmAliases
 from neuronpy.server.models import ServedModel, ServerState
 
 NO_MODEL = ""  # the model label of requests refused before a served model was chosen
@@ -125,7 +125,9 @@ class ServerMetrics:
         for name in names:  # every series exists from the start, at zero
             for each in self._histograms:
                 each.labels(name)
-        self.registry.register(Collector(self))
+        collector = Collector(self)
+        self.registry.register(collector)
+        self.registry.register(VllmAliases([collector, *self._histograms]))
 
     def reject(self, model: ServedModel | None, error: ApiError) -> None:
         """Counts a request refused before admission with `error`."""

@@ -3,8 +3,8 @@ scraped, beside the server's outcome counters (ServerMetrics holds them, this re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -290,3 +290,56 @@ def _cumulative(counts: dict[int, int], bounds: list[int]) -> list[tuple[str, fl
     ]
     buckets.append(("+Inf", float(sum(counts.values()))))
     return buckets
+
+
+# The figures routers and dashboards built for vLLM read, under vLLM's names (their `model`
+# label as vLLM's `model_name`): llm-d's endpoint picker reads the queue and KV use, vLLM's
+# Grafana board the rest. {neuronpy family: vLLM family} (a counter's `_total` is its samples').
+VLLM_NAMES = {
+    "neuronpy_requests_running": "vllm:num_requests_running",
+    "neuronpy_requests_queued": "vllm:num_requests_waiting",
+    "neuronpy_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+    "neuronpy_prompt_tokens": "vllm:prompt_tokens",
+    "neuronpy_generation_tokens": "vllm:generation_tokens",
+    "neuronpy_requests_finished": "vllm:request_success",
+    "neuronpy_preemptions": "vllm:num_preemptions",
+    "neuronpy_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "neuronpy_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "neuronpy_request_time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "neuronpy_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "neuronpy_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "neuronpy_request_prefill_time_seconds": "vllm:request_prefill_time_seconds",
+    "neuronpy_request_decode_time_seconds": "vllm:request_decode_time_seconds",
+    "neuronpy_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "neuronpy_request_generation_tokens": "vllm:request_generation_tokens",
+}
+# vLLM's older name for the inter-token latency, still read by many dashboards
+VLLM_ALSO = {"vllm:inter_token_latency_seconds": ("vllm:time_per_output_token_seconds",)}
+VLLM_LABELS = {"model": "model_name", "finish_reason": "finished_reason"}
+
+
+class VllmAliases:
+    """The families of VLLM_NAMES again, renamed: read from `sources` (collectors of the same
+    registry) when scraped, so the two names never disagree."""
+
+    def __init__(self, sources: Iterable[Any]) -> None:
+        self.sources = list(sources)
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            for family in source.collect():
+                alias = VLLM_NAMES.get(family.name)
+                if alias is None:
+                    continue
+                for name in (alias, *VLLM_ALSO.get(alias, ())):
+                    yield _renamed(family, name)
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    renamed = Metric(name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        labels = {VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+        renamed.samples.append(
+            sample._replace(name=name + sample.name[len(family.name) :], labels=labels)
+        )
+    return renamed

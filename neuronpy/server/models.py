@@ -78,6 +78,8 @@ class ServerState:
     _drain: anyio.Event | None = field(default=None, init=False, repr=False)
     _hurry: anyio.Event | None = field(default=None, init=False, repr=False)
     _shutdown_requests: int = field(default=0, init=False, repr=False)
+    # a drain has begun: /health says 503 (admission may go on for the drain's grace)
+    unready: bool = field(default=False, init=False)
     _tokenize_threads: anyio.CapacityLimiter | None = field(default=None, init=False, repr=False)
 
     @property
@@ -106,10 +108,25 @@ class ServerState:
             return False
         return True
 
+    def begin_drain(self) -> bool:
+        """The first step of `request_shutdown` only (stop admitting, drain), however often it
+        is called: what an HTTP call may ask, where a retried call must not abort the requests
+        the first one let finish. False when the app is not running."""
+        if self._loop is None or self._drain is None:
+            return False
+        if self._shutdown_requests == 0:
+            return self.request_shutdown()
+        return True
+
+    def health_of(self, model: ServedModel) -> str:
+        """What /health says of `model`: its state, or `stopping` once a drain has begun
+        (while the drain's grace still admits requests too)."""
+        return "stopping" if self.unready and model.state == "ready" else model.state
+
     @property
     def status(self) -> str:
         """ok when every model is ready; their common state if they share one; else degraded."""
-        states = {model.state for model in self.models.values()}
+        states = {self.health_of(model) for model in self.models.values()}
         if states == {"ready"}:
             return "ok"
         return states.pop() if len(states) == 1 else "degraded"
@@ -209,15 +226,25 @@ async def log_batches(models: Iterable[ServedModel], stop: anyio.Event, seconds:
 
 
 async def drain_on_request(
-    state: ServerState, timeout: float, on_drained: Callable[[], None] | None
+    state: ServerState,
+    timeout: float,
+    on_drained: Callable[[], None] | None,
+    grace: float = 0.0,
 ) -> None:
-    """Run for the app's lifetime: once `state.request_shutdown()` is called, stop admitting on
-    every model at once (new requests and /health get 503, `stopping`), give the admitted
-    requests up to `timeout` seconds to finish (a second request cuts it short), abort the
-    rest, then call `on_drained` (the CLI stops the HTTP server)."""
+    """Run for the app's lifetime: once `state.request_shutdown()` is called, /health turns
+    503 (`stopping`) at once; `grace` seconds later (the time a load balancer takes to see
+    it and send nothing more; requests are still admitted meanwhile) stop admitting on every
+    model at once (new requests get 503), give the admitted requests up to `timeout` seconds
+    to finish (a second request cuts either wait short), abort the rest, then call
+    `on_drained` (the CLI stops the HTTP server)."""
     state._loop = asyncio.get_running_loop()
     state._drain, state._hurry = anyio.Event(), anyio.Event()
     await state._drain.wait()
+    state.unready = True
+    if grace > 0:
+        log.info("stopping: unready now; admitting for %g s more while routers notice", grace)
+        with anyio.move_on_after(grace):
+            await state._hurry.wait()
     models = list(state.models.values())
     for model in models:
         model.stop_admitting()
