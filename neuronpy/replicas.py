@@ -9,6 +9,7 @@ The router is vllm-router from PyPI (`pip install vllm-router`); nothing here ro
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -25,10 +26,11 @@ from types import FrameType
 
 log = logging.getLogger("neuronpy.replicas")
 
-# vllm-router's policies (`--policy`); consistent_hash keeps a session on one replica
+# vllm-router's policies (`--policy`): cache_aware keeps a conversation where its prefix is
+# and balances the rest; consistent_hash keeps a session (X-Session-ID) on one replica
 POLICIES = (
-    "consistent_hash",
     "cache_aware",
+    "consistent_hash",
     "power_of_two",
     "round_robin",
     "random",
@@ -71,9 +73,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--policy",
         choices=POLICIES,
-        default="consistent_hash",
-        help="the router's policy (default consistent_hash: a request with X-Session-ID "
-        "lands where that session's KV is)",
+        default="cache_aware",
+        help="the router's policy (default cache_aware: a request goes where the longest "
+        "start of its prompt went, unless that replica is much busier; consistent_hash: by "
+        "the X-Session-ID header, and every request without one to the same replica)",
     )
     parser.add_argument("--router", metavar="PATH", help="the vllm-router executable")
     parser.add_argument(
@@ -141,6 +144,7 @@ class Supervisor:
 
     replicas: list[Replica]
     router_command: list[str]
+    router_url: str  # where the supervisor asks the router how many replicas it counts healthy
     router: subprocess.Popen[bytes] | None = None
     stopping: int = 0  # SIGTERM / Ctrl-C received (a second one aborts what runs)
     rolling: list[int] = field(default_factory=list)  # replicas left to restart (SIGHUP)
@@ -194,6 +198,8 @@ class Supervisor:
             replica = self.replicas[self.draining]
             if replica.process is None or not _ready(replica.url):
                 return  # still draining, restarting or loading
+            if _healthy_workers(self.router_url) < len(self.replicas):
+                return  # serving, but the router has not taken it back yet
             log.info("rolling restart: replica %d is serving again", replica.index)
             self.draining = None
         if self.rolling:
@@ -230,6 +236,15 @@ def _ready(url: str) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+def _healthy_workers(router: str) -> int:
+    """The replicas vllm-router counts healthy (its /readiness), 0 when it does not say."""
+    try:
+        with urllib.request.urlopen(f"{router}/readiness", timeout=2) as response:
+            return int(json.load(response).get("healthy_workers", 0))
+    except (urllib.error.URLError, OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def share_cores(available: Sequence[int], replicas: int, per: int | None) -> list[tuple[int, ...]]:
@@ -327,5 +342,8 @@ def run(args: argparse.Namespace) -> int:
         if not any(a == "--drain-grace" or a.startswith("--drain-grace=") for a in serve):
             command += ["--drain-grace", str(DRAIN_GRACE)]
         replicas.append(Replica(i, port, cores, [*command, *serve]))
-    supervisor = Supervisor(replicas, router_command(router, args, replicas, api_key_of(serve)))
+    command = router_command(router, args, replicas, api_key_of(serve))
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    host = f"[{host}]" if ":" in host else host
+    supervisor = Supervisor(replicas, command, f"http://{host}:{args.port}")
     return supervisor.run()

@@ -14,9 +14,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
+from neuronpy.cli import build_parser, config_from_args
 from neuronpy.engine.engine import Engine
 from neuronpy.replicas import api_key_of, serve_arguments, share_cores
 from neuronpy.server.errors import ApiError
@@ -358,3 +360,39 @@ def test_a_drains_grace_admits_requests_while_health_already_says_503() -> None:
             assert time.monotonic() < deadline, "the grace was never cut short"
             time.sleep(0.05)
         assert late.status_code == 503
+
+
+# ---- the Kubernetes example ---------------------------------------------------------------------
+
+
+def test_the_kubernetes_example_is_valid_and_its_drain_fits_the_grace_period() -> None:
+    docs = list(
+        yaml.safe_load_all((Path(__file__).parent.parent / "docs" / "kubernetes.yaml").read_text())
+    )
+    by_kind: dict[tuple[str, str], dict[str, Any]] = {
+        (d["kind"], d["metadata"]["name"]): d for d in docs
+    }
+    assert all(d.get("apiVersion") for d in docs)
+    server = by_kind["Deployment", "neuronpy"]
+    pod = server["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/live"
+    # the arguments are real `neuronpy serve` flags, and the drain fits in the grace period
+    config = config_from_args(build_parser().parse_args(container["args"]))
+    drain = config.server.drain_grace + config.server.drain_timeout
+    assert pod["terminationGracePeriodSeconds"] > drain
+    assert config.server.port == container["ports"][0]["containerPort"]
+    labels = server["spec"]["template"]["metadata"]["labels"]
+    assert server["spec"]["selector"]["matchLabels"] == labels
+    assert by_kind["Service", "neuronpy"]["spec"]["selector"] == labels
+    router = by_kind["Deployment", "neuronpy-router"]["spec"]["template"]["spec"]
+    (command,) = router["containers"][0]["args"]
+    selector = " ".join(f"{k}={v}" for k, v in labels.items())
+    assert f"--selector {selector}" in command and "--policy cache_aware" in command
+    assert (
+        router["serviceAccountName"]
+        == by_kind["RoleBinding", "neuronpy-router"]["subjects"][0]["name"]
+    )
+    claim = pod["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    assert by_kind["PersistentVolumeClaim", claim]["spec"]["accessModes"] == ["ReadWriteMany"]

@@ -31,6 +31,8 @@ from tests.servers import TINY_LLAMA
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
 LONG = 300  # tokens of each request of the load (ignore_eos: exactly this many)
+KEY = "fleet-test-key"  # the replicas' API key: clients send it through the router
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 pytestmark = pytest.mark.skipif(
     shutil.which("vllm-router") is None,
@@ -54,7 +56,7 @@ class Fleet:
         """Requests each replica has finished since it started (vLLM's metric name)."""
         counts = []
         for url in self.replicas:
-            text = httpx.get(f"{url}/metrics", timeout=10).text
+            text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text
             counts.append(
                 sum(
                     s.value
@@ -123,8 +125,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     directory = tmp_path_factory.mktemp("fleet")
     log = directory / "replicas.log"
     command = [sys.executable, "-m", "neuronpy", "replicas", "-n", "2", "--port", str(port)]
+    command += ["--policy", "consistent_hash"]  # affinity by the X-Session-ID header
     command += ["--", "--model", str(TINY_LLAMA), "--drain-timeout", "600"]
     command += ["--max-in-flight", "8", "--sessions-dir", str(directory / "sessions")]
+    command += ["--api-key", KEY]
     with log.open("wb") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     running = Fleet(
@@ -165,7 +169,7 @@ def test_requests_spread_over_the_replicas_and_a_session_sticks_to_one(fleet: Fl
         response = httpx.post(
             f"{fleet.router}/v1/chat/completions",
             json=_chat(f"user-{i}", f"hello {i}"),
-            headers={"X-Session-ID": f"user-{i}"},
+            headers={"X-Session-ID": f"user-{i}", **AUTH},
             timeout=120,
         )
         assert response.status_code == 200, response.text
@@ -177,15 +181,18 @@ def test_requests_spread_over_the_replicas_and_a_session_sticks_to_one(fleet: Fl
         httpx.post(
             f"{fleet.router}/v1/chat/completions",
             json=_chat("one", "the same conversation"),
-            headers={"X-Session-ID": "one-conversation"},
+            headers={"X-Session-ID": "one-conversation", **AUTH},
             timeout=120,
         ).raise_for_status()
     landed = sorted(after - b for after, b in zip(fleet.served(), before, strict=True))
     assert landed == [0, 4]
+    # the key goes through the router to the replica, which checks it
+    refused = httpx.post(f"{fleet.router}/v1/chat/completions", json=_chat("x", "no key"))
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_a_sessions_second_turn_lands_where_its_kv_is_and_reuses_it(fleet: Fleet) -> None:
-    client = openai.OpenAI(base_url=f"{fleet.router}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{fleet.router}/v1", api_key=KEY, max_retries=0)
     headers = {"X-Session-ID": "rivers-2f9c"}
     messages = [{"role": "user", "content": "Name three rivers of Europe."}]
     before = fleet.served()
@@ -214,7 +221,7 @@ def _load(fleet: Fleet, count: int, offset: int, outcomes: list[Outcome]) -> lis
 
     def one(i: int) -> None:
         body = _chat(f"load-{i}", f"tell me a story, number {i}", max_tokens=LONG, ignore_eos=True)
-        headers = {"X-Session-ID": f"load-{i}"}
+        headers = {"X-Session-ID": f"load-{i}", **AUTH}
         url = f"{fleet.router}/v1/chat/completions"
         try:
             if i % 2:
@@ -250,7 +257,8 @@ def test_a_replica_drained_under_load_loses_nothing(fleet: Fleet) -> None:
     threads = _load(fleet, 16, 0, outcomes)
     fleet.wait_for_load(0)
     drained = fleet.pid(0)
-    response = httpx.post(f"{fleet.replicas[0]}/drain", timeout=10)  # loopback: no key needed
+    assert httpx.post(f"{fleet.replicas[0]}/drain", timeout=10).status_code == 401
+    response = httpx.post(f"{fleet.replicas[0]}/drain", headers=AUTH, timeout=10)
     assert response.status_code == 202 and response.json()["load"] > 0
     threads += _load(fleet, 16, 100, outcomes)  # arriving while it drains
     for thread in threads:
@@ -280,3 +288,25 @@ def test_a_replica_killed_outright_fails_over_and_cut_streams_end_in_an_error(
     assert after == [("ok", LONG)] * 8, after
     fleet.wait_all_healthy()
     assert "replica 1 exited with -9; starting it again" in fleet.log_text()
+
+
+def test_sighup_restarts_the_replicas_one_at_a_time_and_no_request_fails(fleet: Fleet) -> None:
+    before = [fleet.pid(0), fleet.pid(1)]
+    fleet.process.send_signal(signal.SIGHUP)
+    outcomes: list[Outcome] = []
+    deadline = time.monotonic() + 600
+    wave = 0
+    while True:  # load in waves until both replicas are new processes, serving
+        for thread in _load(fleet, 8, 500 + 8 * wave, outcomes):
+            thread.join(timeout=600)
+        wave += 1
+        with contextlib.suppress(AssertionError):
+            if all(fleet.pid(i) != before[i] for i in range(2)):
+                break
+        assert time.monotonic() < deadline, "the rolling restart never finished"
+    fleet.wait_all_healthy()
+    assert outcomes == [("ok", LONG)] * len(outcomes), [o for o in outcomes if o[0] != "ok"]
+    log = fleet.log_text()
+    assert log.index("rolling restart: draining replica 0") < log.index(
+        "rolling restart: draining replica 1"
+    )
