@@ -164,3 +164,22 @@ def test_random_streams_match_the_text_before_the_first_stop() -> None:
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError):
         StopMatcher(["ok", ""])
+
+
+def test_matched_names_the_stop_that_ended_the_text_however_it_was_split() -> None:
+    text = "alpha beta END gamma STOP"
+    for stops, expected in (
+        (["STOP", "END"], "END"),  # the earliest in the text, not in the list
+        (["zzz"], None),
+        (["END g", "END"], "END"),  # two at one place: the shortest (it completes first)
+    ):
+        for cut in range(1, len(text)):
+            matcher = StopMatcher(stops)
+            out, stopped = matcher.push(text[:cut])
+            if not stopped:
+                more, stopped = matcher.push(text[cut:])
+                out += more
+            if not stopped:
+                out += matcher.flush()
+            assert matcher.matched == expected, (stops, cut)
+            assert out == (text if expected is None else text[: text.index(expected)])

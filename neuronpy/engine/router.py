@@ -97,6 +97,7 @@ async def route(
                         event(parsed, reason, msg.error),
                         session_error=msg.session_error,
                         error_param=msg.param,
+                        stop_sequence=stop.matched,
                     )
                     await outbox.send(last)
                     return
@@ -113,7 +114,8 @@ async def route(
                 parsed = parser.push(emit)
                 if stopped:
                     request_leave()
-                    await outbox.send(event(parsed.extend(parser.finish()), FinishReason.STOP))
+                    last = event(parsed.extend(parser.finish()), FinishReason.STOP)
+                    await outbox.send(dataclasses.replace(last, stop_sequence=stop.matched))
                     return
                 if parsed or (per_token and logprobs):
                     stats = outbox.statistics()

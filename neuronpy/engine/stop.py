@@ -20,11 +20,18 @@ class StopMatcher:
         self._stops = tuple(dict.fromkeys(stops))
         self._held = ""
         self._stopped = False
+        self._matched: str | None = None
 
     @property
     def stopped(self) -> bool:
         """Whether a stop string has matched (by `push` or by `flush`)."""
         return self._stopped
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that matched, else None; of several starting at one place, the
+        shortest (the one that completes first: the same however the text was split)."""
+        return self._matched
 
     def push(self, delta: str) -> tuple[str, bool]:
         """Add a delta; return (text safe to emit now, stopped?)."""
@@ -37,7 +44,7 @@ class StopMatcher:
         pending = self._pending_start(text)
         if hit >= 0 and hit <= pending:
             self._held = ""
-            self._stopped = True
+            self._stop_at(text, hit)
             return text[:hit], True
         # With a match past `pending`, a longer stop that starts earlier may still complete
         # and win, so the match stays held (pending < hit) until that is settled.
@@ -51,9 +58,13 @@ class StopMatcher:
         text, self._held = self._held, ""
         hit = self._earliest_match(text)
         if hit >= 0:
-            self._stopped = True
+            self._stop_at(text, hit)
             return text[:hit]
         return text
+
+    def _stop_at(self, text: str, hit: int) -> None:
+        self._stopped = True
+        self._matched = min((s for s in self._stops if text.startswith(s, hit)), key=len)
 
     def _earliest_match(self, text: str) -> int:
         """Start of the earliest complete stop string in `text`, or -1."""

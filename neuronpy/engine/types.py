@@ -315,6 +315,8 @@ class GenerationEvent:
     # with `error`: the request's own field it is about (a 400: its session file was bad);
     # None: the server's side failed
     error_param: str | None = None
+    # on the last event, when a stop string ended the request: which one (never in `text`)
+    stop_sequence: str | None = None
 
     @property
     def finished(self) -> bool:

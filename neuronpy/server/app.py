@@ -22,6 +22,7 @@ from neuronpy.defaults import (
 )
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.sessions import SessionStore
+from neuronpy.server.anthropic_api.routes import count_tokens, create_message
 from neuronpy.server.auth import security_middleware
 from neuronpy.server.connections import ConcurrencyLimit
 from neuronpy.server.embeddings import embeddings
@@ -35,6 +36,7 @@ from neuronpy.server.models import (
     log_batches,
     serve_model,
 )
+from neuronpy.server.ollama_api import routes as ollama
 from neuronpy.server.replica import drain, get_load, live
 from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
@@ -216,6 +218,31 @@ def create_app(
     async def batch_route(request: Request) -> Response:
         return await batch(state)
 
+    async def messages_route(request: Request) -> Response:
+        return await create_message(request, state, limits, metrics)
+
+    async def count_tokens_route(request: Request) -> Response:
+        return await count_tokens(request, state, limits)
+
+    async def ollama_route(request: Request) -> Response:
+        """Ollama's API, by its path (ollama_api/routes.py)."""
+        path = request.url.path
+        if path == "/api/chat":
+            return await ollama.chat(request, state, limits, metrics)
+        if path == "/api/generate":
+            return await ollama.generate(request, state, limits, metrics)
+        if path == "/api/embed":
+            return await ollama.embed(request, state, limits, metrics)
+        if path == "/api/embeddings":
+            return await ollama.embeddings(request, state, limits, metrics)
+        if path == "/api/show":
+            return await ollama.show(request, state, limits)
+        if path == "/api/tags":
+            return await ollama.tags(state)
+        if path == "/api/ps":
+            return await ollama.ps(state)
+        return await ollama.version()
+
     async def get_load_route(request: Request) -> Response:
         return await get_load(state)
 
@@ -234,7 +261,17 @@ def create_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses_route, methods=["POST"]),
         Route("/v1/responses/{rid}", responses_route, methods=["GET", "DELETE"]),
+        Route("/v1/messages", messages_route, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens_route, methods=["POST"]),
         Route("/v1/embeddings", embeddings_route, methods=["POST"]),
+        *(
+            Route(f"/api/{name}", ollama_route, methods=["POST"])
+            for name in ("chat", "generate", "embed", "embeddings", "show")
+        ),
+        *(
+            Route(f"/api/{name}", ollama_route, methods=["GET"])
+            for name in ("tags", "ps", "version")
+        ),
         Route("/v1/score", score_route, methods=["POST"]),
         Route("/v1/rerank", rerank_route, methods=["POST"]),
         Route("/rerank", rerank_route, methods=["POST"]),

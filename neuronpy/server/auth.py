@@ -71,7 +71,7 @@ class ApiKeyMiddleware:
             message = "invalid API key"
         challenge = {"WWW-Authenticate": "Bearer"}
         error = ApiError(401, message, code="invalid_api_key", headers=challenge)
-        await error.response()(scope, receive, send)
+        await error.response(scope["path"])(scope, receive, send)
 
     def _matches(self, presented: list[bytes]) -> bool:
         matched = False

@@ -108,7 +108,8 @@ class ConcurrencyLimit:
             )
             if self.on_refused is not None:
                 self.on_refused()
-            await unavailable(message, retry_after=1).response()(scope, receive, send)
+            refusal = unavailable(message, retry_after=1)
+            await refusal.response(scope["path"])(scope, receive, send)
             return
         self.active += 1
         try:

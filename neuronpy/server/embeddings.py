@@ -146,14 +146,18 @@ async def pooling_route(
     metrics: ServerMetrics,
     prefix: str,
     handle: Handler,
+    named: Callable[[object], dict[str, Any]] | None = None,
 ) -> Response:
-    """A pooling endpoint's frame: the body read, the model found, `handle` run; its errors
-    as the API's (a NeuronError as its ApiError), each refusal counted and logged."""
+    """A pooling endpoint's frame: the body read (and given to `named`, which may check it
+    and name its model as the server does), the model found, `handle` run; its errors as the
+    API's (a NeuronError as its ApiError), each refusal counted and logged."""
     started = time.perf_counter()
     rid = name_request(request, f"{prefix}-{uuid.uuid4().hex}")
     model: ServedModel | None = None
     try:
         body = await read_json(request, limits)
+        if named is not None:
+            body = named(body)
         model = state.find(requested_model(body))
         engine = model.ready_engine()
         assert isinstance(body, dict)

@@ -49,7 +49,13 @@ class ApiError(Exception):
         self.code = code
         self.headers = dict(headers or {})
 
-    def body(self) -> dict[str, Any]:
+    def body(self, path: str | None = None) -> dict[str, Any]:
+        """The error's JSON body in the shape of the API that `path` belongs to: Anthropic's
+        under /v1/messages, Ollama's under /api/, OpenAI's everywhere else."""
+        if path is not None and path.startswith(ANTHROPIC_PREFIX):
+            return self.anthropic_body()
+        if path is not None and path.startswith(OLLAMA_PREFIX):
+            return {"error": self.named_message()}
         return {
             "error": {
                 "message": self.message,
@@ -59,8 +65,40 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def named_message(self) -> str:
+        """The message, with the field it is about where it does not name it already (the
+        APIs whose errors have no `param`)."""
+        if self.param is None or self.param in self.message:
+            return self.message
+        return f"{self.param}: {self.message}"
+
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else None)
+        return {
+            "type": "error",
+            "error": {"type": kind or "invalid_request_error", "message": self.named_message()},
+        }
+
+    def response(self, path: str | None = None) -> JSONResponse:
+        """The error as a response, in the shape of `path`'s API (see `body`)."""
+        return JSONResponse(self.body(path), status_code=self.status, headers=self.headers)
+
+
+# The APIs whose errors have a shape of their own, by their routes' prefix.
+ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
+# Anthropic's error types by HTTP status (its 529 "overloaded" is our 503)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 
 
 def unavailable(message: str, retry_after: float | None = None) -> ApiError:
@@ -116,14 +154,15 @@ def failure(last: GenerationEvent | None, engine: Engine) -> ApiError | None:
 
 async def _api_error_response(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
 async def _http_error_response(request: Request, exc: Exception) -> Response:
     """Starlette's own errors (an unknown route, a method not allowed) in OpenAI's body."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return ApiError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+    error = ApiError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+    return error.response(request.url.path)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:
@@ -138,7 +177,7 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 async def _internal_error_response(request: Request, exc: Exception) -> Response:
     # starlette re-raises after this response, so the server logs the traceback; the client
     # sees none of it
-    return ApiError(500, "internal server error", type="server_error").response()
+    return ApiError(500, "internal server error", type="server_error").response(request.url.path)
 
 
 EXCEPTION_HANDLERS: dict[Any, Any] = {

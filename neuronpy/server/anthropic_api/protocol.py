@@ -1,0 +1,342 @@
+"""Anthropic's Messages API request (POST /v1/messages), validated, and the chat request it
+means: the system prompt and the content blocks become chat messages, `tools` and
+`tool_choice` the chat's, `thinking` whether reasoning is shown, `stop_sequences` the stops.
+Fields the API allows that neuronpy cannot honour are refused by name."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from neuronpy.errors import InvalidRequestError
+from neuronpy.server.chat_input import (
+    CalledFunction,
+    Function,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+)
+from neuronpy.server.protocol import ChatCompletionRequest
+from neuronpy.server.schema import FieldError, WireModel, by_type, either, validate
+
+MAX_STOP_SEQUENCES = 16
+
+
+class TextBlock(WireModel):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # (a prompt-caching hint: our cache is automatic)
+    citations: Any = None
+
+
+class ToolUseBlock(WireModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(WireModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: either(("a string", str), ("an array", list[TextBlock])) | None = None  # type: ignore[valid-type]
+    is_error: bool | None = None
+    cache_control: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(block.text for block in self.content)
+        text = self.content or ""
+        return f"Error: {text}" if self.is_error and text else text
+
+
+class ThinkingBlock(WireModel):
+    """A reasoning block of an earlier reply, sent back as Anthropic's clients do."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+class UnsupportedBlock(WireModel):
+    """Images, documents, searches: blocks a text model cannot take."""
+
+    type: str
+
+    @model_validator(mode="after")
+    def _refused(self) -> UnsupportedBlock:
+        raise FieldError(
+            f"{{at}}: '{self.type[:40]}' content blocks are not supported (text, tool_use, "
+            "tool_result and thinking are)",
+            "{at}",
+        )
+
+
+Block = by_type(
+    "text",
+    text=TextBlock,
+    tool_use=ToolUseBlock,
+    tool_result=ToolResultBlock,
+    thinking=ThinkingBlock,
+    redacted_thinking=ThinkingBlock,
+    image=UnsupportedBlock,
+    document=UnsupportedBlock,
+    search_result=UnsupportedBlock,
+    server_tool_use=UnsupportedBlock,
+    web_search_tool_result=UnsupportedBlock,
+    container_upload=UnsupportedBlock,
+)
+
+
+class InputMessage(WireModel):
+    role: Literal["user", "assistant"]
+    content: either(("a string", str), ("an array", list[Block]))  # type: ignore[valid-type]
+
+
+class ToolSpec(WireModel):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: str | None = None  # "custom" or absent; server tools are refused
+    cache_control: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _custom(self) -> ToolSpec:
+        if self.type not in (None, "custom"):
+            raise FieldError(
+                f"{{at}}: server tools ({self.type[:40]!r}) are not supported; give custom "
+                "tools (name, description, input_schema)",
+                "{at}",
+            )
+        return self
+
+
+class ToolChoice(WireModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(WireModel):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: int | None = None  # not held apart: max_tokens bounds reasoning and answer
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class OutputFormat(WireModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(WireModel):
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # a hint: no effect
+
+
+class Metadata(WireModel):
+    user_id: str | None = None
+
+
+class MessagesRequest(WireModel):
+    """POST /v1/messages, as Anthropic documents it."""
+
+    model: str
+    max_tokens: int
+    messages: list[InputMessage]
+    system: either(("a string", str), ("an array", list[TextBlock])) | None = None  # type: ignore[valid-type]
+    temperature: float | int | None = None
+    top_p: float | int | None = None
+    top_k: int | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+    # hints for Anthropic's own service, without effect here: accepted
+    service_tier: str | None = None  # (one tier: answered as "standard")
+    cache_control: dict[str, Any] | None = None  # (the prefix cache is automatic)
+    speed: str | None = None
+    inference_geo: str | None = None
+    # what neuronpy cannot honour: refused by name, never silently ignored
+    container: Any = None
+    mcp_servers: Any = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int) -> int:
+        if value < 1:
+            raise InvalidRequestError("'max_tokens' must be at least 1", "max_tokens")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        if value is not None and not 0 <= value <= 1:
+            raise InvalidRequestError("'temperature' must be from 0 to 1", "temperature")
+        return value
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops(cls, stops: list[str] | None) -> list[str] | None:
+        if stops is not None and (len(stops) > MAX_STOP_SEQUENCES or not all(stops)):
+            raise InvalidRequestError(
+                f"'stop_sequences' takes up to {MAX_STOP_SEQUENCES} non-empty strings",
+                "stop_sequences",
+            )
+        return stops
+
+    @model_validator(mode="after")
+    def _whole(self) -> MessagesRequest:
+        for name in ("container", "mcp_servers"):
+            if getattr(self, name) is not None:
+                raise InvalidRequestError(f"'{name}' is not supported by this server", name)
+        if not self.messages:
+            raise InvalidRequestError("'messages' must hold at least one message", "messages")
+        choice = self.tool_choice
+        if choice is not None and choice.type == "tool" and not choice.name:
+            raise InvalidRequestError(
+                "'tool_choice' of type 'tool' needs the tool's 'name'", "tool_choice"
+            )
+        if choice is not None and choice.type in ("any", "tool") and not self.tools:
+            raise InvalidRequestError(
+                f"'tool_choice' of type '{choice.type}' needs 'tools'", "tool_choice"
+            )
+        return self
+
+    @property
+    def shows_thinking(self) -> bool:
+        """Whether reasoning is answered as thinking blocks (else it is left out)."""
+        thinking = self.thinking
+        return (
+            thinking is not None and thinking.type != "disabled" and thinking.display != "omitted"
+        )
+
+    def system_text(self) -> str | None:
+        if isinstance(self.system, list):
+            return "\n".join(block.text for block in self.system)
+        return self.system
+
+    def chat_messages(self) -> list[Message]:
+        """The conversation as chat messages: a user turn's tool results become tool
+        messages (before its text), an assistant turn's tool_use blocks its tool calls."""
+        out: list[Message] = []
+        system = self.system_text()
+        if system:
+            out.append(Message(role="system", content=system))
+        for i, message in enumerate(self.messages):
+            blocks = message.content
+            if isinstance(blocks, str):
+                out.append(Message(role=message.role, content=blocks))
+                continue
+            texts = [b.text for b in blocks if isinstance(b, TextBlock)]
+            if message.role == "user":
+                for block in blocks:
+                    if isinstance(block, ToolUseBlock):
+                        raise InvalidRequestError(
+                            f"messages[{i}]: a user message cannot hold tool_use blocks",
+                            f"messages[{i}].content",
+                        )
+                    if isinstance(block, ToolResultBlock):
+                        out.append(
+                            Message(role="tool", content=block.text, tool_call_id=block.tool_use_id)
+                        )
+                if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                    out.append(Message(role="user", content="\n".join(texts)))
+                continue
+            if any(isinstance(b, ToolResultBlock) for b in blocks):
+                raise InvalidRequestError(
+                    f"messages[{i}]: an assistant message cannot hold tool_result blocks",
+                    f"messages[{i}].content",
+                )
+            calls = [
+                ToolCall(
+                    id=b.id,
+                    function=CalledFunction(name=b.name, arguments=json.dumps(b.input)),
+                )
+                for b in blocks
+                if isinstance(b, ToolUseBlock)
+            ]
+            reasoning = "".join(b.thinking or "" for b in blocks if isinstance(b, ThinkingBlock))
+            out.append(
+                Message(
+                    role="assistant",
+                    content="\n".join(texts),
+                    tool_calls=calls or None,
+                    reasoning_content=reasoning or None,
+                )
+            )
+        return out
+
+    def chat(self) -> MessagesChat:
+        """The chat request this one means; InvalidRequestError where the chat request's own
+        checks refuse it (named as this API names its fields)."""
+        values: dict[str, Any] = {
+            "messages": self.chat_messages(),
+            "max_tokens": self.max_tokens,
+            "temperature": 1.0 if self.temperature is None else float(self.temperature),
+            "top_p": None if self.top_p is None else float(self.top_p),
+            "top_k": self.top_k,
+            "stop": self.stop_sequences,
+            "stream": self.stream,
+        }
+        if self.tools:
+            values["tools"] = [
+                Tool(
+                    type="function",
+                    function=Function(
+                        name=t.name, description=t.description, parameters=t.input_schema
+                    ),
+                )
+                for t in self.tools
+            ]
+        choice = self.tool_choice
+        if choice is not None:
+            values["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
+                choice.type
+            ) or NamedToolChoice(type="function", function=NamedFunction(name=choice.name or ""))
+            if choice.disable_parallel_tool_use:
+                values["parallel_tool_calls"] = False
+        output = self.output_config
+        if output is not None and output.format is not None:
+            values["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": output.format.schema_},
+            }
+        try:
+            return validate(MessagesChat, values)
+        except InvalidRequestError as exc:  # named as this API names the field
+            param = exc.param or ""
+            if param.startswith("response_format"):
+                message = exc.message.replace("response_format", "output_config.format")
+                raise InvalidRequestError(message, "output_config.format") from None
+            raise
+
+
+class MessagesChat(ChatCompletionRequest):
+    """The chat request a Messages request means, the engine's errors named as Messages
+    names its fields."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    @property
+    def param_names(self) -> dict[str, str]:
+        return {"max_tokens": "max_tokens", "prompt": "messages"}
+
+
+def parse_messages(body: dict[str, Any]) -> MessagesRequest:
+    return validate(MessagesRequest, body)
+
+
+def parse_count_tokens(body: dict[str, Any]) -> MessagesRequest:
+    """POST /v1/messages/count_tokens's body (a Messages request without max_tokens), as the
+    Messages request whose prompt it counts."""
+    return validate(MessagesRequest, {**body, "max_tokens": 1})

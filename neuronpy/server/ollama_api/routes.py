@@ -1,0 +1,448 @@
+"""Ollama's API: /api/chat and /api/generate (streamed as NDJSON by default, or whole with
+`stream: false`), /api/embed (and the older /api/embeddings), /api/tags, /api/show, /api/ps,
+/api/version. A translation over the chat and completions path: each request becomes the
+request it means, admitted by `admit()` as every API's is, and its events become Ollama's
+chunks, with the counts and durations (nanoseconds) Ollama reports. Errors are
+`{"error": "..."}` (errors.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import torch.nn.functional as F
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from neuronpy.engine.engine import Engine
+from neuronpy.engine.reasoning import resolve_reasoning_parser
+from neuronpy.engine.types import FinishReason, GenerationEvent
+from neuronpy.errors import InvalidRequestError
+from neuronpy.jsontext import one_line
+from neuronpy.server.copies import Copy, Events, gather, stream
+from neuronpy.server.embeddings import parse_inputs, pooled, pooling_route, tokenized
+from neuronpy.server.errors import ApiError, api_error, failure
+from neuronpy.server.flow import admit
+from neuronpy.server.logprobs import TokenTexts, token_texts
+from neuronpy.server.metrics import ServerMetrics
+from neuronpy.server.models import ServedModel, ServerState
+from neuronpy.server.ollama_api.protocol import (
+    OllamaBase,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    model_name,
+    parse,
+    tagged,
+)
+from neuronpy.server.request_id import name_request
+from neuronpy.server.requests import BodyLimits, read_json
+from neuronpy.server.responses import Reply
+
+log = logging.getLogger(__name__)
+
+# The Ollama API version whose shapes these routes follow (what /api/version says: clients
+# check it before using a feature)
+OLLAMA_VERSION = "0.12.0"
+NDJSON = [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-cache")]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _named(body: object) -> dict[str, Any]:
+    """The body with its `model` as the served model's name (`NAME:latest` is NAME)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required: the served model's name", param="model")
+    return {**body, "model": model_name(model)}
+
+
+def _find(state: ServerState, body: object) -> tuple[dict[str, Any], ServedModel]:
+    named = _named(body)
+    return named, state.find(named["model"])
+
+
+@dataclass
+class Timing:
+    """When a request arrived, got its first token and ended: Ollama's durations."""
+
+    started: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+
+    def token(self) -> None:
+        """A token came (the first one ends the prompt's evaluation)."""
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def stats(self, last: GenerationEvent | None) -> dict[str, Any]:
+        end = time.perf_counter()
+        first = self.first if self.first is not None else end
+        ns = 1_000_000_000
+        reason = None
+        if last is not None and last.finish_reason is not None:
+            reason = "length" if last.finish_reason is FinishReason.LENGTH else "stop"
+        return {
+            "done_reason": reason,
+            "total_duration": int((end - self.started) * ns),
+            "load_duration": 0,  # (the model stays loaded)
+            "prompt_eval_count": last.prompt_tokens if last is not None else 0,
+            "prompt_eval_duration": int((first - self.started) * ns),
+            "eval_count": last.completion_tokens if last is not None else 0,
+            "eval_duration": int((end - first) * ns),
+        }
+
+
+@dataclass
+class Shape:
+    """Where a chunk puts its text: /api/chat's `message`, /api/generate's `response`."""
+
+    chat: bool
+    thinking: bool  # whether reasoning is answered (`think`)
+
+    def chunk(self, model: str, text: str, reasoning: str, calls: list[dict[str, Any]]) -> dict:
+        out: dict[str, Any] = {"model": model, "created_at": _now()}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning and self.thinking:
+                message["thinking"] = reasoning
+            if calls:
+                message["tool_calls"] = calls
+            out["message"] = message
+        else:
+            out["response"] = text
+            if reasoning and self.thinking:
+                out["thinking"] = reasoning
+        out["done"] = False
+        return out
+
+
+def _logprobs(events: list[GenerationEvent], texts: TokenTexts | None) -> dict[str, Any]:
+    """The events' tokens' log-probabilities as Ollama gives them (asked with `logprobs`)."""
+    if texts is None:
+        return {}
+    out = []
+    for event in events:
+        for lp in event.logprobs:
+            top = [{"token": texts(i)[0], "logprob": v} for i, v in lp.top]
+            out.append({"token": texts(lp.token_id)[0], "logprob": lp.logprob, "top_logprobs": top})
+    return {"logprobs": out} if out else {}
+
+
+def _calls(event: GenerationEvent) -> list[dict[str, Any]]:
+    calls = []
+    for call in event.tool_calls:
+        try:
+            arguments = json.loads(call.arguments or "{}")
+        except ValueError:
+            arguments = {}
+        calls.append({"function": {"name": call.name, "arguments": arguments, "index": call.index}})
+    return calls
+
+
+async def _generate(
+    request: Request,
+    state: ServerState,
+    limits: BodyLimits,
+    metrics: ServerMetrics,
+    chat: bool,
+) -> Response:
+    timing = Timing()
+    rid = name_request(request, f"ollama-{uuid.uuid4().hex}")
+    model: ServedModel | None = None
+    try:
+        body, model = _find(state, await read_json(request, limits))
+        engine = model.ready_engine()
+        kind = OllamaChatRequest if chat else OllamaGenerateRequest
+        try:
+            req: OllamaBase = parse(kind, body)
+            if not chat and not req.prompt:  # type: ignore[attr-defined]
+                # Ollama's way to load a model: an empty prompt is answered at once
+                done = {"model": body["model"], "created_at": _now(), "response": ""}
+                return JSONResponse({**done, "done": True, "done_reason": "load"})
+            translated = req.chat() if chat else req.request()  # type: ignore[attr-defined]
+        except InvalidRequestError as exc:
+            raise api_error(exc) from None
+        admitted = await admit(request.receive, model, translated)
+        if admitted is None:
+            return Response(status_code=499)
+        ((stream_,),) = admitted.groups
+    except ApiError as exc:
+        metrics.reject(model, exc)
+        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
+        raise
+    log.info(
+        "request %s: model %s, %d prompt tokens (ollama %s)",
+        rid,
+        model.name,
+        len(admitted.prompts[0]),
+        "chat" if chat else "generate",
+    )
+    reply = Reply("chat" if chat or not getattr(req, "raw", False) else "text", model.name)
+    counted = metrics.admit(model.name, timing.started, stream_)
+
+    def observe(event: GenerationEvent) -> None:
+        counted(event)
+        if event.token_ids:
+            timing.token()
+
+    copy = Copy(stream_, reply, observe)
+    shape = Shape(chat, req.shows_thinking)
+    name = body["model"]
+    texts = token_texts(engine.tokenizer) if req.logprobs else None
+    if req.stream:
+        return _Streamed(copy, shape, engine, name, timing, texts)  # type: ignore[return-value]
+    gathered = await gather(request.receive, [copy])
+    if gathered is None:
+        return Response(status_code=499)
+    (events,) = gathered
+    last = events[-1] if events else None
+    error = failure(last, engine)
+    if error is not None:
+        raise error
+    text = "".join(e.text for e in events)
+    reasoning = "".join(e.reasoning for e in events)
+    calls = [c for e in events for c in _calls(e)]
+    whole = shape.chunk(name, text, reasoning, calls)
+    return JSONResponse({**whole, **_logprobs(events, texts), "done": True, **timing.stats(last)})
+
+
+class _Streamed:
+    """NDJSON: a chunk per event with text (or tool calls), then the last chunk with `done`
+    and the counts. A request that never ran gets a real HTTP error; a failure after the
+    stream started is a last `{"error": ...}` line (the ollama client raises it)."""
+
+    def __init__(
+        self,
+        copy: Copy,
+        shape: Shape,
+        engine: Engine,
+        model: str,
+        timing: Timing,
+        texts: TokenTexts | None,
+    ) -> None:
+        self.copy, self.shape, self.engine = copy, shape, engine
+        self.model, self.timing, self.texts = model, timing, texts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await stream(receive, [self.copy], lambda events: self._write(events, scope, receive, send))
+
+    async def _write(self, events: Events, scope: Scope, receive: Receive, send: Send) -> None:
+        _, first = await anext(events)
+        if first is None or (first.finished and not first.text and not first.tool_calls):
+            error = failure(first, self.engine)
+            if error is not None:
+                await error.response(scope["path"])(scope, receive, send)
+                return
+        await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
+        last, event = None, first
+        while True:
+            if event is not None:
+                last = event
+                calls = _calls(event)
+                shown = event.reasoning and self.shape.thinking
+                if event.text or calls or shown or (self.texts and event.logprobs):
+                    chunk = self.shape.chunk(self.model, event.text, event.reasoning, calls)
+                    await _line(send, {**chunk, **_logprobs([event], self.texts)})
+                if event.finished:
+                    break
+            try:
+                _, event = await anext(events)
+            except StopAsyncIteration:
+                break
+        error = failure(last, self.engine)
+        if error is not None:
+            await _line(send, {"error": error.named_message()})
+        else:
+            done = self.shape.chunk(self.model, "", "", [])
+            await _line(send, {**done, "done": True, **self.timing.stats(last)})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _line(send: Send, value: dict[str, Any]) -> None:
+    body = (one_line(value) + "\n").encode()
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def chat(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
+    return await _generate(request, state, limits, metrics, chat=True)
+
+
+async def generate(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
+    return await _generate(request, state, limits, metrics, chat=False)
+
+
+# ---- embeddings ---------------------------------------------------------------------------------
+
+
+async def embed(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
+    """/api/embed: {"model", "input": text or texts, "dimensions", "truncate"} -> {"model",
+    "embeddings": [[...]], "prompt_eval_count", durations}."""
+    return await _pooling(request, state, limits, metrics, legacy=False)
+
+
+async def embeddings(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
+    """/api/embeddings (Ollama's older route): {"model", "prompt"} -> {"embedding": [...]}."""
+    return await _pooling(request, state, limits, metrics, legacy=True)
+
+
+async def _pooling(
+    request: Request,
+    state: ServerState,
+    limits: BodyLimits,
+    metrics: ServerMetrics,
+    legacy: bool,
+) -> Response:
+    started = time.perf_counter()
+
+    async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
+        if engine.task == "rerank":
+            raise InvalidRequestError(f"model '{model.name}' is a reranker", "model")
+        if legacy:
+            texts, ids = parse_inputs(body.get("prompt"), engine.vocab_size)
+        else:
+            texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
+        dimensions = body.get("dimensions")
+        hidden = engine.model.config.hidden_size
+        if dimensions is not None and (
+            not isinstance(dimensions, int)
+            or isinstance(dimensions, bool)
+            or not 1 <= dimensions <= hidden
+        ):
+            raise InvalidRequestError(f"'dimensions' must be from 1 to {hidden}", "dimensions")
+        if texts is not None:
+            ids = await tokenized(state, engine, texts)
+        vectors = await pooled(request, engine, ids)
+        if vectors is None:
+            return Response(status_code=499)
+        normalize = engine.embedder.pooling.normalize
+        out = []
+        for vector in vectors:
+            if dimensions is not None and dimensions < vector.shape[0]:
+                vector = vector[:dimensions]
+                if normalize:
+                    vector = F.normalize(vector, p=2.0, dim=0)
+            out.append(vector.tolist())
+        if legacy:
+            return JSONResponse({"embedding": out[0]})
+        ns = int((time.perf_counter() - started) * 1_000_000_000)
+        return JSONResponse(
+            {
+                "model": body["model"],
+                "embeddings": out,
+                "total_duration": ns,
+                "load_duration": 0,
+                "prompt_eval_count": sum(len(x) for x in ids),
+            }
+        )
+
+    return await pooling_route(request, state, limits, metrics, "ollama-embd", handle, named=_named)
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+
+def _details(engine: Engine) -> dict[str, Any]:
+    family = engine.model.config.model_type
+    return {
+        "parent_model": "",
+        "family": family,
+        "families": [family],
+        "quantization_level": engine.config.quantize,
+    }
+
+
+def _listed(state: ServerState, each: Callable[[ServedModel, Engine], dict[str, Any]]) -> list:
+    out = []
+    for model in state.models.values():
+        if model.state == "ready" and model.engine is not None:
+            out.append(each(model, model.engine))
+    return out
+
+
+async def tags(state: ServerState) -> Response:
+    """/api/tags: the models ready to serve, as Ollama lists its local models."""
+    modified = datetime.fromtimestamp(state.started, timezone.utc).isoformat()
+
+    def each(model: ServedModel, engine: Engine) -> dict[str, Any]:
+        name = tagged(model.name)
+        return {
+            "name": name,
+            "model": name,
+            "modified_at": modified,
+            "size": engine.model.weight_bytes(),
+            "digest": engine.fingerprint,
+            "details": _details(engine),
+        }
+
+    return JSONResponse({"models": _listed(state, each)})
+
+
+async def ps(state: ServerState) -> Response:
+    """/api/ps: the models in memory (all those served, as long as the server runs)."""
+
+    def each(model: ServedModel, engine: Engine) -> dict[str, Any]:
+        name = tagged(model.name)
+        size = engine.model.weight_bytes()
+        return {
+            "name": name,
+            "model": name,
+            "size": size,
+            "digest": engine.fingerprint,
+            "details": _details(engine),
+            "expires_at": "9999-12-31T23:59:59Z",  # (kept while the server runs)
+            "size_vram": size if engine.model.device.type != "cpu" else 0,
+            "context_length": engine.context_len,
+        }
+
+    return JSONResponse({"models": _listed(state, each)})
+
+
+async def show(request: Request, state: ServerState, limits: BodyLimits) -> Response:
+    """/api/show: one model's details, template, context length and capabilities."""
+    _, model = _find(state, await read_json(request, limits))
+    engine = model.ready_engine()
+    capabilities = ["embedding"] if engine.task == "embed" else ["completion"]
+    if engine.task == "generate":
+        if model.renders_tools:
+            capabilities.append("tools")
+        if resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer):
+            capabilities.append("thinking")
+    family = getattr(engine.model.config, "model_type", "") or ""
+    template = getattr(engine.tokenizer, "chat_template", None) or ""
+    return JSONResponse(
+        {
+            "modelfile": f"# served by neuronpy\nFROM {model.name}\n",
+            "parameters": "",
+            "template": template if isinstance(template, str) else "",
+            "details": _details(engine),
+            "model_info": {
+                "general.architecture": family,
+                f"{family}.context_length": engine.context_len,
+                f"{family}.embedding_length": engine.model.config.hidden_size,
+            },
+            "capabilities": capabilities,
+            "modified_at": datetime.fromtimestamp(state.started, timezone.utc).isoformat(),
+        }
+    )
+
+
+async def version() -> Response:
+    return JSONResponse({"version": OLLAMA_VERSION})
