@@ -13,7 +13,7 @@ from types import FrameType
 
 import uvicorn
 
-from neuronpy import replicas
+from neuronpy import __version__, replicas
 from neuronpy.bench import cli as bench_cli
 from neuronpy.bench import quality
 from neuronpy.compose import load_engine
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="neuronpy", description="Lockstep gang-batched LLM serving in plain PyTorch."
     )
+    parser.add_argument("--version", action="version", version=f"neuronpy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser(
         "serve",

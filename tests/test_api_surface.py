@@ -198,3 +198,52 @@ def test_tools_on_a_template_without_them_are_a_400_unless_enforced(
     api.chat.completions.create(
         model=MODEL, messages=messages, tools=[TOOL], tool_choice="none", max_tokens=2
     )
+
+
+# ---- the edges a new user hits ------------------------------------------------------------------
+
+
+def test_an_empty_model_is_the_only_model_served() -> None:
+    with run_server(fixture_model(MODEL)) as alone:
+        reply = client(alone).chat.completions.create(
+            model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
+        assert reply.model == MODEL
+
+
+def test_an_empty_model_is_unknown_where_several_are_served(server: RunningServer) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client(server).chat.completions.create(
+            model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
+
+
+def test_chat_template_kwargs_reach_the_template(server: RunningServer) -> None:
+    api = client(server)
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = api.chat.completions.create(model=TOOLS_MODEL, messages=messages, max_tokens=1)
+    off = api.chat.completions.create(
+        model=TOOLS_MODEL,
+        messages=messages,
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    # Qwen3's template writes an empty think block into the prompt when thinking is off
+    assert off.usage.prompt_tokens > plain.usage.prompt_tokens
+    for bad in ({"tools": []}, {"x": [1]}, {"not an identifier": 1}, "on"):
+        response = httpx.post(
+            f"{server.v1}/chat/completions",
+            json={"model": TOOLS_MODEL, "messages": messages, "chat_template_kwargs": bad},
+        )
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_version_flag() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "neuronpy", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip().startswith("neuronpy ")

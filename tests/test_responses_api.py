@@ -279,6 +279,8 @@ BAD: list[tuple[dict[str, Any], int, str]] = [
         400,
         "tool_choice",
     ),
+    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, 400, "include"),
 ]
 # the chat request a Responses request becomes: none of its names may reach the client
 CHAT_NAMES = (
@@ -371,3 +373,25 @@ def test_a_client_leaving_a_stream_cancels_its_response(server: RunningServer) -
         assert next(lines) == "event: response.created"
     server.wait_for(lambda s: s["running"] == 0 and s["queued"] == 0, model=MODEL)
     assert server.stats(MODEL)["cancelled"] == before + 1
+
+
+def test_input_items_list_what_the_response_was_given(api: openai.OpenAI) -> None:
+    first = api.responses.create(model=MODEL, input="Hi", max_output_tokens=3, temperature=0.0)
+    second = api.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "And then?"}],
+        previous_response_id=first.id,
+        max_output_tokens=3,
+        temperature=0.0,
+    )
+    listed = api.responses.input_items.list(second.id, order="asc")
+    texts = [(item.role, item.content[0].text) for item in listed.data]  # type: ignore[union-attr]
+    assert texts == [("user", "Hi"), ("assistant", first.output_text), ("user", "And then?")]
+    newest = api.responses.input_items.list(second.id)  # desc, as OpenAI's default
+    assert [i.id for i in newest.data] == [i.id for i in reversed(listed.data)]
+    page = api.responses.input_items.list(second.id, order="asc", limit=1)
+    assert len(page.data) == 1 and page.has_more and page.first_id == listed.data[0].id
+    rest = api.responses.input_items.list(second.id, order="asc", after=listed.data[0].id)
+    assert [i.id for i in rest.data] == [i.id for i in listed.data[1:]] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        api.responses.input_items.list("resp_nope")

@@ -16,9 +16,11 @@ from neuronpy.bench.workloads import WORKLOADS
 from neuronpy.defaults import DTYPES, QUANTIZE_MODES
 
 DESCRIPTION = (
-    "Measure neuronpy against its peers on the same model, prompts, dtype and device "
-    "(shared/bench.md): W1 closed loop at K streams, W2 Poisson arrivals, W3 burst, W4 a long "
-    "prompt joining. Prints a table; writes a JSON file and a PNG plot of tokens/s against K."
+    "Measure neuronpy against its peers on the same model, prompts, dtype and device: W1 "
+    "closed loop at K streams, W2 Poisson arrivals, W3 burst, W4 a long prompt joining, W5 "
+    "structured outputs, W6 speculation. Prints a table; writes a JSON file and a PNG plot of "
+    "tokens/s against K. The workloads, metrics and peers: docs/benchmarks.md in neuronpy's "
+    "repository."
 )
 
 

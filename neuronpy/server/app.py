@@ -40,7 +40,12 @@ from neuronpy.server.ollama_api import routes as ollama
 from neuronpy.server.replica import drain, get_load, live
 from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
-from neuronpy.server.responses_api.routes import create_response, delete_response, get_response
+from neuronpy.server.responses_api.routes import (
+    create_response,
+    delete_response,
+    get_response,
+    input_items,
+)
 from neuronpy.server.responses_api.store import ResponseStore, StoreLimits
 from neuronpy.server.scoring import rerank, score
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
@@ -189,6 +194,9 @@ def create_app(
             return await delete_response(responses, rid)
         return await get_response(responses, rid)
 
+    async def input_items_route(request: Request) -> Response:
+        return await input_items(responses, request.path_params["rid"], request.query_params)
+
     async def embeddings_route(request: Request) -> Response:
         return await embeddings(request, state, limits, metrics)
 
@@ -261,6 +269,7 @@ def create_app(
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", responses_route, methods=["POST"]),
         Route("/v1/responses/{rid}", responses_route, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{rid}/input_items", input_items_route, methods=["GET"]),
         Route("/v1/messages", messages_route, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens_route, methods=["POST"]),
         Route("/v1/embeddings", embeddings_route, methods=["POST"]),

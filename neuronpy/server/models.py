@@ -133,7 +133,7 @@ class ServerState:
 
     def find(self, name: str | None) -> ServedModel:
         """The model a request names (None: the first one), or 404 listing the ids."""
-        if name is None:
+        if name is None or (name == "" and len(self.models) == 1):  # "": the only one
             return next(iter(self.models.values()))
         model = self.models.get(name)
         if model is None:
@@ -251,7 +251,8 @@ async def drain_on_request(
     engines = [m.engine for m in models if m.engine is not None]
     in_flight = sum(e.stats().running + e.stats().queued for e in engines)
     log.info(
-        "stopping: admitting no new requests; %d in flight get up to %g s to finish",
+        "stopping: admitting no new requests; %d in flight get up to %g s to finish "
+        "(a second Ctrl-C or SIGTERM aborts them now)",
         in_flight,
         timeout,
     )

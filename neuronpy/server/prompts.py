@@ -4,6 +4,7 @@ HTTP layer makes them 400s)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from jinja2 import TemplateError
@@ -16,11 +17,13 @@ def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of `messages` (and `tools`, for a template that writes them) through the
     model's own chat template, which transformers renders in a sandboxed Jinja environment.
     Control tokens inside messages and tools are encoded as plain text, so a user cannot forge
-    a turn. A template never comes from the request."""
+    a turn. A template never comes from the request; `template_kwargs` (checked by
+    check_template_kwargs) are variables it may read, such as Qwen3's `enable_thinking`."""
     if not tokenizer.chat_template:
         raise InvalidRequestError(
             "this model has no chat template; use /v1/completions", "messages"
@@ -28,6 +31,7 @@ def render_chat(
     try:
         ids = tokenizer.apply_chat_template(
             messages,
+            **(template_kwargs or {}),
             tools=tools or None,
             add_generation_prompt=True,
             tokenize=True,
@@ -66,3 +70,66 @@ def template_renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
         return render_chat(tokenizer, messages) != render_chat(tokenizer, messages, [PROBE_TOOL])
     except InvalidRequestError:
         return False
+
+
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_STRING = 1024
+# what apply_chat_template itself takes, and the template's own variables: never from a request
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "sanitize_control_tokens",
+        "bos_token",
+        "eos_token",
+        "pad_token",
+        "unk_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
+_TEMPLATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def check_template_kwargs(value: object) -> dict[str, Any] | None:
+    """`chat_template_kwargs` (vLLM's): up to 16 variables for the chat template, named as
+    identifiers (never one apply_chat_template or the template itself defines), each a
+    boolean, a number, a string of at most 1024 characters, or null. InvalidRequestError
+    naming the field otherwise."""
+    field = "chat_template_kwargs"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"'{field}' must be an object", field)
+    if len(value) > MAX_TEMPLATE_KWARGS:
+        raise InvalidRequestError(f"'{field}' takes at most {MAX_TEMPLATE_KWARGS} names", field)
+    for name, item in value.items():
+        where = f"{field}.{str(name)[:64]}"
+        if not _TEMPLATE_NAME.match(str(name)) or name in RESERVED_TEMPLATE_NAMES:
+            raise InvalidRequestError(
+                f"'{where}': a template variable must be an identifier that is not one of "
+                "the template's own (messages, tools, add_generation_prompt, ...)",
+                field,
+            )
+        if isinstance(item, str) and len(item) > MAX_TEMPLATE_STRING:
+            raise InvalidRequestError(
+                f"'{where}' is longer than {MAX_TEMPLATE_STRING} characters", field
+            )
+        if item is not None and not isinstance(item, bool | int | float | str):
+            raise InvalidRequestError(
+                f"'{where}' must be a boolean, a number, a string or null", field
+            )
+    return dict(value)

@@ -33,7 +33,7 @@ from neuronpy.server.constraints import (
     tool_constraint,
     with_tool_format,
 )
-from neuronpy.server.prompts import encode_prompt, render_chat
+from neuronpy.server.prompts import check_template_kwargs, encode_prompt, render_chat
 from neuronpy.server.schema import WireModel, either, is_int, json_type, validate
 
 Kind = Literal["chat", "text"]
@@ -299,6 +299,12 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
 
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the template
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, value: Any) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -326,7 +332,9 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
         return OutputFormat(reasoning, tools.parse, tools.parallel, tool_format)
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
-        return render_chat(tokenizer, self.template_messages(), self.chat_tools.tools)
+        return render_chat(
+            tokenizer, self.template_messages(), self.chat_tools.tools, self.chat_template_kwargs
+        )
 
 
 class CompletionRequest(SamplingRequest):

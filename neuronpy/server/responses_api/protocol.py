@@ -198,6 +198,9 @@ class ResponsesRequest(WireModel):
     store: bool | None = None
     previous_response_id: str | None = None
     metadata: Any = None  # echoed and stored: check_metadata's limits
+    # asked for but not served: refused by name rather than ignored
+    background: bool | None = None
+    include: list[str] | None = None
     _format: Constraint | None = PrivateAttr(default=None)
 
     @field_validator("input", mode="before")
@@ -256,6 +259,18 @@ class ResponsesRequest(WireModel):
 
     @model_validator(mode="after")
     def _whole(self) -> ResponsesRequest:
+        if self.background:
+            raise InvalidRequestError(
+                "'background' responses are not supported: ask without it (streamed, if the "
+                "client should not wait for the whole response)",
+                "background",
+            )
+        for item in self.include or ():
+            raise InvalidRequestError(
+                f"'include' {item[:60]!r} is not supported by this server (nothing extra can "
+                "be included in a response: ask /v1/chat/completions for log-probabilities)",
+                "include",
+            )
         self._format = self._format_constraint()
         return self
 

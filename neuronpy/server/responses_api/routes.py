@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -53,6 +53,76 @@ async def get_response(store: ResponseStore, rid: str) -> Response:
     if stored is None:
         raise _not_found(rid)
     return Response(stored.response, media_type="application/json")
+
+
+def _input_item(rid: str, index: int, message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A stored chat message as the Responses input items it was given as."""
+    role, text = message.get("role"), message.get("content") or ""
+    item_id = f"msg_{rid.removeprefix('resp_')}_{index}"
+    if role == "tool":
+        call = message.get("tool_call_id", "")
+        return [{"id": item_id, "type": "function_call_output", "call_id": call, "output": text}]
+    kind = "output_text" if role == "assistant" else "input_text"
+    items: list[dict[str, Any]] = []
+    if text or role != "assistant":
+        content = [{"type": kind, "text": text}]
+        items.append(
+            {
+                "id": item_id,
+                "type": "message",
+                "role": role,
+                "content": content,
+                "status": "completed",
+            }
+        )
+    for j, call in enumerate(message.get("tool_calls") or ()):
+        function = call.get("function", {})
+        items.append(
+            {
+                "id": f"fc_{rid.removeprefix('resp_')}_{index}_{j}",
+                "type": "function_call",
+                "call_id": call.get("id", ""),
+                "name": function.get("name", ""),
+                "arguments": function.get("arguments", ""),
+                "status": "completed",
+            }
+        )
+    return items
+
+
+async def input_items(store: ResponseStore, rid: str, query: Mapping[str, str]) -> JSONResponse:
+    """GET /v1/responses/{id}/input_items: what the model was given for that response (its
+    conversation, earlier turns included, without its reply and instructions), as OpenAI
+    lists them: `order` desc (the default) or asc, `limit` 1-100 (default 20), `after` an id."""
+    stored = await store.get(rid)
+    if stored is None:
+        raise _not_found(rid)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "'order' must be 'asc' or 'desc'", param="order")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise ApiError(400, "'limit' must be an integer from 1 to 100", param="limit")
+    messages = stored.messages()[:-1]  # (the last is the response's own reply)
+    items = [item for i, m in enumerate(messages) for item in _input_item(rid, i, m)]
+    if order == "desc":
+        items.reverse()
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(400, f"'after' names no input item of {rid[:100]!r}", param="after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(limit_text)]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
+    )
 
 
 async def delete_response(store: ResponseStore, rid: str) -> JSONResponse:
