@@ -198,14 +198,17 @@ def test_request_chat_template_is_never_used(server: RunningServer) -> None:
     hostile = chat(
         server,
         max_tokens=5,
-        extra_body={
-            "chat_template": "{{ raise_exception('template from the request ran') }}",
-            "chat_template_kwargs": {"add_generation_prompt": False},
-        },
+        extra_body={"chat_template": "{{ raise_exception('template from the request ran') }}"},
         **GREEDY,
     )
     assert hostile.choices[0].message.content == plain.choices[0].message.content
     assert hostile.usage.prompt_tokens == plain.usage.prompt_tokens
+    # chat_template_kwargs reach the template, but never as one of apply_chat_template's own
+    # arguments (nor the template's own variables)
+    for name in ("add_generation_prompt", "chat_template", "messages", "raise_exception"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(server, max_tokens=5, extra_body={"chat_template_kwargs": {name: False}})
+        assert refused.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
 
 
 def test_control_tokens_in_messages_are_plain_text(server, tokenizer) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from tests.scripted import Scripts
-from tests.servers import RunningServer, fixture_model, run_server
+from tests.servers import RunningServer, engine_loader, fixture_model, run_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
@@ -217,3 +218,119 @@ def test_reasoning_folds_code_renders_and_tool_calls_show(page: Any, served: Any
     assert answer.locator(".content code").first.inner_text() == "x"
     assert answer.locator(".content pre code").inner_text().strip() == "x = 1 < 2"
     assert answer.locator(".tool-call").inner_text() == 'get_time({"tz": "CET"})'
+
+
+# ---- what a new user hit: loading, the key dialog, phones, scrolling, settings, tools ----------
+
+
+def test_a_page_opened_while_the_model_loads_works_once_it_is_ready(browser: Any) -> None:
+    gate = threading.Event()
+    load = engine_loader()
+
+    def slow() -> Any:
+        gate.wait(120)
+        return load()
+
+    with run_server({"tiny-llama": slow}, wait_ready=False) as server:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(server.url + "/")
+        page.locator("#status", has_text="waiting for a model").wait_for()
+        page.fill("#prompt", "too early")
+        page.click("#send")  # kept, not sent to a model named ''
+        assert page.locator(".message").count() == 0
+        assert page.input_value("#prompt") == "too early"
+        gate.set()
+        page.wait_for_selector("#model option", state="attached", timeout=120_000)
+        answer = ask(page, "hello", max_tokens=4)
+        answer.locator(".meta .stats").wait_for(timeout=60_000)
+        assert answer.locator(".error").count() == 0
+        context.close()
+
+
+def test_escape_on_the_key_dialog_leaves_the_page_usable(browser: Any) -> None:
+    with run_server(fixture_model("tiny-llama"), api_key=KEY) as server:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_selector("#key-dialog[open]")
+        page.keyboard.press("Escape")
+        page.wait_for_selector("#key-dialog:not([open])", state="attached")
+        page.locator("#status", has_text="needs an API key").wait_for()
+        assert page.is_enabled("#send") and page.is_disabled("#stop")
+        page.fill("#api-key", KEY)  # the key entered in the settings instead
+        page.press("#api-key", "Tab")
+        page.wait_for_selector("#model option", state="attached")
+        answer = ask(page, "hello", max_tokens=4)
+        answer.locator(".meta .stats").wait_for(timeout=60_000)
+        assert answer.locator(".error").count() == 0
+        page.reload()  # the key is kept
+        page.wait_for_selector("#model option", state="attached")
+        assert page.input_value("#api-key") == KEY
+        context.close()
+
+
+def test_the_page_fits_a_phone(browser: Any, served: Any) -> None:
+    server, _ = served
+    context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True)
+    page = context.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option", state="attached")
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= 390, width
+    assert not page.is_visible("#settings")
+    for button in ("#send", "#stop", "#new-chat", "#settings-toggle"):
+        box = page.locator(button).bounding_box()
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 390, button
+    page.click("#settings-toggle")
+    assert page.is_visible("#settings")
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "4")
+    page.click("#settings-toggle")
+    page.fill("#prompt", "hello")
+    page.tap("#send")  # (playwright fails a tap that something else would catch)
+    page.locator(".message.assistant .meta .stats").wait_for(timeout=60_000)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    context.close()
+
+
+def test_a_long_reply_keeps_the_page_at_its_end_and_stop_in_view(page: Any, served: Any) -> None:
+    server, scripts = served
+    model = "tiny-llama"
+    script(scripts[model], server, model, "[long]", "\n\n".join(f"line {i}" for i in range(80)))
+    answer = ask(page, "Write [long]", max_tokens=400)
+    answer.locator(".meta .stats").wait_for(timeout=60_000)
+    at_end = page.evaluate(
+        "window.innerHeight + window.scrollY >= document.documentElement.scrollHeight - 80"
+    )
+    assert at_end
+    box = page.locator("#stop").bounding_box()
+    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 800
+
+
+def test_settings_are_kept_across_a_reload(page: Any) -> None:
+    values = {"#system": "You are terse.", "#temperature": "0.3", "#max_tokens": "77"}
+    for selector, value in values.items():
+        page.fill(selector, value)
+    page.select_option("#tool_choice", "required")
+    page.reload()
+    page.wait_for_selector("#model option", state="attached")
+    for selector, value in values.items():
+        assert page.input_value(selector) == value, selector
+    assert page.input_value("#tool_choice") == "required"
+
+
+def test_tool_choice_required_calls_a_tool_on_a_template_without_tools(page: Any) -> None:
+    page.select_option("#model", "tiny-llama")  # its template cannot show tools
+    page.fill("#tools", json.dumps([TOOL]))
+    page.select_option("#tool_choice", "required")
+    sent: list[Any] = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if "completions" in r.url else None)
+    answer = ask(page, "What time is it?", max_tokens=64)
+    answer.locator(".meta .stats").wait_for(timeout=60_000)
+    assert answer.locator(".error").count() == 0, answer.inner_text()
+    assert answer.locator(".tool-call").first.inner_text().startswith("get_time(")
+    # the request is the conversation so far: the reply being written is not in it
+    (body,) = sent
+    assert body["messages"] == [{"role": "user", "content": "What time is it?"}]
+    assert body["tool_choice"] == "required"

@@ -4,12 +4,42 @@
 // run.
 
 const STORE = "neuronpy.chat";
+const SETTINGS_STORE = "neuronpy.settings";
+// the settings kept in this browser across reloads (the API key is common.js's)
+const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "seed", "tools", "tool_choice"];
+const MODELS_RETRY_MS = 2000;  // while the server loads its models, ask again this often
 const $ = (id) => document.getElementById(id);
 let conversation = JSON.parse(localStorage.getItem(STORE) || "[]");
 let controller = null;
 
 function save() {
   localStorage.setItem(STORE, JSON.stringify(conversation));
+}
+
+function saveSettings() {
+  const values = {};
+  for (const id of SETTINGS) values[id] = $(id).value;
+  localStorage.setItem(SETTINGS_STORE, JSON.stringify(values));
+}
+
+function restoreSettings() {
+  let values = {};
+  try {
+    values = JSON.parse(localStorage.getItem(SETTINGS_STORE) || "{}") || {};
+  } catch (e) {
+    values = {};
+  }
+  for (const id of SETTINGS) if (typeof values[id] === "string") $(id).value = values[id];
+  $("api-key").value = apiKey();
+}
+
+// whether the page is scrolled to (about) its end: a streaming reply keeps it there
+function atBottom() {
+  return window.innerHeight + window.scrollY >= document.documentElement.scrollHeight - 80;
+}
+
+function toBottom() {
+  window.scrollTo(0, document.documentElement.scrollHeight);
 }
 
 // A small, safe markdown: ``` fences, `code`, **bold**, *italics*, paragraphs, line breaks.
@@ -95,16 +125,31 @@ function messageNode(message, index) {
 function render() {
   const box = $("messages");
   box.replaceChildren(...conversation.map(messageNode));
-  window.scrollTo(0, document.body.scrollHeight);
+  toBottom();
 }
 
+// The served models; while none is ready (the server still loads them) the page says so and
+// asks again every MODELS_RETRY_MS, so a page opened during start-up works once it is up.
+let modelsTimer = null;
 async function loadModels() {
-  const response = await api("/v1/models");
-  if (!response.ok) {
-    $("status").textContent = "models: " + (await errorText(response));
+  clearTimeout(modelsTimer);
+  let response;
+  try {
+    response = await api("/v1/models");
+  } catch (e) {
+    response = null;  // the server is not answering (yet): try again
+  }
+  if (response && response.status === 401) {
+    $("status").textContent = "this server needs an API key: enter it under Settings";
     return;
   }
-  const { data } = await response.json();
+  const data = response && response.ok ? (await response.json()).data : [];
+  if (!data.length) {
+    const why = response ? await errorText(response) : "the server is not answering";
+    $("status").textContent = "waiting for a model (" + why + "); trying again";
+    modelsTimer = setTimeout(loadModels, MODELS_RETRY_MS);
+    return;
+  }
   const select = $("model");
   select.replaceChildren(...data.map((m) => el("option", "", m.id)));
   const wanted = localStorage.getItem("neuronpy.model");
@@ -112,12 +157,13 @@ async function loadModels() {
   $("status").textContent = "";
 }
 
-function requestBody() {
+// the request for the conversation so far, `pending` (the reply being written) left out
+function requestBody(pending) {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
   for (const m of conversation) {
-    if (m.error && !m.content) continue;
+    if (m === pending || (m.error && !m.content)) continue;
     const item = { role: m.role, content: m.content || "" };
     if (m.tool_calls && m.tool_calls.length) item.tool_calls = m.tool_calls;
     messages.push(item);
@@ -133,7 +179,12 @@ function requestBody() {
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   const tools = $("tools").value.trim();
-  if (tools) body.tools = JSON.parse(tools);  // (a bad list: the error is shown in the reply)
+  if (tools) {
+    body.tools = JSON.parse(tools);  // (a bad list: the error is shown in the reply)
+    // "required" holds the reply to a call: tools then work on a model whose template
+    // cannot show them (the server enforces the call's shape)
+    if ($("tool_choice").value !== "auto") body.tool_choice = $("tool_choice").value;
+  }
   return body;
 }
 
@@ -153,7 +204,7 @@ async function complete() {
     const response = await api("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(requestBody()),
+      body: JSON.stringify(requestBody(reply)),
       signal: controller.signal,
     });
     if (!response.ok) throw new Error(await errorText(response));
@@ -186,8 +237,10 @@ async function complete() {
             else known.function.arguments += call.function.arguments || "";
           }
         }
+        const following = atBottom();
         renderMarkdown(body, reply.content);
         if (reply.reasoning && !node.querySelector("details")) render();
+        if (following) toBottom();
       }
     }
   } catch (error) {
@@ -213,6 +266,10 @@ function send(event) {
   if (event) event.preventDefault();
   const text = $("prompt").value;
   if (!text.trim() || controller) return;
+  if (!$("model").value) {
+    $("status").textContent = "no model is ready yet: your message is kept until one is";
+    return;
+  }
   conversation.push({ role: "user", content: text });
   $("prompt").value = "";
   save();
@@ -237,6 +294,16 @@ window.addEventListener("DOMContentLoaded", () => {
     render();
   });
   $("model").addEventListener("change", () => localStorage.setItem("neuronpy.model", $("model").value));
+  restoreSettings();
+  for (const id of SETTINGS) $(id).addEventListener("input", saveSettings);
+  $("api-key").addEventListener("change", () => {
+    setApiKey($("api-key").value);
+    loadModels();
+  });
+  $("settings-toggle").addEventListener("click", () => {
+    const open = $("settings").classList.toggle("open");
+    $("settings-toggle").setAttribute("aria-expanded", String(open));
+  });
   render();
   loadModels();
 });
