@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -12,7 +13,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -450,11 +451,35 @@ def _cached_gguf(path: Path, cache_dir: Path, log: Callable[[str], None]) -> str
         (tmp / _CACHE_MARKER).write_text(json.dumps(source, indent=2))
 
     try:
-        _publish(entry, convert)
+        with _heartbeat(log, f"converting {path.name}", started):
+            _publish(entry, convert)
     except OSError as exc:
         raise ModelLoadError(f"could not write the GGUF cache in {entry.parent}: {exc}") from exc
     log(f"converted {path.name} in {time.perf_counter() - started:.1f} s")
     return str(entry)
+
+
+HEARTBEAT_SECONDS = 5.0  # how often a long step (a GGUF conversion) says it is still at work
+
+
+@contextlib.contextmanager
+def _heartbeat(log: Callable[[str], None], doing: str, started: float) -> Iterator[None]:
+    """While the block runs, `log` "still DOING (N s)" every HEARTBEAT_SECONDS, so that a step
+    with no progress of its own (transformers reading and dequantizing a GGUF file) is never a
+    silent wait."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(HEARTBEAT_SECONDS):
+            log(f"still {doing} ({time.perf_counter() - started:.0f} s)")
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _publish(entry: Path, fill: Callable[[Path], None]) -> None:

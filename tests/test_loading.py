@@ -302,3 +302,21 @@ def test_cli_hub_id_that_cannot_be_fetched_is_a_clear_error(
     assert done.returncode == 1
     assert "no-org/no-model" in done.stderr and "Hugging Face Hub" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_long_conversion_says_it_is_still_at_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from neuronpy import loading
+
+    monkeypatch.setattr(loading, "HEARTBEAT_SECONDS", 0.01)
+    messages: list[str] = []
+    with loading._heartbeat(messages.append, "converting x.gguf", time.perf_counter()):
+        deadline = time.monotonic() + 30
+        while len(messages) < 2:  # (the block outlasts two beats, however slow the machine)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    after = len(messages)
+    time.sleep(0.05)
+    assert len(messages) == after  # quiet once the block is done
+    assert all(m.startswith("still converting x.gguf (") for m in messages)

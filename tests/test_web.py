@@ -334,3 +334,33 @@ def test_tool_choice_required_calls_a_tool_on_a_template_without_tools(page: Any
     (body,) = sent
     assert body["messages"] == [{"role": "user", "content": "What time is it?"}]
     assert body["tool_choice"] == "required"
+
+
+def test_the_sampling_settings_reach_the_request(page: Any) -> None:
+    sent: list[Any] = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if "completions" in r.url else None)
+    page.click("#more-sampling summary")
+    page.fill("#top_k", "5")
+    page.fill("#min_p", "0.05")
+    page.fill("#repetition_penalty", "1.1")
+    page.fill("#stop_strings", "END\nSTOP")
+    page.fill("#extra", json.dumps({"response_format": {"type": "json_object"}, "stream": False}))
+    answer = ask(page, "Give me JSON", max_tokens=8)
+    answer.locator(".meta .stats").wait_for(timeout=60_000)
+    assert answer.locator(".error").count() == 0
+    (body,) = sent
+    assert body["top_k"] == 5 and body["min_p"] == 0.05 and body["repetition_penalty"] == 1.1
+    assert body["stop"] == ["END", "STOP"]
+    assert body["response_format"] == {"type": "json_object"} and body["stream"] is True
+    assert "presence_penalty" not in body  # (left empty: the server's default)
+
+
+def test_a_dark_scheme_gets_dark_colours(browser: Any, served: Any) -> None:
+    server, _ = served
+    context = browser.new_context(color_scheme="dark")
+    page = context.new_page()
+    page.goto(server.url + "/")
+    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    red, green, blue = (int(v) for v in background[background.index("(") + 1 : -1].split(",")[:3])
+    assert max(red, green, blue) < 60, background
+    context.close()

@@ -6,7 +6,11 @@
 const STORE = "neuronpy.chat";
 const SETTINGS_STORE = "neuronpy.settings";
 // the settings kept in this browser across reloads (the API key is common.js's)
-const SETTINGS = ["system", "temperature", "top_p", "max_tokens", "seed", "tools", "tool_choice"];
+const NUMBERS = ["top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"];
+const SETTINGS = [
+  "system", "temperature", "top_p", "max_tokens", "seed", "tools", "tool_choice",
+  ...NUMBERS, "stop_strings", "extra",
+];
 const MODELS_RETRY_MS = 2000;  // while the server loads its models, ask again this often
 const $ = (id) => document.getElementById(id);
 let conversation = JSON.parse(localStorage.getItem(STORE) || "[]");
@@ -178,6 +182,12 @@ function requestBody(pending) {
     max_tokens: Number($("max_tokens").value),
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  for (const id of NUMBERS) if ($(id).value !== "") body[id] = Number($(id).value);
+  const stops = $("stop_strings").value.split("\n").filter((s) => s !== "");
+  if (stops.length) body.stop = stops;
+  const extra = $("extra").value.trim();
+  // (not an object: the error is shown in the reply; the stream itself cannot be turned off)
+  if (extra) Object.assign(body, JSON.parse(extra), { stream: true });
   const tools = $("tools").value.trim();
   if (tools) {
     body.tools = JSON.parse(tools);  // (a bad list: the error is shown in the reply)
