@@ -247,3 +247,39 @@ def test_version_flag() -> None:
         [sys.executable, "-m", "neuronpy", "--version"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip().startswith("neuronpy ")
+
+
+def test_continue_final_message_goes_on_from_the_assistants_text(server: RunningServer) -> None:
+    api = client(server)
+    question = {"role": "user", "content": "Count to ten."}
+    whole = api.chat.completions.create(
+        model=MODEL, messages=[question], max_tokens=12, temperature=0
+    )
+    text = whole.choices[0].message.content or ""
+    tokenizer = server.state.models[MODEL].engine.tokenizer  # type: ignore[union-attr]
+    start = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:4])
+    more = api.chat.completions.create(
+        model=MODEL,
+        messages=[question, {"role": "assistant", "content": start}],
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True},
+    )
+    # the prompt ends inside the assistant's turn: no end of turn, no new turn after it
+    prompt = tokenizer.apply_chat_template(
+        [question, {"role": "assistant", "content": start}],
+        continue_final_message=True,
+        add_generation_prompt=False,
+        tokenize=True,
+        return_dict=False,
+    )
+    assert more.usage.prompt_tokens == len(prompt)
+    assert (start + (more.choices[0].message.content or "")).startswith(text[: len(start)])
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(
+            model=MODEL,
+            messages=[question],
+            max_tokens=2,
+            extra_body={"continue_final_message": True},
+        )
+    assert refused.value.body["param"] == "continue_final_message"  # type: ignore[index]

@@ -93,7 +93,7 @@ def test_a_message_gets_a_streamed_reply_rendered_safely(page: Any, served: Any)
     assert reply.locator(".content").inner_text().strip() == "Hello from neuronpy!"
     assert reply.locator(".content strong").inner_text() == "neuronpy"
     assert "TTFT" in reply.locator(".stats").inner_text()
-    assert page.locator(".message.user").last.inner_text().endswith("Say hi [hello]")
+    assert page.locator(".message.user .content").last.inner_text() == "Say hi [hello]"
     # the conversation is kept in the browser: a reload shows it again
     page.reload()
     page.wait_for_selector(".message.assistant")
@@ -364,3 +364,73 @@ def test_a_dark_scheme_gets_dark_colours(browser: Any, served: Any) -> None:
     red, green, blue = (int(v) for v in background[background.index("(") + 1 : -1].split(",")[:3])
     assert max(red, green, blue) < 60, background
     context.close()
+
+
+def test_conversations_are_listed_searched_switched_and_deleted(page: Any) -> None:
+    ask(page, "first about rivers", max_tokens=4).locator(".meta .stats").wait_for()
+    page.click("#new-chat")
+    assert page.locator(".message").count() == 0
+    ask(page, "second about cats", max_tokens=4).locator(".meta .stats").wait_for()
+    titles = page.locator("#conversations .open").all_inner_texts()
+    assert titles == ["second about cats", "first about rivers"]
+    page.locator("#conversations .open", has_text="first about rivers").click()
+    assert page.locator(".message.user .content").all_inner_texts() == ["first about rivers"]
+    page.fill("#search", "CATS")
+    assert page.locator("#conversations .open").all_inner_texts() == ["second about cats"]
+    page.fill("#search", "")
+    page.reload()
+    page.wait_for_selector("#model option", state="attached")
+    assert page.locator(".message.user .content").all_inner_texts() == ["first about rivers"]
+    page.locator("#conversations li.current .delete").click()
+    assert page.locator("#conversations .open").all_inner_texts() == ["second about cats"]
+    assert page.locator(".message.user .content").all_inner_texts() == ["second about cats"]
+
+
+def test_conversations_export_and_import(page: Any, tmp_path: Path) -> None:
+    ask(page, "kept for later", max_tokens=4).locator(".meta .stats").wait_for()
+    with page.expect_download() as download:
+        page.click("#export")
+    saved = tmp_path / "conversations.json"
+    download.value.save_as(saved)
+    exported = json.loads(saved.read_text())
+    (only,) = exported["conversations"]
+    assert [m["role"] for m in only["messages"]] == ["user", "assistant"]
+    page.set_input_files("#import", str(saved))
+    page.locator("#status", has_text="imported 1 conversation").wait_for()
+    assert page.locator("#conversations .open").all_inner_texts() == ["kept for later"] * 2
+
+
+def test_edit_branches_and_any_reply_regenerates(page: Any) -> None:
+    sent: list[Any] = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if "completions" in r.url else None)
+    ask(page, "one", max_tokens=4).locator(".meta .stats").wait_for()
+    ask(page, "two", max_tokens=4).locator(".meta .stats").wait_for()
+    page.locator(".message.assistant .regenerate").first.click()  # the first reply again
+    page.locator(".message.assistant .meta .stats").last.wait_for()
+    assert page.locator(".message.user .content").all_inner_texts() == ["one"]
+    assert [m["content"] for m in sent[-1]["messages"]] == ["one"]
+    page.locator(".message.user .edit").click()
+    page.fill(".edit-box", "one, edited")
+    page.click(".save-edit")
+    page.locator(".message.assistant .meta .stats").last.wait_for()
+    assert page.locator(".message.user .content").all_inner_texts() == ["one, edited"]
+    assert page.locator(".message.assistant").count() == 1
+    assert [m["content"] for m in sent[-1]["messages"]] == ["one, edited"]
+
+
+def test_continue_asks_for_more_of_the_last_reply(page: Any, served: Any) -> None:
+    server, scripts = served
+    script(scripts["tiny-llama"], server, "tiny-llama", "[count]", "one two three four five six")
+    sent: list[Any] = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if "completions" in r.url else None)
+    answer = ask(page, "Count [count]", max_tokens=2)
+    answer.locator(".meta .stats").wait_for()
+    before = answer.locator(".content").inner_text()
+    page.click(".message.assistant .continue")
+    page.locator(".message.assistant .meta .stats").wait_for()
+    body = sent[-1]
+    assert body["continue_final_message"] is True
+    assert body["messages"][-1] == {"role": "assistant", "content": before}
+    after = page.locator(".message.assistant .content").inner_text()
+    assert after.startswith(before) and len(after) > len(before)
+    assert page.locator(".message.assistant").count() == 1

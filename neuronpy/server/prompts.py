@@ -18,12 +18,15 @@ def render_chat(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final: bool = False,
 ) -> list[int]:
     """Token ids of `messages` (and `tools`, for a template that writes them) through the
     model's own chat template, which transformers renders in a sandboxed Jinja environment.
     Control tokens inside messages and tools are encoded as plain text, so a user cannot forge
     a turn. A template never comes from the request; `template_kwargs` (checked by
-    check_template_kwargs) are variables it may read, such as Qwen3's `enable_thinking`."""
+    check_template_kwargs) are variables it may read, such as Qwen3's `enable_thinking`.
+    `continue_final`: the last message (the assistant's) is left open for the model to go on
+    with, instead of a new assistant turn after it."""
     if not tokenizer.chat_template:
         raise InvalidRequestError(
             "this model has no chat template; use /v1/completions", "messages"
@@ -33,7 +36,8 @@ def render_chat(
             messages,
             **(template_kwargs or {}),
             tools=tools or None,
-            add_generation_prompt=True,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
             tokenize=True,
             return_dict=False,
             sanitize_control_tokens=True,

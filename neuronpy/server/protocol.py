@@ -300,6 +300,8 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the template
+    # vLLM's: the reply goes on from the last (assistant) message instead of a new turn
+    continue_final_message: bool | None = None
 
     @field_validator("chat_template_kwargs", mode="before")
     @classmethod
@@ -316,6 +318,11 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
         return top
 
     def _own_constraint(self) -> Constraint | None:
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise InvalidRequestError(
+                "'continue_final_message' needs the last message to be the assistant's",
+                "continue_final_message",
+            )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return tool_constraint(self.chat_tools, super()._own_constraint())
@@ -333,7 +340,11 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
         return render_chat(
-            tokenizer, self.template_messages(), self.chat_tools.tools, self.chat_template_kwargs
+            tokenizer,
+            self.template_messages(),
+            self.chat_tools.tools,
+            self.chat_template_kwargs,
+            continue_final=bool(self.continue_final_message),
         )
 
 

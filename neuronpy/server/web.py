@@ -19,6 +19,7 @@ FILES = {
     "style.css": "text/css; charset=utf-8",
     "common.js": "text/javascript; charset=utf-8",
     "chat.js": "text/javascript; charset=utf-8",
+    "history.js": "text/javascript; charset=utf-8",
     "batch.js": "text/javascript; charset=utf-8",
 }
 # The pages run no inline script and fetch nothing from elsewhere; this says so to the browser

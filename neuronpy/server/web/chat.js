@@ -3,7 +3,6 @@
 // writes is put on the page as text nodes (never as HTML), so markup in a reply is shown, not
 // run.
 
-const STORE = "neuronpy.chat";
 const SETTINGS_STORE = "neuronpy.settings";
 // the settings kept in this browser across reloads (the API key is common.js's)
 const NUMBERS = ["top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"];
@@ -13,11 +12,41 @@ const SETTINGS = [
 ];
 const MODELS_RETRY_MS = 2000;  // while the server loads its models, ask again this often
 const $ = (id) => document.getElementById(id);
-let conversation = JSON.parse(localStorage.getItem(STORE) || "[]");
+let conversation = [];  // the messages of the conversation shown (Conversations.current's)
 let controller = null;
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(conversation));
+  Conversations.touch();
+  renderHistory();
+}
+
+// the list of conversations, filtered by the search box; the shown one marked
+function renderHistory() {
+  const items = Conversations.search($("search").value).map((c) => {
+    const item = el("li", c === Conversations.current ? "current" : "");
+    const open = el("button", "open", c.title || "(new conversation)");
+    open.type = "button";
+    open.addEventListener("click", () => show(c.id));
+    const drop = el("button", "delete", "×");
+    drop.type = "button";
+    drop.title = "delete this conversation";
+    drop.addEventListener("click", () => {
+      if (controller) return;
+      Conversations.remove(c.id);
+      show(Conversations.current.id);
+    });
+    item.append(open, drop);
+    return item;
+  });
+  $("conversations").replaceChildren(...items);
+}
+
+function show(id) {
+  if (controller) return;  // (not while a reply streams into the one shown)
+  Conversations.select(id);
+  conversation = Conversations.current.messages;
+  renderHistory();
+  render();
 }
 
 function saveSettings() {
@@ -115,12 +144,24 @@ function messageNode(message, index) {
     copy.type = "button";
     copy.addEventListener("click", () => navigator.clipboard.writeText(message.content || ""));
     meta.appendChild(copy);
-    if (index === conversation.length - 1) {
-      const again = el("button", "regenerate", "regenerate");
-      again.type = "button";
-      again.addEventListener("click", regenerate);
-      meta.appendChild(again);
+    const again = el("button", "regenerate", "regenerate");
+    again.type = "button";
+    again.addEventListener("click", () => regenerate(index));
+    meta.appendChild(again);
+    if (index === conversation.length - 1 && message.error !== "stopped") {
+      const more = el("button", "continue", "continue");
+      more.type = "button";
+      more.addEventListener("click", () => continueReply(index));
+      meta.appendChild(more);
     }
+    node.appendChild(meta);
+  }
+  if (message.role === "user") {
+    const meta = el("div", "meta");
+    const edit = el("button", "edit", "edit");
+    edit.type = "button";
+    edit.addEventListener("click", () => startEdit(node, index));
+    meta.appendChild(edit);
     node.appendChild(meta);
   }
   return node;
@@ -162,7 +203,7 @@ async function loadModels() {
 }
 
 // the request for the conversation so far, `pending` (the reply being written) left out
-function requestBody(pending) {
+function requestBody(pending, continuing) {
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
@@ -175,6 +216,7 @@ function requestBody(pending) {
   const body = {
     model: $("model").value,
     messages,
+    ...(continuing ? { continue_final_message: true } : {}),
     stream: true,
     stream_options: { include_usage: true },
     temperature: Number($("temperature").value),
@@ -198,9 +240,14 @@ function requestBody(pending) {
   return body;
 }
 
-async function complete() {
-  const reply = { role: "assistant", content: "", reasoning: "" };
-  conversation.push(reply);
+// a reply streamed into the conversation: a new one, or more of `continued` (the last one)
+async function complete(continued) {
+  const reply = continued || { role: "assistant", content: "", reasoning: "" };
+  if (continued) {
+    delete reply.error;
+    delete reply.stats;
+    reply.reasoning = reply.reasoning || "";
+  } else conversation.push(reply);
   render();
   const node = $("messages").lastChild;
   const body = node.querySelector(".content");
@@ -214,7 +261,7 @@ async function complete() {
     const response = await api("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(requestBody(reply)),
+      body: JSON.stringify(requestBody(continued ? null : reply, Boolean(continued))),
       signal: controller.signal,
     });
     if (!response.ok) throw new Error(await errorText(response));
@@ -286,10 +333,38 @@ function send(event) {
   complete();
 }
 
-function regenerate() {
+// a new reply in place of reply `index` (the conversation after it is dropped: a branch)
+function regenerate(index) {
   if (controller) return;
-  if (conversation.length && conversation[conversation.length - 1].role === "assistant") conversation.pop();
+  conversation.splice(index);
+  save();
   complete();
+}
+
+// more of the last reply: it is sent as the start of the assistant's turn, and what comes
+// is added to it
+function continueReply(index) {
+  if (controller || index !== conversation.length - 1) return;
+  complete(conversation[index]);
+}
+
+// user message `index` edited in place; saving drops what came after it and asks again
+function startEdit(node, index) {
+  if (controller) return;
+  const box = el("textarea", "edit-box");
+  box.value = conversation[index].content;
+  box.rows = 3;
+  const saveButton = el("button", "save-edit", "Save and send");
+  saveButton.type = "button";
+  saveButton.addEventListener("click", () => {
+    if (controller || !box.value.trim()) return;
+    conversation.splice(index);
+    conversation.push({ role: "user", content: box.value });
+    save();
+    complete();
+  });
+  node.querySelector(".content").replaceChildren(box, saveButton);
+  box.focus();
 }
 
 window.addEventListener("DOMContentLoaded", () => {
@@ -299,10 +374,34 @@ window.addEventListener("DOMContentLoaded", () => {
   });
   $("stop").addEventListener("click", () => controller && controller.abort());
   $("new-chat").addEventListener("click", () => {
-    conversation = [];
-    save();
-    render();
+    if (controller) return;
+    const empty = Conversations.current && !Conversations.current.messages.length;
+    show(empty ? Conversations.current.id : Conversations.create().id);
   });
+  $("search").addEventListener("input", renderHistory);
+  $("export").addEventListener("click", () => {
+    const blob = new Blob([Conversations.exportJson()], { type: "application/json" });
+    const link = el("a");
+    link.href = URL.createObjectURL(blob);
+    link.download = "neuronpy-conversations.json";
+    link.click();
+    URL.revokeObjectURL(link.href);
+  });
+  $("import").addEventListener("change", async () => {
+    const file = $("import").files[0];
+    if (!file) return;
+    try {
+      const added = Conversations.importJson(await file.text());
+      $("status").textContent = "imported " + added + " conversation(s)";
+    } catch (error) {
+      $("status").textContent = "import: " + (error.message || error);
+    }
+    $("import").value = "";
+    renderHistory();
+  });
+  Conversations.load();
+  conversation = Conversations.current.messages;
+  renderHistory();
   $("model").addEventListener("change", () => localStorage.setItem("neuronpy.model", $("model").value));
   restoreSettings();
   for (const id of SETTINGS) $(id).addEventListener("input", saveSettings);
