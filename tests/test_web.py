@@ -434,3 +434,38 @@ def test_continue_asks_for_more_of_the_last_reply(page: Any, served: Any) -> Non
     after = page.locator(".message.assistant .content").inner_text()
     assert after.startswith(before) and len(after) > len(before)
     assert page.locator(".message.assistant").count() == 1
+
+
+def test_a_schema_holds_the_reply_to_json(page: Any) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    page.fill("#schema", json.dumps(schema))
+    answer = ask(page, "Is the sky blue?", max_tokens=40)
+    answer.locator(".meta .stats").wait_for()
+    assert json.loads(answer.locator(".content").inner_text())["answer"] in ("yes", "no")
+
+
+def test_a_conversation_kept_as_a_server_session(browser: Any, tmp_path: Path) -> None:
+    with run_server(fixture_model("tiny-llama"), sessions_dir=tmp_path) as server:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_selector("#model option", state="attached")
+        page.check("#server-session")
+        ask(page, "Remember this", max_tokens=4).locator(".meta .stats").wait_for()
+        (listed,) = httpx.get(server.v1 + "/sessions").json()["data"]
+        current = page.evaluate("Conversations.current.id")
+        assert listed["id"] == f"page-{current}" and listed["tokens"] > 0
+        sent: list[Any] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if "chat" in r.url else None)
+        ask(page, "And this", max_tokens=4)
+        page.locator(".message.assistant .meta .stats").nth(1).wait_for()
+        (body,) = sent
+        assert body["session"] == listed["id"]  # the second turn asks for the same session
+        (again,) = httpx.get(server.v1 + "/sessions").json()["data"]
+        assert again["id"] == listed["id"] and again["tokens"] > listed["tokens"]
+        context.close()

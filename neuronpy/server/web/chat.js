@@ -8,7 +8,7 @@ const SETTINGS_STORE = "neuronpy.settings";
 const NUMBERS = ["top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"];
 const SETTINGS = [
   "system", "temperature", "top_p", "max_tokens", "seed", "tools", "tool_choice",
-  ...NUMBERS, "stop_strings", "extra",
+  ...NUMBERS, "stop_strings", "extra", "schema",
 ];
 const MODELS_RETRY_MS = 2000;  // while the server loads its models, ask again this often
 const $ = (id) => document.getElementById(id);
@@ -52,6 +52,7 @@ function show(id) {
 function saveSettings() {
   const values = {};
   for (const id of SETTINGS) values[id] = $(id).value;
+  values["server-session"] = $("server-session").checked ? "on" : "";
   localStorage.setItem(SETTINGS_STORE, JSON.stringify(values));
 }
 
@@ -64,6 +65,7 @@ function restoreSettings() {
   }
   for (const id of SETTINGS) if (typeof values[id] === "string") $(id).value = values[id];
   $("api-key").value = apiKey();
+  $("server-session").checked = values["server-session"] === "on";
 }
 
 // whether the page is scrolled to (about) its end: a streaming reply keeps it there
@@ -227,6 +229,16 @@ function requestBody(pending, continuing) {
   for (const id of NUMBERS) if ($(id).value !== "") body[id] = Number($(id).value);
   const stops = $("stop_strings").value.split("\n").filter((s) => s !== "");
   if (stops.length) body.stop = stops;
+  const schema = $("schema").value.trim();
+  if (schema) {  // structured outputs: the reply held to the schema (a bad one: the reply's error)
+    body.response_format = {
+      type: "json_schema",
+      json_schema: { name: "reply", schema: JSON.parse(schema), strict: true },
+    };
+  }
+  // a server session named by the conversation: its KV is saved after each reply and the
+  // next turn continues from it, across restarts of the server too
+  if ($("server-session").checked) body.session = "page-" + Conversations.current.id;
   const extra = $("extra").value.trim();
   // (not an object: the error is shown in the reply; the stream itself cannot be turned off)
   if (extra) Object.assign(body, JSON.parse(extra), { stream: true });
@@ -405,6 +417,7 @@ window.addEventListener("DOMContentLoaded", () => {
   $("model").addEventListener("change", () => localStorage.setItem("neuronpy.model", $("model").value));
   restoreSettings();
   for (const id of SETTINGS) $(id).addEventListener("input", saveSettings);
+  $("server-session").addEventListener("change", saveSettings);
   $("api-key").addEventListener("change", () => {
     setApiKey($("api-key").value);
     loadModels();
