@@ -158,7 +158,13 @@ def test_the_batch_view_shows_a_running_request(browser: Any, served: Any) -> No
         for i in range(3):  # three rows in the batch
             sent = {**body, "messages": [{"role": "user", "content": f"{i} [watch]"}]}
             stream = streams.enter_context(
-                httpx.stream("POST", f"{server.v1}/chat/completions", json=sent, timeout=60)
+                httpx.stream(
+                    "POST",
+                    f"{server.v1}/chat/completions",
+                    json=sent,
+                    headers={"x-request-id": f"watch-{i}"},
+                    timeout=60,
+                )
             )
             readers.append(stream.iter_lines())
             next(readers[-1])  # it runs
@@ -169,6 +175,9 @@ def test_the_batch_view_shows_a_running_request(browser: Any, served: Any) -> No
         )
         states = {rows.nth(i).locator("td").nth(1).inner_text() for i in range(3)}
         assert states <= {"prefilling", "decoding"}
+        # each row named as its client and the log name the request (its x-request-id)
+        labels = {rows.nth(i).locator("td").nth(0).inner_text() for i in range(3)}
+        assert labels == {"watch-0", "watch-1", "watch-2"}
         if SCREENSHOTS:
             time.sleep(1.5)  # a few polls: the batch size over time
             page.screenshot(path=str(Path(SCREENSHOTS) / "batch.png"))

@@ -120,6 +120,7 @@ class Lifecycle:
             out.append(
                 {
                     "id": r.id,
+                    "label": r.label,
                     "state": state,
                     "prompt_tokens": len(r.prompt_ids),
                     "output_tokens": len(r.output_ids),

@@ -116,6 +116,7 @@ class Request:
     prefilled: int = 0  # prompt tokens already in the snapshot
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache or a session
     preemptions: int = 0  # times it left the live batch to keep within the KV budget
+    label: str | None = None  # what its client and the server's log call it (the batch view)
     scheduled_at: float | None = None  # when it first left the queue for a row (monotonic)
     # its drafter and draft length, when it speculates (engine/speculative.py)
     speculation: Speculation | None = field(default=None, repr=False)

@@ -31,6 +31,15 @@ class RequestStream:
         return self._request.id
 
     @property
+    def label(self) -> str | None:
+        """What its client and the server's log call it: its request id (set by the server)."""
+        return self._request.label
+
+    @label.setter
+    def label(self, value: str | None) -> None:
+        self._request.label = value
+
+    @property
     def index(self) -> int:
         """Which of its request's n completions this is (0 when n is 1)."""
         return self._request.index

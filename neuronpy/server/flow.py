@@ -61,7 +61,11 @@ async def generate(
         if store is not None and session_header:
             req = session_from_header(req, request.headers.get(session_header), session_header)
         admitted = await admit(
-            request.receive, model, req, lambda engine: session_request(store, engine, req)
+            request.receive,
+            model,
+            req,
+            lambda engine: session_request(store, engine, req),
+            label=rid,
         )
         if admitted is None:
             return Response(status_code=499)  # it left while its constraint compiled
@@ -128,12 +132,15 @@ async def admit(
     model: ServedModel,
     req: SamplingRequest,
     session: Callable[[Engine], Awaitable[SessionRequest | None]] | None = None,
+    label: str | None = None,
 ) -> Admitted | None:
     """The one way a generation request enters the engine, whatever API it came by: its
     tools checked against the template, its prompts rendered (on threads), its sampling
     settled for each, its session opened (`session`, given the engine), then every prompt's
-    n copies admitted, or none of them. Errors are ApiErrors naming the request's own
-    fields (its `param_names`); None: the client left while its constraints compiled."""
+    n copies admitted, or none of them, each labelled `label` (the request id its client and
+    the log see; `label#k` for the k-th of several) for the batch view. Errors are ApiErrors
+    naming the request's own fields (its `param_names`); None: the client left while its
+    constraints compiled."""
     engine = model.ready_engine()
     if engine.task != "generate":
         use = "/v1/embeddings" if engine.task == "embed" else "/v1/rerank or /v1/score"
@@ -168,6 +175,9 @@ async def admit(
     groups = await _admit(receive, engine, plans, n, opened, req.param_names)
     if groups is None:
         return None
+    streams = [stream for group in groups for stream in group]
+    for k, stream in enumerate(streams):
+        stream.label = label if label is None or len(streams) == 1 else f"{label}#{k}"
     return Admitted(prompts, plans[0][1], groups)
 
 

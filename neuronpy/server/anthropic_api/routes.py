@@ -176,7 +176,7 @@ async def create_message(
         except InvalidRequestError as exc:
             raise api_error(exc) from None
         try:
-            admitted = await admit(request.receive, model, chat)
+            admitted = await admit(request.receive, model, chat, label=rid)
         except ApiError as exc:  # (a schema that cannot compile is named as this API names it)
             raise _renamed(exc) from None
         if admitted is None:

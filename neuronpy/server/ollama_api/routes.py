@@ -172,7 +172,7 @@ async def _generate(
             translated = req.chat() if chat else req.request()  # type: ignore[attr-defined]
         except InvalidRequestError as exc:
             raise api_error(exc) from None
-        admitted = await admit(request.receive, model, translated)
+        admitted = await admit(request.receive, model, translated, label=rid)
         if admitted is None:
             return Response(status_code=499)
         ((stream_,),) = admitted.groups

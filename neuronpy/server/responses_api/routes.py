@@ -171,6 +171,7 @@ async def create_response(
             model,
             chat,
             lambda engine: _session(sessions, engine, rid, previous, keep),
+            label=rid,
         )
         if admitted is None:
             return Response(status_code=499)  # it left while its constraint compiled

@@ -55,7 +55,7 @@ function card(name, m) {
   table.appendChild(head);
   for (const r of m.requests) {
     const row = el("tr", "request");
-    row.appendChild(el("td", "", String(r.id)));
+    row.appendChild(el("td", "", r.label || String(r.id)));  // the id its client sees
     row.appendChild(el("td", "state-" + r.state, r.state));
     row.appendChild(el("td", "", String(r.prompt_tokens)));
     row.appendChild(el("td", "", String(r.output_tokens)));
