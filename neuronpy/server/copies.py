@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
-from starlette.types import Message, Receive
+from starlette.types import Message, Receive, Scope, Send
 
-from neuronpy.engine.engine import RequestStream
+from neuronpy.engine.engine import Engine, RequestStream
 from neuronpy.engine.types import GenerationEvent
+from neuronpy.server.errors import failure
 from neuronpy.server.responses import Reply
 
 
@@ -141,3 +142,49 @@ async def stream(
                 return
 
     await cancel_on_disconnect(receive, pump)
+
+
+# ---- one copy, answered in another API's shape (Responses, Anthropic, Ollama) -------------------
+
+
+async def gather_one(receive: Receive, copy: Copy, engine: Engine) -> list[GenerationEvent] | None:
+    """One copy's events, once it has ended: None when the client left first; the ApiError of
+    its failure raised when it did not finish (stop or length)."""
+    gathered = await gather(receive, [copy])
+    if gathered is None:
+        return None
+    (events,) = gathered
+    error = failure(events[-1] if events else None, engine)
+    if error is not None:
+        raise error
+    return events
+
+
+async def refused_before_output(
+    first: GenerationEvent | None, engine: Engine, scope: Scope, receive: Receive, send: Send
+) -> bool:
+    """Whether a stream's request ended before any output (it never ran: a full queue, a
+    shutdown); its HTTP error is then answered, in the shape of the route's API, instead of
+    a stream."""
+    if first is None or (first.finished and not first.text and not first.tool_calls):
+        error = failure(first, engine)
+        if error is not None:
+            await error.response(scope["path"])(scope, receive, send)
+            return True
+    return False
+
+
+async def until_finished(
+    events: Events, first: GenerationEvent | None
+) -> AsyncIterator[GenerationEvent]:
+    """`first`, then the copy's next events, up to the one that finishes it."""
+    event = first
+    while True:
+        if event is not None:
+            yield event
+            if event.finished:
+                return
+        try:
+            _, event = await anext(events)
+        except StopAsyncIteration:
+            return

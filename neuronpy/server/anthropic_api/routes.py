@@ -27,7 +27,14 @@ from neuronpy.server.anthropic_api.protocol import (
     parse_count_tokens,
     parse_messages,
 )
-from neuronpy.server.copies import Copy, Events, gather, stream
+from neuronpy.server.copies import (
+    Copy,
+    Events,
+    gather_one,
+    refused_before_output,
+    stream,
+    until_finished,
+)
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import admit
 from neuronpy.server.metrics import ServerMetrics
@@ -201,14 +208,10 @@ async def create_message(
     blocks = Blocks(req.shows_thinking)
     if req.stream:
         return _Streamed(copy, blocks, engine, message)  # type: ignore[return-value]
-    gathered = await gather(request.receive, [copy])
-    if gathered is None:
+    events = await gather_one(request.receive, copy, engine)
+    if events is None:
         return Response(status_code=499)  # nobody is listening
-    (events,) = gathered
     last = events[-1] if events else None
-    error = failure(last, engine)
-    if error is not None:
-        raise error
     for event in events:
         blocks.feed(event)
     blocks.finish()
@@ -236,28 +239,18 @@ class _Streamed:
 
     async def _write(self, events: Events, scope: Scope, receive: Receive, send: Send) -> None:
         _, first = await anext(events)
-        if first is None or (first.finished and not first.text and not first.tool_calls):
-            error = failure(first, self.engine)
-            if error is not None:
-                await error.response(scope["path"])(scope, receive, send)
-                return
+        if await refused_before_output(first, self.engine, scope, receive, send):
+            return
         await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
         s = self.copy.stream
         opening = {**self.message, "usage": usage(s.prompt_tokens, s.cached_tokens, 0)}
         await _send(send, "message_start", {"message": opening})
         await _send(send, "ping", {})
-        last, event = None, first
-        while True:
-            if event is not None:
-                last = event
-                for kind, data in self.blocks.feed(event):
-                    await _send(send, kind, data)
-                if event.finished:
-                    break
-            try:
-                _, event = await anext(events)
-            except StopAsyncIteration:
-                break
+        last = None
+        async for event in until_finished(events, first):
+            last = event
+            for kind, data in self.blocks.feed(event):
+                await _send(send, kind, data)
         for kind, data in self.blocks.finish():
             await _send(send, kind, data)
         error = failure(last, self.engine)

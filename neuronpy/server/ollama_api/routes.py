@@ -26,7 +26,14 @@ from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.types import FinishReason, GenerationEvent
 from neuronpy.errors import InvalidRequestError
 from neuronpy.jsontext import one_line
-from neuronpy.server.copies import Copy, Events, gather, stream
+from neuronpy.server.copies import (
+    Copy,
+    Events,
+    gather_one,
+    refused_before_output,
+    stream,
+    until_finished,
+)
 from neuronpy.server.embeddings import parse_inputs, pooled, pooling_route, tokenized
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import admit
@@ -201,14 +208,10 @@ async def _generate(
     texts = token_texts(engine.tokenizer) if req.logprobs else None
     if req.stream:
         return _Streamed(copy, shape, engine, name, timing, texts)  # type: ignore[return-value]
-    gathered = await gather(request.receive, [copy])
-    if gathered is None:
-        return Response(status_code=499)
-    (events,) = gathered
+    events = await gather_one(request.receive, copy, engine)
+    if events is None:
+        return Response(status_code=499)  # nobody is listening
     last = events[-1] if events else None
-    error = failure(last, engine)
-    if error is not None:
-        raise error
     text = "".join(e.text for e in events)
     reasoning = "".join(e.reasoning for e in events)
     calls = [c for e in events for c in _calls(e)]
@@ -238,27 +241,17 @@ class _Streamed:
 
     async def _write(self, events: Events, scope: Scope, receive: Receive, send: Send) -> None:
         _, first = await anext(events)
-        if first is None or (first.finished and not first.text and not first.tool_calls):
-            error = failure(first, self.engine)
-            if error is not None:
-                await error.response(scope["path"])(scope, receive, send)
-                return
+        if await refused_before_output(first, self.engine, scope, receive, send):
+            return
         await send({"type": "http.response.start", "status": 200, "headers": NDJSON})
-        last, event = None, first
-        while True:
-            if event is not None:
-                last = event
-                calls = _calls(event)
-                shown = event.reasoning and self.shape.thinking
-                if event.text or calls or shown or (self.texts and event.logprobs):
-                    chunk = self.shape.chunk(self.model, event.text, event.reasoning, calls)
-                    await _line(send, {**chunk, **_logprobs([event], self.texts)})
-                if event.finished:
-                    break
-            try:
-                _, event = await anext(events)
-            except StopAsyncIteration:
-                break
+        last = None
+        async for event in until_finished(events, first):
+            last = event
+            calls = _calls(event)
+            shown = event.reasoning and self.shape.thinking
+            if event.text or calls or shown or (self.texts and event.logprobs):
+                chunk = self.shape.chunk(self.model, event.text, event.reasoning, calls)
+                await _line(send, {**chunk, **_logprobs([event], self.texts)})
         error = failure(last, self.engine)
         if error is not None:
             await _line(send, {"error": error.named_message()})

@@ -18,7 +18,14 @@ from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.types import SessionRequest
 from neuronpy.errors import InvalidRequestError
 from neuronpy.jsontext import one_line
-from neuronpy.server.copies import Copy, Events, gather, stream
+from neuronpy.server.copies import (
+    Copy,
+    Events,
+    gather_one,
+    refused_before_output,
+    stream,
+    until_finished,
+)
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import admit
 from neuronpy.server.metrics import ServerMetrics
@@ -192,14 +199,10 @@ async def create_response(
 
     if req.streamed:
         return _Streamed(copy, builder, engine, stored)  # type: ignore[return-value]
-    gathered = await gather(request.receive, [copy])
-    if gathered is None:
+    events = await gather_one(request.receive, copy, engine)
+    if events is None:
         return Response(status_code=499)  # nobody is listening
-    (events,) = gathered
     last = events[-1] if events else None
-    error = failure(last, engine)
-    if error is not None:
-        raise error
     for event in events:
         builder.feed(event)
     response, _ = builder.finish(last, stream_.cached_tokens, None)
@@ -257,26 +260,16 @@ class _Streamed:
     async def _write(self, events: Events, scope: Scope, receive: Receive, send: Send) -> None:
         b = self.builder
         _, first = await anext(events)
-        if first is None or (first.finished and not first.text and not first.tool_calls):
-            error = failure(first, self.engine)
-            if error is not None:
-                await error.response()(scope, receive, send)
-                return
+        if await refused_before_output(first, self.engine, scope, receive, send):
+            return
         await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
         for out in b.opened():
             await _send(send, out)
-        last, event = None, first
-        while True:
-            if event is not None:
-                last = event
-                for out in b.feed(event):
-                    await _send(send, out)
-                if event.finished:
-                    break
-            try:
-                _, event = await anext(events)
-            except StopAsyncIteration:
-                break
+        last = None
+        async for event in until_finished(events, first):
+            last = event
+            for out in b.feed(event):
+                await _send(send, out)
         error = failure(last, self.engine)
         response, closing = b.finish(last, self.copy.stream.cached_tokens, error)
         for out in closing:
