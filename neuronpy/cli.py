@@ -23,7 +23,7 @@ from neuronpy.engine.engine import Engine
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import default_cache_dir, resolve_spec
 from neuronpy.server.app import ServerState, create_app
-from neuronpy.server.connections import HeadTimeoutProtocol
+from neuronpy.server.connections import UNLIMITED_PATHS, HeadTimeoutProtocol
 
 log = logging.getLogger("neuronpy")
 
@@ -294,8 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(config)
 
 
-# probes a load balancer or a router sends every few seconds: logged only when they fail
-PROBE_PATHS = frozenset({"/health", "/live", "/get_load", "/metrics"})
+# probes a load balancer or a router sends every few seconds (those the concurrency limit
+# never refuses): logged only when they fail
+PROBE_PATHS = UNLIMITED_PATHS
 
 
 class QuietProbes(logging.Filter):

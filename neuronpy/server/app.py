@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -232,24 +232,11 @@ def create_app(
     async def count_tokens_route(request: Request) -> Response:
         return await count_tokens(request, state, limits)
 
-    async def ollama_route(request: Request) -> Response:
-        """Ollama's API, by its path (ollama_api/routes.py)."""
-        path = request.url.path
-        if path == "/api/chat":
-            return await ollama.chat(request, state, limits, metrics)
-        if path == "/api/generate":
-            return await ollama.generate(request, state, limits, metrics)
-        if path == "/api/embed":
-            return await ollama.embed(request, state, limits, metrics)
-        if path == "/api/embeddings":
-            return await ollama.embeddings(request, state, limits, metrics)
-        if path == "/api/show":
-            return await ollama.show(request, state, limits)
-        if path == "/api/tags":
-            return await ollama.tags(state)
-        if path == "/api/ps":
-            return await ollama.ps(state)
-        return await ollama.version()
+    def ollama_route(handler: ollama.Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            return await handler(request, state, limits, metrics)
+
+        return route
 
     async def get_load_route(request: Request) -> Response:
         return await get_load(state)
@@ -274,12 +261,8 @@ def create_app(
         Route("/v1/messages/count_tokens", count_tokens_route, methods=["POST"]),
         Route("/v1/embeddings", embeddings_route, methods=["POST"]),
         *(
-            Route(f"/api/{name}", ollama_route, methods=["POST"])
-            for name in ("chat", "generate", "embed", "embeddings", "show")
-        ),
-        *(
-            Route(f"/api/{name}", ollama_route, methods=["GET"])
-            for name in ("tags", "ps", "version")
+            Route(path, ollama_route(handler), methods=[method])
+            for (method, path), handler in ollama.ROUTES.items()
         ),
         Route("/v1/score", score_route, methods=["POST"]),
         Route("/v1/rerank", rerank_route, methods=["POST"]),

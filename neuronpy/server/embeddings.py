@@ -85,13 +85,36 @@ def parse_options(body: dict[str, Any], hidden: int) -> tuple[str, int | None]:
         raise InvalidRequestError(
             f"'encoding_format' must be 'float' or 'base64', got {encoding!r}", "encoding_format"
         )
-    dimensions = body.get("dimensions")
+    return encoding, parse_dimensions(body.get("dimensions"), hidden)
+
+
+def parse_dimensions(dimensions: object, hidden: int) -> int | None:
+    """`dimensions` checked: None, or from 1 to the model's embedding size."""
     if dimensions is not None and (not is_int(dimensions) or not 1 <= dimensions <= hidden):
         raise InvalidRequestError(
             f"'dimensions' must be an integer from 1 to {hidden} (the model's embedding size)",
             "dimensions",
         )
-    return encoding, dimensions
+    return dimensions  # type: ignore[return-value]  (is_int checked it)
+
+
+def truncated(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """`vector`'s leading `dimensions` components (Matryoshka truncation), normalized again
+    when the model's vectors are; the whole vector without `dimensions`."""
+    if dimensions is None or dimensions >= vector.shape[0]:
+        return vector
+    vector = vector[:dimensions]
+    return F.normalize(vector, p=2.0, dim=0) if normalize else vector
+
+
+def refuse_reranker(model: ServedModel, engine: Engine) -> None:
+    """A reranker's hidden states are not embeddings: 400 naming `model`."""
+    if engine.task == "rerank":
+        raise InvalidRequestError(
+            f"model '{model.name}' is a reranker (its task is 'rerank'): use /v1/rerank "
+            "or /v1/score",
+            "model",
+        )
 
 
 def encoded(vector: torch.Tensor, encoding: str) -> list[float] | str:
@@ -188,12 +211,7 @@ async def embeddings(
     are."""
 
     async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
-        if engine.task == "rerank":
-            raise InvalidRequestError(
-                f"model '{model.name}' is a reranker (its task is 'rerank'): use /v1/rerank "
-                "or /v1/score",
-                "model",
-            )
+        refuse_reranker(model, engine)
         texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
         encoding, dimensions = parse_options(body, engine.model.config.hidden_size)
         if texts is not None:
@@ -204,10 +222,7 @@ async def embeddings(
         normalize = engine.embedder.pooling.normalize
         data = []
         for i, vector in enumerate(vectors):
-            if dimensions is not None and dimensions < vector.shape[0]:
-                vector = vector[:dimensions]
-                if normalize:
-                    vector = F.normalize(vector, p=2.0, dim=0)
+            vector = truncated(vector, dimensions, normalize)
             data.append({"object": "embedding", "index": i, "embedding": encoded(vector, encoding)})
         tokens = sum(len(x) for x in ids)
         out = {

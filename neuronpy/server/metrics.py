@@ -14,7 +14,7 @@ from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.types import FinishReason, GenerationEvent
 from neuronpy.errors import QueueFullError, ShuttingDownError
 from neuronpy.server.errors import ApiError
-from neuronpy.server.metrics_collector import REJECT_REASONS, Collector, VllmAliases
+from neuronpy.server.metrics_collector import REJECT_REASONS, Collector, WithVllmNames
 from neuronpy.server.models import ServedModel, ServerState
 
 NO_MODEL = ""  # the model label of requests refused before a served model was chosen
@@ -61,7 +61,7 @@ class ServerMetrics:
             "From the request's arrival to its first generated token.",
             ["model"],
             buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            registry=None,
         )
         self.itl = Histogram(
             "neuronpy_inter_token_latency_seconds",
@@ -69,18 +69,18 @@ class ServerMetrics:
             "UTF-8 character or a possible stop string, arrives with the next).",
             ["model"],
             buckets=ITL_BUCKETS,
-            registry=self.registry,
+            registry=None,
         )
         self.e2e = Histogram(
             "neuronpy_request_latency_seconds",
             "From the request's arrival to its last event (requests that ran to an end).",
             ["model"],
             buckets=E2E_BUCKETS,
-            registry=self.registry,
+            registry=None,
         )
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, ["model"], buckets=buckets, registry=self.registry)
+            return Histogram(name, doc, ["model"], buckets=buckets, registry=None)
 
         self.tpot = histogram(
             "neuronpy_request_time_per_output_token_seconds",
@@ -126,8 +126,8 @@ class ServerMetrics:
             for each in self._histograms:
                 each.labels(name)
         collector = Collector(self)
-        self.registry.register(collector)
-        self.registry.register(VllmAliases([collector, *self._histograms]))
+        # every family collected once per scrape, under its name and, where vLLM has one, vLLM's
+        self.registry.register(WithVllmNames([collector, *self._histograms]))
 
     def reject(self, model: ServedModel | None, error: ApiError) -> None:
         """Counts a request refused before admission with `error`."""

@@ -318,9 +318,10 @@ VLLM_ALSO = {"vllm:inter_token_latency_seconds": ("vllm:time_per_output_token_se
 VLLM_LABELS = {"model": "model_name", "finish_reason": "finished_reason"}
 
 
-class VllmAliases:
-    """The families of VLLM_NAMES again, renamed: read from `sources` (collectors of the same
-    registry) when scraped, so the two names never disagree."""
+class WithVllmNames:
+    """Every family of `sources` (the collectors of one registry), and those of VLLM_NAMES
+    again under vLLM's names: each source collected once per scrape, so the two names never
+    disagree and nothing is read twice."""
 
     def __init__(self, sources: Iterable[Any]) -> None:
         self.sources = list(sources)
@@ -328,6 +329,7 @@ class VllmAliases:
     def collect(self) -> Iterator[Metric]:
         for source in self.sources:
             for family in source.collect():
+                yield family
                 alias = VLLM_NAMES.get(family.name)
                 if alias is None:
                     continue

@@ -40,21 +40,17 @@ from neuronpy.server.flow import admit
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import BodyLimits, read_json
+from neuronpy.server.requests import BodyLimits, read_json, requested_model
 from neuronpy.server.responses import Reply
+from neuronpy.server.stream import HEADERS
 
 log = logging.getLogger(__name__)
 
-HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-
 
 def _requested_model(body: object) -> str:
-    model = body.get("model") if isinstance(body, dict) else None
-    if not isinstance(model, str):
+    """The model the body names: Anthropic's API requires one."""
+    model = requested_model(body)
+    if model is None:
         raise ApiError(400, "'model' is required: the served model's name", param="model")
     return model
 

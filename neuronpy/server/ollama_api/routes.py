@@ -11,12 +11,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-import torch.nn.functional as F
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -34,7 +33,15 @@ from neuronpy.server.copies import (
     stream,
     until_finished,
 )
-from neuronpy.server.embeddings import parse_inputs, pooled, pooling_route, tokenized
+from neuronpy.server.embeddings import (
+    parse_dimensions,
+    parse_inputs,
+    pooled,
+    pooling_route,
+    refuse_reranker,
+    tokenized,
+    truncated,
+)
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import admit
 from neuronpy.server.logprobs import TokenTexts, token_texts
@@ -49,7 +56,7 @@ from neuronpy.server.ollama_api.protocol import (
     tagged,
 )
 from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import BodyLimits, read_json
+from neuronpy.server.requests import BodyLimits, read_json, requested_model
 from neuronpy.server.responses import Reply
 
 log = logging.getLogger(__name__)
@@ -66,11 +73,10 @@ def _now() -> str:
 
 def _named(body: object) -> dict[str, Any]:
     """The body with its `model` as the served model's name (`NAME:latest` is NAME)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
+    model = requested_model(body)
+    if not model:
         raise ApiError(400, "'model' is required: the served model's name", param="model")
+    assert isinstance(body, dict)
     return {**body, "model": model_name(model)}
 
 
@@ -306,33 +312,16 @@ async def _pooling(
     started = time.perf_counter()
 
     async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
-        if engine.task == "rerank":
-            raise InvalidRequestError(f"model '{model.name}' is a reranker", "model")
-        if legacy:
-            texts, ids = parse_inputs(body.get("prompt"), engine.vocab_size)
-        else:
-            texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
-        dimensions = body.get("dimensions")
-        hidden = engine.model.config.hidden_size
-        if dimensions is not None and (
-            not isinstance(dimensions, int)
-            or isinstance(dimensions, bool)
-            or not 1 <= dimensions <= hidden
-        ):
-            raise InvalidRequestError(f"'dimensions' must be from 1 to {hidden}", "dimensions")
+        refuse_reranker(model, engine)
+        texts, ids = parse_inputs(body.get("prompt" if legacy else "input"), engine.vocab_size)
+        dimensions = parse_dimensions(body.get("dimensions"), engine.model.config.hidden_size)
         if texts is not None:
             ids = await tokenized(state, engine, texts)
         vectors = await pooled(request, engine, ids)
         if vectors is None:
             return Response(status_code=499)
         normalize = engine.embedder.pooling.normalize
-        out = []
-        for vector in vectors:
-            if dimensions is not None and dimensions < vector.shape[0]:
-                vector = vector[:dimensions]
-                if normalize:
-                    vector = F.normalize(vector, p=2.0, dim=0)
-            out.append(vector.tolist())
+        out = [truncated(vector, dimensions, normalize).tolist() for vector in vectors]
         if legacy:
             return JSONResponse({"embedding": out[0]})
         ns = int((time.perf_counter() - started) * 1_000_000_000)
@@ -370,7 +359,9 @@ def _listed(state: ServerState, each: Callable[[ServedModel, Engine], dict[str, 
     return out
 
 
-async def tags(state: ServerState) -> Response:
+async def tags(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
     """/api/tags: the models ready to serve, as Ollama lists its local models."""
     modified = datetime.fromtimestamp(state.started, timezone.utc).isoformat()
 
@@ -388,7 +379,9 @@ async def tags(state: ServerState) -> Response:
     return JSONResponse({"models": _listed(state, each)})
 
 
-async def ps(state: ServerState) -> Response:
+async def ps(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
     """/api/ps: the models in memory (all those served, as long as the server runs)."""
 
     def each(model: ServedModel, engine: Engine) -> dict[str, Any]:
@@ -408,7 +401,9 @@ async def ps(state: ServerState) -> Response:
     return JSONResponse({"models": _listed(state, each)})
 
 
-async def show(request: Request, state: ServerState, limits: BodyLimits) -> Response:
+async def show(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
     """/api/show: one model's details, template, context length and capabilities."""
     _, model = _find(state, await read_json(request, limits))
     engine = model.ready_engine()
@@ -437,5 +432,21 @@ async def show(request: Request, state: ServerState, limits: BodyLimits) -> Resp
     )
 
 
-async def version() -> Response:
+async def version(
+    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
+) -> Response:
     return JSONResponse({"version": OLLAMA_VERSION})
+
+
+Handler = Callable[[Request, ServerState, BodyLimits, ServerMetrics], Awaitable[Response]]
+# Ollama's routes: (method, path) -> its handler
+ROUTES: dict[tuple[str, str], Handler] = {
+    ("POST", "/api/chat"): chat,
+    ("POST", "/api/generate"): generate,
+    ("POST", "/api/embed"): embed,
+    ("POST", "/api/embeddings"): embeddings,
+    ("POST", "/api/show"): show,
+    ("GET", "/api/tags"): tags,
+    ("GET", "/api/ps"): ps,
+    ("GET", "/api/version"): version,
+}

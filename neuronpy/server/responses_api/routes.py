@@ -39,14 +39,10 @@ from neuronpy.server.responses_api.objects import ResponseObject
 from neuronpy.server.responses_api.protocol import parse_responses, stored_messages
 from neuronpy.server.responses_api.store import ResponseStore
 from neuronpy.server.sessions import open_session
+from neuronpy.server.stream import HEADERS
 
 log = logging.getLogger(__name__)
 
-HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
 # ---- the stored responses' routes --------------------------------------------------------------
 
 
