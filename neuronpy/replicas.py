@@ -270,6 +270,11 @@ def share_cores(available: Sequence[int], replicas: int, per: int | None) -> lis
     return [tuple(cores[(i * per + j) % len(cores)] for j in range(per)) for i in range(replicas)]
 
 
+def given(args: Sequence[str], flag: str) -> bool:
+    """Whether `args` set `flag` (as `--flag VALUE` or `--flag=VALUE`)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def serve_arguments(args: Sequence[str]) -> list[str]:
     """The `serve` flags given after `--`, without the `--`; the replicas' host and port are
     set here (ValueError if given)."""
@@ -277,7 +282,7 @@ def serve_arguments(args: Sequence[str]) -> list[str]:
     if rest[:1] == ["--"]:
         rest = rest[1:]
     for flag in OWN_SERVE_FLAGS:
-        if any(a == flag or a.startswith(flag + "=") for a in rest):
+        if given(rest, flag):
             raise ValueError(f"{flag} is set per replica by `neuronpy replicas`; leave it out")
     return rest
 
@@ -339,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         port = args.port + 1 + i
         command = [sys.executable, "-m", "neuronpy", "serve", "--host", "127.0.0.1"]
         command += ["--port", str(port)]
-        if not any(a == "--drain-grace" or a.startswith("--drain-grace=") for a in serve):
+        if not given(serve, "--drain-grace"):
             command += ["--drain-grace", str(DRAIN_GRACE)]
         replicas.append(Replica(i, port, cores, [*command, *serve]))
     command = router_command(router, args, replicas, api_key_of(serve))
