@@ -480,6 +480,30 @@ def test_server_speculation_parity_metrics_and_bad_values() -> None:
                 ask(server.url, "hi", False, speculative=bad)
             assert err.value.body["param"] == "speculative"  # type: ignore[index]
         assert ask(server.url, PROMPTS[1], True) == want[1]
+        # each reply's usage says what its own drafts did, as OpenAI's prediction tokens: the
+        # server's counters move by exactly that; a reply that drafted nothing says nothing
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        kwargs = dict(model="tiny-llama", prompt=PROMPTS[0], max_tokens=30, temperature=0.0)
+        for stream in (False, True):
+            before = server.stats()
+            if stream:
+                chunks = list(
+                    api.completions.create(
+                        **kwargs, stream=True, stream_options={"include_usage": True}
+                    )
+                )
+                used = chunks[-1].usage
+            else:
+                used = api.completions.create(**kwargs).usage
+            after = server.stats()
+            assert used is not None and used.completion_tokens_details is not None
+            details = used.completion_tokens_details
+            accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+            drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+            assert drafted > 0 and details.accepted_prediction_tokens == accepted
+            assert details.rejected_prediction_tokens == drafted - accepted
+        off = api.completions.create(**kwargs, extra_body={"speculative": "off"}).usage
+        assert off is not None and off.completion_tokens_details is None
         # the Responses API takes it too
         body = {"model": "tiny-llama", "input": "hi", "max_output_tokens": 4}
         bad = httpx.post(f"{server.url}/v1/responses", json={**body, "speculative": "turbo"})

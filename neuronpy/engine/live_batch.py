@@ -186,6 +186,9 @@ class LiveBatch:
             # the row's KV keeps its fed token and the drafts before its last emitted token
             trim.append(drafted + 1 - max(1, taken))
             if drafted:
+                assert request.speculation is not None
+                request.speculation.drafted += drafted
+                request.speculation.accepted += len(sampled.accepted)
                 c.spec_verify_rows += 1
                 c.spec_draft_tokens += drafted
                 c.spec_accepted_tokens += len(sampled.accepted)

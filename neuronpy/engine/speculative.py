@@ -114,6 +114,9 @@ class Speculation:
         self.method = method
         self.length = DraftLength(config.tokens_for(method))
         self.fed = self.held = self.kept = 0
+        # the drafts its verify steps fed the target, and of those the ones that stood (its
+        # usage's accepted / rejected prediction tokens)
+        self.drafted = self.accepted = 0
 
     @property
     def proposed(self) -> bool:

@@ -51,6 +51,13 @@ class RequestStream:
         return self._request.cached_tokens
 
     @property
+    def drafts(self) -> tuple[int, int]:
+        """Of the drafted tokens its verify steps fed (speculative decoding), how many there
+        were and how many stood: (0, 0) when it did not speculate. Final once it has ended."""
+        s = self._request.speculation
+        return (0, 0) if s is None else (s.drafted, s.accepted)
+
+    @property
     def queue_seconds(self) -> float | None:
         """How long it waited in the queue for a row (None: it has not left the queue)."""
         r = self._request

@@ -6,6 +6,7 @@ import contextlib
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
@@ -14,7 +15,7 @@ from starlette.types import Message, Receive, Scope, Send
 from neuronpy.engine.engine import Engine, RequestStream
 from neuronpy.engine.types import GenerationEvent
 from neuronpy.server.errors import failure
-from neuronpy.server.responses import Reply
+from neuronpy.server.responses import Reply, usage
 
 
 @dataclass
@@ -33,6 +34,15 @@ def prompt_totals(copies: Sequence[Copy]) -> tuple[int, int]:
     """The usage's prompt tokens and cached tokens: each prompt once, however many copies."""
     firsts = [c.stream for c in copies if c.counts_prompt]
     return sum(s.prompt_tokens for s in firsts), sum(s.cached_tokens for s in firsts)
+
+
+def usage_of(copies: Sequence[Copy]) -> dict[str, Any]:
+    """OpenAI's usage of ended copies: each prompt once, every copy's tokens and drafts."""
+    prompt, cached = prompt_totals(copies)
+    completion = sum(c.last.completion_tokens for c in copies if c.last is not None)
+    drafts = [c.stream.drafts for c in copies]
+    totals = (sum(d for d, _ in drafts), sum(a for _, a in drafts))
+    return usage(prompt, completion, cached, totals)
 
 
 class Events:

@@ -22,7 +22,7 @@ from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.tools import resolve_tool_format
 from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import InvalidRequestError, NeuronError
-from neuronpy.server.copies import Copy, cancel_on_disconnect, gather, prompt_totals
+from neuronpy.server.copies import Copy, cancel_on_disconnect, gather, usage_of
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.logprobs import token_texts
 from neuronpy.server.metrics import ServerMetrics
@@ -30,7 +30,7 @@ from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.protocol import ChatCompletionRequest, SamplingRequest
 from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import BodyLimits, Kind, parse_request, read_json, requested_model
-from neuronpy.server.responses import SESSION_ERROR_HEADER, Reply, header_text, usage
+from neuronpy.server.responses import SESSION_ERROR_HEADER, Reply, header_text
 from neuronpy.server.sessions import session_request
 from neuronpy.server.stream import EventStreamResponse
 
@@ -263,9 +263,7 @@ async def _gather(request: Request, copies: Sequence[Copy], engine: Engine) -> R
         if error is not None:
             raise error
     choices = [copy.reply.choice(evs) for copy, evs in zip(copies, events, strict=True)]
-    completion = sum(copy.last.completion_tokens for copy in copies if copy.last is not None)
-    prompt, cached = prompt_totals(copies)
-    totals = usage(prompt, completion, cached)
+    totals = usage_of(copies)
     # a session that could not be saved does not discard the reply: it is said beside it
     lost = [c.last.session_error for c in copies if c.last is not None and c.last.session_error]
     session_error = lost[0] if lost else None

@@ -26,14 +26,28 @@ def header_text(text: str) -> str:
     return _NOT_HEADER_TEXT.sub("?", text)[:_MAX_HEADER_TEXT]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage; `cached_tokens`: prompt tokens restored from the prefix cache."""
-    return {
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int = 0,
+    drafts: tuple[int, int] = (0, 0),
+) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens restored from the prefix cache; `drafts`:
+    (drafted, accepted) tokens of speculative decoding, said as OpenAI's accepted and rejected
+    prediction tokens when there were any."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    drafted, accepted = drafts
+    if drafted:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return out
 
 
 @dataclass(frozen=True)
@@ -159,12 +173,10 @@ class Reply:
         self._sent["chars"] += sum(len(token) for token in out["tokens"])
         return out
 
-    def usage_chunk(
-        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-    ) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The last chunk when stream_options.include_usage: no choices, the usage."""
         out = self._envelope([], streaming=True)
-        out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        out["usage"] = usage
         return out
 
     def choice(self, events: Sequence[GenerationEvent]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from starlette.types import Receive, Scope, Send
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.types import GenerationEvent
 from neuronpy.jsontext import one_line
-from neuronpy.server.copies import Copy, Events, prompt_totals, stream
+from neuronpy.server.copies import Copy, Events, stream, usage_of
 from neuronpy.server.errors import ApiError, failure
 
 HEADERS = [
@@ -78,9 +78,7 @@ class EventStreamResponse:
             return []
         if any(c.last is None or failure(c.last, self.engine) is not None for c in self.copies):
             return []
-        completion = sum(c.last.completion_tokens for c in self.copies if c.last is not None)
-        prompt, cached = prompt_totals(self.copies)
-        return [first.reply.usage_chunk(prompt, completion, cached)]
+        return [first.reply.usage_chunk(usage_of(self.copies))]
 
 
 async def _send_event(send: Send, obj: dict[str, Any] | str) -> None:
