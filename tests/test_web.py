@@ -452,10 +452,21 @@ def test_a_schema_holds_the_reply_to_json(page: Any) -> None:
         "required": ["answer"],
         "additionalProperties": False,
     }
+    page.fill("#schema", "{not json")  # said at once, and not sent
+    assert page.locator("#schema-error").inner_text().startswith("not JSON")
+    page.fill("#prompt", "Is the sky blue?")
+    page.click("#send")
+    assert "not a JSON object" in page.locator("#status").inner_text()
+    assert page.locator(".message").count() == 0 and page.input_value("#prompt")
     page.fill("#schema", json.dumps(schema))
+    assert page.locator("#schema-error").inner_text() == ""
     answer = ask(page, "Is the sky blue?", max_tokens=40)
     answer.locator(".meta .stats").wait_for()
-    assert json.loads(answer.locator(".content").inner_text())["answer"] in ("yes", "no")
+    # shown as its JSON, indented and highlighted
+    code = answer.locator(".content pre.highlight code.language-json")
+    shown = code.text_content()
+    assert json.loads(shown)["answer"] in ("yes", "no")
+    assert shown == json.dumps(json.loads(shown), indent=2) + "\n"
 
 
 def test_a_conversation_kept_as_a_server_session(browser: Any, tmp_path: Path) -> None:
@@ -477,4 +488,93 @@ def test_a_conversation_kept_as_a_server_session(browser: Any, tmp_path: Path) -
         assert body["session"] == listed["id"]  # the second turn asks for the same session
         (again,) = httpx.get(server.v1 + "/sessions").json()["data"]
         assert again["id"] == listed["id"] and again["tokens"] > listed["tokens"]
+        context.close()
+
+
+# ---- markdown, rendered by the server; what speculation did for each reply ---------------------
+
+RICH = """## Steps
+
+1. first, *carefully*
+2. then ~~not~~ **this**
+
+| name | value |
+|------|-------|
+| pi | $\\pi \\approx 3.14$ |
+
+> quoted
+
+See [the docs](https://example.com/docs) and [this](javascript:alert(1)).
+
+$$\\frac{a}{b}$$
+
+```python
+def add(a, b):
+    return a + b
+```
+"""
+
+
+def test_a_reply_is_shown_as_markdown_with_math_and_highlighted_code(
+    page: Any, served: Any
+) -> None:
+    server, scripts = served
+    script(scripts["tiny-llama"], server, "tiny-llama", "[rich-md]", RICH)
+    reply = ask(page, "Explain [rich-md]", max_tokens=300)
+    reply.locator(".meta .stats").wait_for()  # ended: shown as the server rendered it
+    content = reply.locator(".content")
+    assert content.locator("h2").inner_text() == "Steps"
+    assert content.locator("ol > li").count() == 2
+    assert content.locator("ol em").inner_text() == "carefully"
+    assert content.locator("ol s").inner_text() == "not"
+    assert content.locator("table th").all_inner_texts() == ["name", "value"]
+    assert content.locator("table td math").count() == 1  # TeX as MathML
+    assert content.locator("blockquote").inner_text().strip() == "quoted"
+    link = content.locator("a")
+    assert link.count() == 1  # the javascript: one stays text
+    assert link.get_attribute("href") == "https://example.com/docs"
+    assert link.get_attribute("target") == "_blank" and "noopener" in link.get_attribute("rel")
+    assert "[this](javascript:alert(1))" in content.inner_text()
+    assert content.locator(".math-block math mfrac").count() == 1
+    code = content.locator("pre.highlight code.language-python")
+    assert code.text_content().strip() == "def add(a, b):\n    return a + b"
+    assert code.locator("span.k").first.inner_text() == "def"  # highlighted
+    # the code's copy button copies the code alone
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    content.locator("pre .copy-code").click()
+    copied = page.evaluate("navigator.clipboard.readText()")
+    assert copied.strip() == "def add(a, b):\n    return a + b"
+    # a reload redraws it rendered
+    page.reload()
+    page.locator(".message.assistant .content h2").wait_for()
+    if SCREENSHOTS:
+        page.screenshot(path=str(Path(SCREENSHOTS) / "chat-markdown.png"))
+
+
+def test_each_reply_says_what_its_drafts_did(browser: Any) -> None:
+    config = {"speculative": "ngram", "prompt_lookup_min": 1}
+    with run_server(fixture_model("tiny-llama", **config)) as server:
+        context = browser.new_context()
+        page = context.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_selector("#model option", state="attached")
+        before = server.stats()
+        reply = ask(page, "the cat sat on the mat and the cat sat on the mat", max_tokens=48)
+        reply.locator(".meta .stats").wait_for()
+        after = server.stats()
+        drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+        accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+        assert drafted > 0
+        share = round(100 * accepted / drafted)
+        want = f"drafts: {accepted} of {drafted} accepted ({share}%)"
+        assert reply.locator(".meta .speculation").inner_text() == want
+        # turned off in the settings: the request says so, and its reply drafted nothing
+        page.select_option("#speculative", "off")
+        sent: list[Any] = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if "chat" in r.url else None)
+        ask(page, "again", max_tokens=8)
+        page.locator(".message.assistant .meta .stats").nth(1).wait_for()
+        assert [b["speculative"] for b in sent] == ["off"]
+        assert page.locator(".message.assistant").nth(1).locator(".speculation").count() == 0
+        assert server.stats()["spec_draft_tokens"] == after["spec_draft_tokens"]
         context.close()

@@ -28,6 +28,7 @@ from neuronpy.server.connections import ConcurrencyLimit
 from neuronpy.server.embeddings import embeddings
 from neuronpy.server.errors import EXCEPTION_HANDLERS, ApiError, unavailable
 from neuronpy.server.flow import generate
+from neuronpy.server.markdown import render
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import (
     ServedModel,
@@ -226,6 +227,9 @@ def create_app(
     async def batch_route(request: Request) -> Response:
         return await batch(state)
 
+    async def render_route(request: Request) -> Response:
+        return await render(request, limits)
+
     async def messages_route(request: Request) -> Response:
         return await create_message(request, state, limits, metrics)
 
@@ -279,6 +283,7 @@ def create_app(
             Route("/", page, methods=["GET"]),
             Route("/batch", page, methods=["GET"]),
             Route("/static/{name}", static, methods=["GET"]),
+            Route("/render", render_route, methods=["POST"]),
         ]
     app = Starlette(
         routes=routes,

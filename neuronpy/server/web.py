@@ -1,5 +1,6 @@
 """The web page: a chat (GET /) and a live view of the batch (GET /batch), static files shipped
-in the package (neuronpy/server/web/), and /v1/batch, the JSON the batch view polls."""
+in the package (neuronpy/server/web/), and /v1/batch, the JSON the batch view polls. (The
+chat's replies are rendered as markdown by POST /render: markdown.py.)"""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from neuronpy.server.errors import ApiError
+from neuronpy.server.markdown import highlight_css
 from neuronpy.server.models import ServerState
 
 # name -> content type: nothing else is served
@@ -19,6 +21,7 @@ FILES = {
     "style.css": "text/css; charset=utf-8",
     "common.js": "text/javascript; charset=utf-8",
     "chat.js": "text/javascript; charset=utf-8",
+    "markdown.js": "text/javascript; charset=utf-8",
     "history.js": "text/javascript; charset=utf-8",
     "batch.js": "text/javascript; charset=utf-8",
 }
@@ -36,6 +39,8 @@ HEADERS = {
 
 
 def _file(name: str) -> Response:
+    if name == "highlight.css":  # the code highlighter's colours, made by it
+        return Response(highlight_css(), headers={**HEADERS, "Content-Type": FILES["style.css"]})
     if name not in FILES:
         raise ApiError(404, "no such file", code="not_found")
     body = resources.files("neuronpy.server").joinpath("web", name).read_bytes()

@@ -1,13 +1,14 @@
 "use strict";
-// The chat page: a conversation streamed over /v1/chat/completions. Everything the model
-// writes is put on the page as text nodes (never as HTML), so markup in a reply is shown, not
-// run.
+// The chat page: a conversation streamed over /v1/chat/completions. A reply is shown as
+// markdown rendered by the server (markdown.js: raw HTML in it comes back as text); everything
+// else the model writes (reasoning, tool calls) is put on the page as text nodes, never as
+// HTML, so markup in a reply is shown, not run.
 
 const SETTINGS_STORE = "neuronpy.settings";
 // the settings kept in this browser across reloads (the API key is common.js's)
 const NUMBERS = ["top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"];
 const SETTINGS = [
-  "system", "temperature", "top_p", "max_tokens", "seed", "tools", "tool_choice",
+  "system", "temperature", "top_p", "max_tokens", "seed", "speculative", "tools", "tool_choice",
   ...NUMBERS, "stop_strings", "extra", "schema",
 ];
 const MODELS_RETRY_MS = 2000;  // while the server loads its models, ask again this often
@@ -77,49 +78,32 @@ function toBottom() {
   window.scrollTo(0, document.documentElement.scrollHeight);
 }
 
-// A small, safe markdown: ``` fences, `code`, **bold**, *italics*, paragraphs, line breaks.
-function renderInline(parent, text) {
-  const pattern = /(`[^`\n]+`|\*\*[^*\n]+\*\*|\*[^*\n]+\*)/g;
-  let last = 0;
-  for (const match of text.matchAll(pattern)) {
-    if (match.index > last) addLines(parent, text.slice(last, match.index));
-    const token = match[0];
-    if (token.startsWith("`")) parent.appendChild(el("code", "", token.slice(1, -1)));
-    else if (token.startsWith("**")) parent.appendChild(el("strong", "", token.slice(2, -2)));
-    else parent.appendChild(el("em", "", token.slice(1, -1)));
-    last = match.index + token.length;
+// a reply as it is shown: one held to a schema as its JSON, indented, in a code block
+function shownReply(message) {
+  const content = message.content || "";
+  if (message.format !== "json") return content;
+  try {
+    return "```json\n" + JSON.stringify(JSON.parse(content), null, 2) + "\n```";
+  } catch (e) {
+    return content;  // (not JSON: cut short by max_tokens, or stopped)
   }
-  if (last < text.length) addLines(parent, text.slice(last));
 }
 
-function addLines(parent, text) {
-  text.split("\n").forEach((line, i) => {
-    if (i) parent.appendChild(document.createElement("br"));
-    parent.appendChild(document.createTextNode(line));
-  });
-}
-
-function renderMarkdown(parent, text) {
-  parent.replaceChildren();
-  const fence = /```[^\n]*\n?([\s\S]*?)(```|$)/g;
-  let last = 0;
-  const prose = (chunk) => {
-    for (const para of chunk.split(/\n{2,}/)) {
-      if (!para.trim()) continue;
-      const p = el("p");
-      renderInline(p, para);
-      parent.appendChild(p);
+// the schema field says at once whether it holds JSON (a bad one is not sent)
+function checkSchema() {
+  const text = $("schema").value.trim();
+  let problem = "";
+  if (text) {
+    try {
+      const schema = JSON.parse(text);
+      if (typeof schema !== "object" || schema === null || Array.isArray(schema)) problem = "a schema is a JSON object";
+    } catch (e) {
+      problem = "not JSON: " + (e.message || e);
     }
-  };
-  for (const match of text.matchAll(fence)) {
-    prose(text.slice(last, match.index));
-    const pre = el("pre");
-    pre.appendChild(el("code", "", match[1]));
-    parent.appendChild(pre);
-    last = match.index + match[0].length;
-    if (!match[0].length) break;
   }
-  prose(text.slice(last));
+  $("schema-error").textContent = problem;
+  $("schema").setAttribute("aria-invalid", String(Boolean(problem)));
+  return !problem;
 }
 
 function messageNode(message, index) {
@@ -132,7 +116,7 @@ function messageNode(message, index) {
     node.appendChild(details);
   }
   const body = el("div", "content");
-  if (message.role === "assistant") renderMarkdown(body, message.content || "");
+  if (message.role === "assistant") showMarkdown(body, shownReply(message));
   else addLines(body, message.content || "");
   node.appendChild(body);
   for (const call of message.tool_calls || []) {
@@ -142,6 +126,7 @@ function messageNode(message, index) {
   if (message.role === "assistant") {
     const meta = el("div", "meta");
     if (message.stats) meta.appendChild(el("span", "stats", message.stats));
+    if (message.speculation) meta.appendChild(el("span", "speculation", message.speculation));
     const copy = el("button", "copy", "copy");
     copy.type = "button";
     copy.addEventListener("click", () => navigator.clipboard.writeText(message.content || ""));
@@ -226,6 +211,7 @@ function requestBody(pending, continuing) {
     max_tokens: Number($("max_tokens").value),
   };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
+  if ($("speculative").value) body.speculative = $("speculative").value;
   for (const id of NUMBERS) if ($(id).value !== "") body[id] = Number($(id).value);
   const stops = $("stop_strings").value.split("\n").filter((s) => s !== "");
   if (stops.length) body.stop = stops;
@@ -255,14 +241,16 @@ function requestBody(pending, continuing) {
 // a reply streamed into the conversation: a new one, or more of `continued` (the last one)
 async function complete(continued) {
   const reply = continued || { role: "assistant", content: "", reasoning: "" };
+  if (!continued && $("schema").value.trim()) reply.format = "json";
   if (continued) {
     delete reply.error;
     delete reply.stats;
+    delete reply.speculation;
     reply.reasoning = reply.reasoning || "";
   } else conversation.push(reply);
   render();
   const node = $("messages").lastChild;
-  const body = node.querySelector(".content");
+  const view = new StreamingMarkdown(node.querySelector(".content"));
   controller = new AbortController();
   $("stop").disabled = false;
   $("send").disabled = true;
@@ -307,7 +295,7 @@ async function complete(continued) {
           }
         }
         const following = atBottom();
-        renderMarkdown(body, reply.content);
+        view.update(reply.content);
         if (reply.reasoning && !node.querySelector("details")) render();
         if (following) toBottom();
       }
@@ -327,8 +315,22 @@ async function complete(continued) {
     const rate = tokens && ended > first ? (tokens / ((ended - first) / 1000)).toFixed(1) : null;
     reply.stats = "TTFT " + ttft + " ms" + (rate ? " · " + rate + " tok/s" : "") + (tokens ? " · " + tokens + " tokens" : "");
   }
+  reply.speculation = speculationText(usage);
+  await view.finish();  // (the whole reply rendered before the page is redrawn)
   save();
   render();
+}
+
+// what the reply's speculative decoding did: its drafted tokens and how many of them stood
+// (the usage's accepted / rejected prediction tokens; none when it did not speculate)
+function speculationText(usage) {
+  const details = usage && usage.completion_tokens_details;
+  if (!details || details.accepted_prediction_tokens === undefined) return "";
+  const accepted = details.accepted_prediction_tokens;
+  const drafted = accepted + details.rejected_prediction_tokens;
+  if (!drafted) return "";
+  const share = Math.round((100 * accepted) / drafted);
+  return "drafts: " + accepted + " of " + drafted + " accepted (" + share + "%)";
 }
 
 function send(event) {
@@ -337,6 +339,10 @@ function send(event) {
   if (!text.trim() || controller) return;
   if (!$("model").value) {
     $("status").textContent = "no model is ready yet: your message is kept until one is";
+    return;
+  }
+  if (!checkSchema()) {
+    $("status").textContent = "the schema under Settings is not a JSON object: fix it or empty it";
     return;
   }
   conversation.push({ role: "user", content: text });
@@ -418,6 +424,7 @@ window.addEventListener("DOMContentLoaded", () => {
   restoreSettings();
   for (const id of SETTINGS) $(id).addEventListener("input", saveSettings);
   $("server-session").addEventListener("change", saveSettings);
+  $("schema").addEventListener("input", checkSchema);
   $("api-key").addEventListener("change", () => {
     setApiKey($("api-key").value);
     loadModels();
@@ -426,6 +433,7 @@ window.addEventListener("DOMContentLoaded", () => {
     const open = $("settings").classList.toggle("open");
     $("settings-toggle").setAttribute("aria-expanded", String(open));
   });
+  checkSchema();
   render();
   loadModels();
 });

@@ -1,0 +1,245 @@
+"""Markdown for the chat page, rendered here rather than in the browser: CommonMark with
+tables and strikethrough (markdown-it-py), code highlighted by Pygments, and TeX math
+(`$...$`, `$$...$$`, `\\(...\\)`, `\\[...\\]`) as MathML (latex2mathml), which browsers draw
+themselves. POST /render takes {"texts": [...]} and answers {"html": [...]}.
+
+What a model writes is never trusted: raw HTML in it is shown as text, links go only to
+http(s) and mailto, images are shown as links (the page loads nothing from elsewhere), and the
+MathML is rebuilt from an allow-list of MathML elements and attributes, its text escaped."""
+
+from __future__ import annotations
+
+import html
+import xml.etree.ElementTree as ET
+from functools import cache
+from typing import Any
+
+import anyio
+from latex2mathml.converter import convert as latex_to_mathml
+from markdown_it import MarkdownIt
+from markdown_it.common.utils import escapeHtml
+from mdit_py_plugins.dollarmath import dollarmath_plugin
+from mdit_py_plugins.texmath import texmath_plugin
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import get_lexer_by_name
+from pygments.util import ClassNotFound
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from neuronpy.server.errors import ApiError
+from neuronpy.server.requests import BodyLimits, read_json
+
+MAX_TEXTS = 256  # texts in one request (a page shows a conversation's replies at once)
+MAX_CHARS = 1_000_000  # characters in one request, all texts together
+MAX_MATH_CHARS = 4_000  # longer math is shown as its TeX
+LINK_SCHEMES = ("http:", "https:", "mailto:")
+# one render at a time per core, off the event loop: a long text never holds up a stream
+_LIMITER = anyio.CapacityLimiter(2)
+
+MATHML_ELEMENTS = frozenset(
+    [
+        "math",
+        "mrow",
+        "mi",
+        "mn",
+        "mo",
+        "ms",
+        "mtext",
+        "mspace",
+        "mfrac",
+        "msqrt",
+        "mroot",
+        "mstyle",
+        "merror",
+        "mpadded",
+        "mphantom",
+        "msub",
+        "msup",
+        "msubsup",
+        "munder",
+        "mover",
+        "munderover",
+        "mmultiscripts",
+        "mprescripts",
+        "none",
+        "mtable",
+        "mtr",
+        "mtd",
+        "menclose",
+        "semantics",
+        "annotation",
+    ]
+)
+MATHML_ATTRIBUTES = frozenset(
+    [
+        "display",
+        "mathvariant",
+        "stretchy",
+        "fence",
+        "separator",
+        "accent",
+        "accentunder",
+        "lspace",
+        "rspace",
+        "minsize",
+        "maxsize",
+        "movablelimits",
+        "symmetric",
+        "largeop",
+        "form",
+        "columnalign",
+        "rowalign",
+        "columnspacing",
+        "rowspacing",
+        "columnlines",
+        "rowlines",
+        "frame",
+        "framespacing",
+        "displaystyle",
+        "scriptlevel",
+        "linethickness",
+        "width",
+        "height",
+        "depth",
+        "notation",
+        "open",
+        "close",
+        "separators",
+        "columnspan",
+        "rowspan",
+        "encoding",
+    ]
+)
+_MATHML_NS = "{http://www.w3.org/1998/Math/MathML}"
+
+
+def _clean_mathml(node: ET.Element) -> str:
+    """`node` as MathML of allowed elements and attributes only; text escaped; an element not
+    allowed keeps only its text."""
+    tag = node.tag.removeprefix(_MATHML_NS)
+    inner = html.escape(node.text or "") + "".join(
+        _clean_mathml(child) + html.escape(child.tail or "") for child in node
+    )
+    if tag not in MATHML_ELEMENTS:
+        return inner
+    attrs = "".join(
+        f' {name}="{html.escape(value)}"'
+        for name, value in node.attrib.items()
+        if name in MATHML_ATTRIBUTES
+    )
+    if tag == "math":
+        attrs = ' xmlns="http://www.w3.org/1998/Math/MathML"' + attrs
+    return f"<{tag}{attrs}>{inner}</{tag}>"
+
+
+def math_html(tex: str, display: bool) -> str:
+    """TeX as MathML; TeX it cannot draw is shown as itself, as code."""
+    shown = f'<code class="math">{escapeHtml(tex)}</code>'
+    if len(tex) > MAX_MATH_CHARS:
+        return shown
+    try:
+        tree = ET.fromstring(latex_to_mathml(tex, display="block" if display else "inline"))
+    except Exception:  # latex2mathml's errors are many kinds; any one: show the TeX
+        return shown
+    return _clean_mathml(tree)
+
+
+def _highlighted(code: str, lang: str, _attrs: Any) -> str:
+    """A fence in a named language, highlighted (Pygments' classes); "" (markdown-it then
+    escapes it as plain code) for no language or one Pygments does not know."""
+    name = lang.split()[0] if lang.strip() else ""
+    if not name:
+        return ""
+    try:
+        lexer = get_lexer_by_name(name)
+    except ClassNotFound:
+        return ""
+    body = highlight(code, lexer, HtmlFormatter(nowrap=True))
+    return f'<pre class="highlight"><code class="language-{escapeHtml(name)}">{body}</code></pre>'
+
+
+def _linkable(url: object) -> bool:
+    return isinstance(url, str) and url.strip().lower().startswith(LINK_SCHEMES)
+
+
+def _parser() -> MarkdownIt:
+    md = MarkdownIt("commonmark", {"html": False, "highlight": _highlighted})
+    md.enable(["table", "strikethrough"])
+    # $...$ and $$...$$ (not "$5 and $10": no space or digit may follow an opening $)
+    md.use(dollarmath_plugin, allow_space=False, allow_digits=False, double_inline=True)
+    md.use(texmath_plugin, delimiters="brackets")  # \(...\) and \[...\]
+    md.validateLink = _linkable
+
+    def inline_math(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+        return math_html(tokens[idx].content, display=False)
+
+    def display_math(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+        return math_html(tokens[idx].content, display=True)  # $$...$$ within a paragraph
+
+    def block_math(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+        return f'<div class="math-block">{math_html(tokens[idx].content, display=True)}</div>\n'
+
+    md.add_render_rule("math_inline", inline_math)
+    md.add_render_rule("math_inline_double", display_math)
+    for kind in ("math_block", "math_block_label", "math_block_eqno"):  # (a label: not shown)
+        md.add_render_rule(kind, block_math)
+
+    def link_open(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+        token = tokens[idx]
+        if not _linkable(token.attrGet("href")):  # ([x]() is not validated: no href then)
+            return "<a>"
+        token.attrSet("target", "_blank")
+        token.attrSet("rel", "noopener noreferrer nofollow")
+        return self.renderToken(tokens, idx, options, env)
+
+    def image(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
+        token = tokens[idx]
+        src = str(token.attrGet("src") or "")
+        alt = escapeHtml(self.renderInlineAsText(token.children or [], options, env) or src)
+        if not _linkable(src):
+            return alt
+        return (
+            f'<a href="{escapeHtml(src)}" target="_blank" rel="noopener noreferrer nofollow">'
+            f"{alt}</a>"
+        )
+
+    md.add_render_rule("link_open", link_open)
+    md.add_render_rule("image", image)
+    return md
+
+
+_MD = _parser()
+
+
+def render_markdown(text: str) -> str:
+    """`text` (a model's reply) as safe HTML."""
+    return _MD.render(text)
+
+
+@cache
+def highlight_css() -> str:
+    """The highlighter's colours: a light scheme, and a dark one for a dark page."""
+    light = HtmlFormatter(style="default").get_style_defs(".highlight")
+    dark = HtmlFormatter(style="monokai").get_style_defs(".highlight")
+    return f"{light}\n@media (prefers-color-scheme: dark) {{\n{dark}\n}}\n"
+
+
+def _texts(body: Any) -> list[str]:
+    texts = body.get("texts") if isinstance(body, dict) else None
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ApiError(400, "'texts' must be a list of strings", param="texts")
+    if len(texts) > MAX_TEXTS:
+        raise ApiError(400, f"'texts' holds at most {MAX_TEXTS} texts", param="texts")
+    if sum(len(t) for t in texts) > MAX_CHARS:
+        raise ApiError(400, f"'texts' holds at most {MAX_CHARS} characters", param="texts")
+    return texts
+
+
+async def render(request: Request, limits: BodyLimits) -> Response:
+    """POST /render: {"texts": [markdown, ...]} -> {"html": [html, ...]}, in order."""
+    texts = _texts(await read_json(request, limits))
+    rendered = await anyio.to_thread.run_sync(
+        lambda: [render_markdown(t) for t in texts], limiter=_LIMITER
+    )
+    return JSONResponse({"html": rendered}, headers={"Cache-Control": "no-store"})
