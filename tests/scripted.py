@@ -9,6 +9,7 @@ the batch, the router and the HTTP layer, runs as it does in production.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,12 +26,21 @@ class Scripts:
     def __init__(self) -> None:
         self._scripts: dict[str, tuple[int, ...]] = {}
         self._by_slot: dict[int, tuple[int, ...] | None] = {}
+        self._holds: dict[tuple[int, ...], tuple[int, threading.Event]] = {}
 
-    def add(self, key: str, token_ids: Sequence[int]) -> str:
+    def add(self, key: str, token_ids: Sequence[int], *, hold_after: int | None = None) -> str:
         """A request whose prompt contains `key` writes `token_ids` (then whatever the model
-        writes, if it is still running). Keys must not contain one another."""
+        writes, if it is still running). Keys must not contain one another. With
+        `hold_after`, the batch stops before that script's token `hold_after` (the sampling
+        job waits) until `release(key)`, so a test acts on a request known to be running."""
         self._scripts[key] = tuple(token_ids)
+        if hold_after is not None:
+            self._holds[self._scripts[key]] = (hold_after, threading.Event())
         return key
+
+    def release(self, key: str) -> None:
+        """The batch held by `key`'s script goes on."""
+        self._holds[self._scripts[key]][1].set()
 
     def attach(self, engine: Engine) -> None:
         tokenizer = engine.tokenizer
@@ -53,6 +63,9 @@ class Scripts:
                 logits = logits.clone()
                 for row, (slot, script) in enumerate(zip(slots, scripts, strict=True)):
                     step = len(slot.output_ids)  # the engine appends after the job returns
+                    hold = self._holds.get(script) if script is not None else None
+                    if hold is not None and step == hold[0]:
+                        assert hold[1].wait(timeout=120), "a held script was never released"
                     if script is not None and step < len(script):
                         logits[row, script[step]] = logits[row].max() + FORCE
                 return inner(logits)
@@ -60,3 +73,51 @@ class Scripts:
             return sample
 
         engine._runner.sampling = scripted  # type: ignore[method-assign]
+
+
+class Paced:
+    """Holds one engine's steps to the page's polls: while the request labelled `label` (its
+    x-request-id) runs, each step the engine takes for it waits until the server has answered
+    /v1/batch again (the only caller of `Engine.rows`). So the request stays in the batch as
+    long as the test needs, and takes a step between one poll and the next, however fast or slow
+    this machine is; leaving the `with` block lets the engine run freely again."""
+
+    def __init__(self, engine: Any, label: str) -> None:
+        self._engine = engine
+        self._label = label
+        self._runner = engine._runner
+        self._sampling = self._runner.sampling  # (what tests/scripted.py put there)
+        self._polled = threading.Event()
+        self._free = threading.Event()
+
+    def __enter__(self) -> Paced:
+        inner, polled, free, label = self._sampling, self._polled, self._free, self._label
+        rows = self._engine.rows
+
+        def answered() -> Any:
+            polled.set()
+            return rows()
+
+        def paced(requests: Any) -> Any:
+            sample = inner(requests)
+
+            def held() -> bool:
+                return not free.is_set() and any(r.label == label and not r.done for r in requests)
+
+            def step(logits: Any) -> Any:  # (on the engine's worker thread)
+                while held():
+                    if polled.wait(0.05):
+                        polled.clear()
+                        break
+                return sample(logits)
+
+            return step
+
+        self._engine.rows = answered
+        self._runner.sampling = paced
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._free.set()
+        self._runner.sampling = self._sampling
+        del self._engine.rows

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.scripted import Scripts
+from tests.scripted import Paced, Scripts
 from tests.servers import RunningServer, engine_loader, fixture_model, run_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -116,15 +116,20 @@ def test_markup_in_a_reply_is_shown_never_run(page: Any, served: Any) -> None:
 
 def test_stop_cancels_the_request_on_the_server(page: Any, served: Any) -> None:
     server, scripts = served
-    script(scripts["tiny-llama"], server, "tiny-llama", "[long]", "na " * 200)  # 400 tokens
-    reply = ask(page, "Go on [long]", max_tokens=440)
+    tok = server.state.models["tiny-llama"].engine.tokenizer
+    # 400 tokens, held at the tenth until Stop has been pressed
+    scripts["tiny-llama"].add("[stop-me]", tok.encode("na " * 200), hold_after=10)
+    cancelled = server.stats("tiny-llama")["cancelled"]
+    reply = ask(page, "Go on [stop-me]", max_tokens=440)
     started = "() => document.querySelector('.message.assistant:last-child .content').innerText"
     page.wait_for_function(f"{started}.length > 0")
     page.click("#stop")
     reply.locator(".error").wait_for()
     assert reply.locator(".error").inner_text() == "stopped"
+    scripts["tiny-llama"].release("[stop-me]")
     server.wait_for(lambda s: s["running"] == 0, model="tiny-llama")
     assert reply.locator(".content").inner_text().count("na") < 200  # it was cut short
+    assert server.stats("tiny-llama")["cancelled"] == cancelled + 1  # ended by its client
 
 
 def test_the_model_picker_switches_models(page: Any, served: Any) -> None:
@@ -153,7 +158,9 @@ def test_the_batch_view_shows_a_running_request(browser: Any, served: Any) -> No
         "max_tokens": 440,
         "stream": True,
     }
-    with contextlib.ExitStack() as streams:
+    engine = server.state.models["tiny-llama"].engine
+    # (the batch held to the page's polls while the first runs: the three stay in it)
+    with Paced(engine, "watch-0"), contextlib.ExitStack() as streams:
         readers = []  # (kept: a reader let go closes its stream, which cancels the request)
         for i in range(3):  # three rows in the batch
             sent = {**body, "messages": [{"role": "user", "content": f"{i} [watch]"}]}
@@ -578,3 +585,80 @@ def test_each_reply_says_what_its_drafts_did(browser: Any) -> None:
         assert page.locator(".message.assistant").nth(1).locator(".speculation").count() == 0
         assert server.stats()["spec_draft_tokens"] == after["spec_draft_tokens"]
         context.close()
+
+
+def focus_by_tab(page: Any, matches: str, *, back: bool = False, most: int = 80) -> None:
+    """Tab (Shift+Tab with `back`) until the focused element matches the CSS selector: the
+    keyboard reaches it, in the page's focus order."""
+    for _ in range(most):
+        page.keyboard.press("Shift+Tab" if back else "Tab")
+        if page.evaluate(f"document.activeElement.matches({json.dumps(matches)})"):
+            assert page.evaluate("document.activeElement.matches(':focus-visible')"), matches
+            return
+    raise AssertionError(f"Tab never reached {matches}")
+
+
+def test_the_page_works_from_the_keyboard_alone(page: Any, served: Any) -> None:
+    server, scripts = served
+    script(scripts["tiny-llama"], server, "tiny-llama", "[keys]", "Typed **reply**.")
+    tok = server.state.models["tiny-llama"].engine.tokenizer  # type: ignore[union-attr]
+    scripts["tiny-llama"].add("[keys-long]", tok.encode("na " * 20), hold_after=10)
+    for field, value in (("#temperature", "0"), ("#max_tokens", "64")):
+        focus_by_tab(page, field)
+        page.keyboard.press("Control+a")
+        page.keyboard.type(value)
+        assert page.input_value(field) == value
+    focus_by_tab(page, "#prompt")
+    page.keyboard.type("Hello [keys]")
+    page.keyboard.press("Enter")
+    reply = page.locator(".message.assistant").last
+    reply.locator(".meta .stats").wait_for()
+    assert reply.locator(".content strong").inner_text() == "reply"
+    # back from the message box to the reply's buttons: regenerate it with Enter
+    focus_by_tab(page, ".message.assistant .regenerate", back=True)
+    page.keyboard.press("Enter")
+    page.locator(".message.assistant .meta .stats").wait_for()
+    assert page.locator(".message.assistant").count() == 1
+    assert page.locator(".message.assistant .content strong").inner_text() == "reply"
+    # a new conversation, from the keyboard too
+    focus_by_tab(page, "#new-chat")
+    page.keyboard.press("Enter")
+    assert page.locator(".message").count() == 0
+    # a long reply stopped from the keyboard: Tab from the message box reaches Stop (a new
+    # conversation: a script is chosen by a key anywhere in the prompt, "[keys]" included)
+    focus_by_tab(page, "#prompt")
+    page.keyboard.type("More [keys-long]")
+    page.keyboard.press("Enter")
+    started = "() => document.querySelector('.message.assistant:last-child .content').innerText"
+    page.wait_for_function(f"{started}.length > 0")  # (and held at its tenth token)
+    focus_by_tab(page, "#stop")
+    page.keyboard.press("Enter")
+    page.locator(".message.assistant").last.locator(".error").wait_for()
+    assert page.locator(".message.assistant").last.locator(".error").inner_text() == "stopped"
+    scripts["tiny-llama"].release("[keys-long]")
+    server.wait_for(lambda s: s["running"] == 0, model="tiny-llama")
+
+
+def test_the_phone_layout_works_from_the_keyboard(browser: Any, served: Any) -> None:
+    server, _ = served
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    page = context.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option", state="attached")
+    assert not page.is_visible("#settings")
+    focus_by_tab(page, "#settings-toggle")
+    page.keyboard.press("Enter")
+    assert page.is_visible("#settings")
+    assert page.get_attribute("#settings-toggle", "aria-expanded") == "true"
+    focus_by_tab(page, "#max_tokens")  # the folded settings are in the focus order once open
+    page.keyboard.press("Control+a")
+    page.keyboard.type("4")
+    focus_by_tab(page, "#settings-toggle", back=True)
+    page.keyboard.press("Enter")
+    assert not page.is_visible("#settings")
+    focus_by_tab(page, "#prompt")
+    page.keyboard.type("hello")
+    page.keyboard.press("Enter")
+    page.locator(".message.assistant .meta .stats").wait_for(timeout=60_000)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    context.close()

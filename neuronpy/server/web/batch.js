@@ -1,34 +1,124 @@
 "use strict";
-// The batch view: every half second, each model's live batch from /v1/batch.
+// The batch view: every half second, each model's live batch from /v1/batch, and under its
+// figures the last two minutes of polls as three plots: batch size, decode steps/s, KV held.
 
-const history = {};  // model -> recent live batch sizes
-const steps = {};  // model -> [decode steps, time] of the previous poll
-const KEEP = 120;
+const SVG = "http://www.w3.org/2000/svg";
+const WINDOW_MS = 120000;  // what the plots show: the polls of the last two minutes
+const polls = {};  // model -> its polls within the window, oldest first: {t, batch, steps, rate, kv}
 
-function sparkline(values, most) {
-  const ns = "http://www.w3.org/2000/svg";
-  const svg = document.createElementNS(ns, "svg");
-  svg.setAttribute("class", "spark");
-  svg.setAttribute("viewBox", "0 0 " + KEEP + " 60");
-  svg.setAttribute("preserveAspectRatio", "none");
-  const line = document.createElementNS(ns, "polyline");
-  const top = Math.max(1, most);
-  line.setAttribute("points", values.map((v, i) => i + "," + (58 - (56 * v) / top)).join(" "));
-  svg.appendChild(line);
-  return svg;
+// Keeps this poll of model `name` (seen at `now`, in ms) and drops those older than the window.
+// Its decode steps/s is the steps taken since the previous poll over the time between them:
+// none for the first poll, nor when the counter went back (the model was loaded again).
+function record(name, m, now) {
+  const kept = polls[name] || (polls[name] = []);
+  const prev = kept[kept.length - 1];
+  const rate = prev && now > prev.t && m.decode_steps >= prev.steps
+    ? (m.decode_steps - prev.steps) / ((now - prev.t) / 1000) : null;
+  kept.push({ t: now, batch: m.live_batch_size, steps: m.decode_steps, rate, kv: m.kv_tokens });
+  while (kept[0].t < now - WINDOW_MS) kept.shift();
+  return kept;
+}
+
+// an SVG element with these attributes (and text, as text)
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, String(value));
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+// One series over the window, as an <svg class="plot KIND">: its name (the axis label) and its
+// latest value above the plot, the top of its scale labelled ("max 8": a limit, drawn dashed;
+// or the window's peak), and a line through its polls. data-latest / data-max / data-unit hold
+// the latest value, the top label's value and the unit, as numbers and text, for tests and
+// tools. `values` is [[time in ms, value or null]], `now` the latest poll's time.
+const W = 300, H = 124, TOP = 34, BOTTOM = 108;
+function panel({ kind, label, unit, colour, values, now, limit, format }) {
+  const seen = values.filter(([, v]) => Number.isFinite(v));
+  const latest = seen.length ? seen[seen.length - 1][1] : null;
+  const peak = Math.max(0, ...seen.map(([, v]) => v));
+  const most = limit ? Math.max(limit, peak) : peak;  // the scale's top
+  const top = limit ? "max " + format(limit) : "peak " + format(peak);
+  const x = (t) => (W * (t - (now - WINDOW_MS))) / WINDOW_MS;
+  const y = (v) => BOTTOM - ((BOTTOM - TOP) * v) / Math.max(most, 1e-9);
+  const current = latest === null ? "–" : format(latest);
+
+  const plot = svg("svg", {
+    class: "plot " + kind, viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
+    "data-latest": latest === null ? "" : latest, "data-max": limit || peak, "data-unit": unit,
+    "aria-label": `${label}, last 2 minutes: now ${current}, ${top}`,
+  });
+  plot.appendChild(svg("title", {}, `${label} over the last 2 minutes`));
+  // text in the page's own colour (currentColor), so it reads in either colour scheme
+  const text = (cls, at, baseline, anchor, size, content) => plot.appendChild(svg("text", {
+    class: cls, x: at, y: baseline, "text-anchor": anchor, "font-size": size,
+    fill: "currentColor", "fill-opacity": size > 11 ? 1 : 0.75, "font-weight": size > 11 ? 600 : 400,
+  }, content));
+  text("label", 0, 14, "start", 13, label);
+  text("latest", W, 14, "end", 14, current);
+  text("top", 2, TOP - 5, "start", 11, top);
+  text("since", 0, H - 2, "start", 11, "2 min ago");
+  text("now", W, H - 2, "end", 11, "now");
+  plot.appendChild(svg("rect", {
+    class: "frame", x: 0.5, y: TOP, width: W - 1, height: BOTTOM - TOP,
+    fill: "none", stroke: "currentColor", "stroke-opacity": 0.25,
+  }));
+  if (limit) {
+    plot.appendChild(svg("line", {
+      class: "limit", x1: 0, x2: W, y1: y(limit), y2: y(limit),
+      stroke: "currentColor", "stroke-opacity": 0.5, "stroke-dasharray": "4 3",
+    }));
+  }
+  const points = seen.map(([t, v]) => x(t).toFixed(1) + "," + y(v).toFixed(1)).join(" ");
+  plot.appendChild(svg("polyline", {
+    points, fill: "none", stroke: colour, "stroke-width": 2, "stroke-linejoin": "round",
+  }));
+  if (seen.length) {
+    const [t, v] = seen[seen.length - 1];
+    plot.appendChild(svg("circle", { cx: x(t), cy: y(v), r: 3, fill: colour }));
+  }
+  return plot;
+}
+
+// mid-tone colours that read on the light and the dark panel alike (3:1 or more on both)
+const BLUE = "#3b82f6", GREEN = "#16a34a", AMBER = "#d97706";
+const whole = (v) => String(Math.round(v));
+const tenths = (v) => v.toFixed(1);
+const percent = (v) => (Number.isInteger(v) ? v : v.toFixed(1)) + "%";
+
+// the three plots of a model's polls
+function plots(kept, m) {
+  const now = kept[kept.length - 1].t;
+  const series = (key) => kept.map((p) => [p.t, p[key]]);
+  const box = el("div", "plots");
+  box.appendChild(panel({
+    kind: "batch-size", label: "batch size", unit: "rows", colour: BLUE,
+    values: series("batch"), now, limit: m.max_in_flight, format: whole,
+  }));
+  box.appendChild(panel({
+    kind: "decode-steps-per-s", label: "decode steps/s", unit: "steps/s", colour: GREEN,
+    values: series("rate"), now, format: tenths,
+  }));
+  const capacity = m.kv_capacity;
+  box.appendChild(capacity > 0
+    ? panel({
+      kind: "kv-held", label: "KV held (of " + capacity + " tokens)", unit: "%", colour: AMBER,
+      values: kept.map((p) => [p.t, (100 * p.kv) / capacity]), now, limit: 100, format: percent,
+    })
+    : panel({
+      kind: "kv-held", label: "KV held (tokens)", unit: "tokens", colour: AMBER,
+      values: series("kv"), now, format: whole,
+    }));
+  return box;
 }
 
 function card(name, m) {
-  const now = performance.now();
-  const past = history[name] || (history[name] = []);
-  past.push(m.live_batch_size || 0);
-  if (past.length > KEEP) past.shift();
-  const prev = steps[name];
-  const rate = prev ? ((m.decode_steps - prev[0]) / ((now - prev[1]) / 1000)) : 0;
-  steps[name] = [m.decode_steps, now];
   const node = el("section", "card");
   node.dataset.model = name;
   node.appendChild(el("h2", "", name + " (" + m.status + ")"));
+  if (m.live_batch_size === undefined) return node;  // no engine (yet): nothing more to show
+  const kept = record(name, m, performance.now());
+  const rate = kept[kept.length - 1].rate;
   const figures = el("div", "figures");
   const figure = (label, value) => {
     const span = el("span", "", label + " ");
@@ -38,22 +128,26 @@ function card(name, m) {
   figure("live batch", m.live_batch_size + " / " + m.max_in_flight);
   figure("running", m.running);
   figure("queued", m.queued);
-  figure("decode steps/s", rate.toFixed(1));
+  figure("decode steps/s", (rate || 0).toFixed(1));
   figure("prefix cache hits", m.prefix_cache_hits + " of " + (m.prefix_cache_hits + m.prefix_cache_misses));
   node.appendChild(figures);
-  const kv = el("div", "", "KV held: " + m.kv_tokens + " of " + m.kv_capacity + " tokens ");
-  const bar = el("span", "bar");
-  const fill = el("span");
-  fill.style.width = Math.min(100, (100 * m.kv_tokens) / Math.max(1, m.kv_capacity)) + "%";
-  bar.appendChild(fill);
-  kv.appendChild(bar);
-  node.appendChild(kv);
-  node.appendChild(sparkline(past, m.max_in_flight));
+  if (m.kv_capacity > 0) {
+    const kv = el("div", "", "KV held: " + m.kv_tokens + " of " + m.kv_capacity + " tokens ");
+    const bar = el("span", "bar");
+    const fill = el("span");
+    fill.style.width = Math.min(100, (100 * m.kv_tokens) / m.kv_capacity) + "%";
+    bar.appendChild(fill);
+    kv.appendChild(bar);
+    node.appendChild(kv);
+  } else {
+    node.appendChild(el("div", "", "KV held: " + m.kv_tokens + " tokens"));
+  }
+  node.appendChild(plots(kept, m));
   const table = el("table");
   const head = el("tr");
   for (const h of ["request", "state", "prompt tokens", "tokens so far", "max_tokens"]) head.appendChild(el("th", "", h));
   table.appendChild(head);
-  for (const r of m.requests) {
+  for (const r of m.requests || []) {
     const row = el("tr", "request");
     row.appendChild(el("td", "", r.label || String(r.id)));  // the id its client sees
     row.appendChild(el("td", "state-" + r.state, r.state));
