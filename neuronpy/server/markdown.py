@@ -18,8 +18,8 @@ import anyio
 from latex2mathml.converter import convert as latex_to_mathml
 from markdown_it import MarkdownIt
 from markdown_it.common.utils import escapeHtml
+from markdown_it.rules_inline import StateInline
 from mdit_py_plugins.dollarmath import dollarmath_plugin
-from mdit_py_plugins.texmath import texmath_plugin
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import get_lexer_by_name
@@ -31,11 +31,12 @@ from neuronpy.server.errors import ApiError
 from neuronpy.server.requests import BodyLimits, read_json
 
 MAX_TEXTS = 256  # texts in one request (a page shows a conversation's replies at once)
-MAX_CHARS = 1_000_000  # characters in one request, all texts together
+MAX_CHARS = 400_000  # characters in one request, all texts together
 MAX_MATH_CHARS = 4_000  # longer math is shown as its TeX
 LINK_SCHEMES = ("http:", "https:", "mailto:")
-# one render at a time per core, off the event loop: a long text never holds up a stream
-_LIMITER = anyio.CapacityLimiter(2)
+# one render at a time, off the event loop: a long text never holds up a stream, and renders
+# never take more than a core from the model
+_LIMITER = anyio.CapacityLimiter(1)
 
 MATHML_ELEMENTS = frozenset(
     [
@@ -163,12 +164,38 @@ def _linkable(url: object) -> bool:
     return isinstance(url, str) and url.strip().lower().startswith(LINK_SCHEMES)
 
 
+def _bracket_math(state: StateInline, silent: bool) -> bool:
+    """\\(...\\) (inline) and \\[...\\] (display) math, as LaTeX and many models write it, in
+    linear time: once no closing delimiter follows one opening, none is looked for after a
+    later one (mdit-py-plugins' texmath rule is quadratic in unclosed openings)."""
+    src, pos = state.src, state.pos
+    if not src.startswith(("\\(", "\\["), pos):
+        return False
+    close = "\\)" if src[pos + 1] == "(" else "\\]"
+    misses: dict[str, int] = state.__dict__.setdefault("_math_misses", {})
+    if misses.get(close, len(src)) <= pos:
+        return False
+    end = src.find(close, pos + 2)
+    if end < 0:
+        misses[close] = pos
+        return False
+    if not src[pos + 2 : end].strip():
+        return False
+    if not silent:
+        kind = "math_inline" if close == "\\)" else "math_inline_double"
+        token = state.push(kind, "math", 0)
+        token.content = src[pos + 2 : end]
+        token.markup = src[pos : pos + 2]
+    state.pos = end + 2
+    return True
+
+
 def _parser() -> MarkdownIt:
     md = MarkdownIt("commonmark", {"html": False, "highlight": _highlighted})
     md.enable(["table", "strikethrough"])
     # $...$ and $$...$$ (not "$5 and $10": no space or digit may follow an opening $)
     md.use(dollarmath_plugin, allow_space=False, allow_digits=False, double_inline=True)
-    md.use(texmath_plugin, delimiters="brackets")  # \(...\) and \[...\]
+    md.inline.ruler.before("escape", "bracket_math", _bracket_math)  # (\( is no escape)
     md.validateLink = _linkable
 
     def inline_math(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:
@@ -182,7 +209,7 @@ def _parser() -> MarkdownIt:
 
     md.add_render_rule("math_inline", inline_math)
     md.add_render_rule("math_inline_double", display_math)
-    for kind in ("math_block", "math_block_label", "math_block_eqno"):  # (a label: not shown)
+    for kind in ("math_block", "math_block_label"):  # (a label: not shown)
         md.add_render_rule(kind, block_math)
 
     def link_open(self: Any, tokens: Any, idx: int, options: Any, env: Any) -> str:

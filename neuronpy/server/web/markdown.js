@@ -84,7 +84,14 @@ async function renderWaiting() {
   waiting = [];
   waitingTimer = null;
   const texts = [...new Set(nodes.map((n) => n.dataset.text))];
-  if (!(await renderTexts(texts))) return;
+  // in requests within the server's bounds (/render: at most 256 texts, 400,000 characters)
+  for (let start = 0, size = 0, i = 0; i <= texts.length; i++) {
+    if (i === texts.length || i - start === 64 || size + texts[i].length > 100000) {
+      if (i > start) await renderTexts(texts.slice(start, i));
+      [start, size] = [i, 0];
+    }
+    if (i < texts.length) size += texts[i].length;
+  }
   for (const node of nodes) {  // (unless it has been redrawn meanwhile)
     const text = node.dataset.text;
     if (node.isConnected && renderedHtml.has(text)) showRendered(node, renderedHtml.get(text), "");
