@@ -662,3 +662,26 @@ def test_the_phone_layout_works_from_the_keyboard(browser: Any, served: Any) -> 
     page.locator(".message.assistant .meta .stats").wait_for(timeout=60_000)
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
     context.close()
+
+
+def test_a_streaming_reply_shows_its_reasoning_and_text_as_they_come(
+    page: Any, served: Any
+) -> None:
+    server, scripts = served
+    model = "tiny-qwen3-tools"
+    tok = server.state.models[model].engine.tokenizer  # type: ignore[union-attr]
+    first = "<think>\nplan it\n</think>\n\nPart **one**."
+    held = len(tok.encode(first))
+    scripts[model].add(
+        "[live]", [*tok.encode(first + " Part two."), tok.eos_token_id], hold_after=held
+    )
+    page.select_option("#model", model)
+    reply = ask(page, "Think [live]")
+    # held after "Part one.": the page shows what came, in the reply's own (live) node
+    reply.locator(".content strong").wait_for()  # rendered as markdown while it streams
+    assert reply.locator(".content").inner_text().strip() == "Part one."
+    assert reply.locator("details.reasoning").text_content().strip().endswith("plan it")
+    assert reply.locator(".meta .stats").count() == 0  # (it has not ended)
+    scripts[model].release("[live]")
+    reply.locator(".meta .stats").wait_for()
+    assert reply.locator(".content").inner_text().strip() == "Part one. Part two."

@@ -249,7 +249,7 @@ async function complete(continued) {
     reply.reasoning = reply.reasoning || "";
   } else conversation.push(reply);
   render();
-  const node = $("messages").lastChild;
+  let node = $("messages").lastChild;
   const view = new StreamingMarkdown(node.querySelector(".content"));
   controller = new AbortController();
   $("stop").disabled = false;
@@ -295,8 +295,14 @@ async function complete(continued) {
           }
         }
         const following = atBottom();
+        if (reply.reasoning && !node.querySelector("details")) {
+          render();  // (the reply's node anew, now with its folded reasoning)
+          node = $("messages").lastChild;
+          view.node = node.querySelector(".content");
+        }
+        const thinking = node.querySelector("details.reasoning > div");
+        if (thinking && thinking.textContent !== reply.reasoning) thinking.textContent = reply.reasoning;
         view.update(reply.content);
-        if (reply.reasoning && !node.querySelector("details")) render();
         if (following) toBottom();
       }
     }
