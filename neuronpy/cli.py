@@ -295,13 +295,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # probes a load balancer or a router sends every few seconds (those the concurrency limit
-# never refuses): logged only when they fail
-PROBE_PATHS = UNLIMITED_PATHS
+# never refuses), and what an open web page asks several times a second (the batch view's
+# polls, a streaming reply's markdown): logged only when they fail
+PROBE_PATHS = UNLIMITED_PATHS | {"/v1/batch", "/render"}
 
 
 class QuietProbes(logging.Filter):
     """Drops uvicorn's access-log lines of successful probes (a router checks each replica
-    every second or two); a failing probe is still logged."""
+    every second or two) and of the web page's own polls; a failing one is still logged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args

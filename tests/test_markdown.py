@@ -149,3 +149,19 @@ def test_render_route_checks_its_body_and_needs_the_key() -> None:
         css = httpx.get(server.url + "/static/highlight.css", headers=key)
         assert css.status_code == 200 and ".highlight .k" in css.text
         assert css.headers["content-type"].startswith("text/css")
+
+
+def test_the_pages_own_requests_stay_out_of_the_access_log_unless_they_fail() -> None:
+    import logging
+
+    from neuronpy.cli import QuietProbes
+
+    def line(path: str, status: int) -> logging.LogRecord:
+        args = ("127.0.0.1:5000", "POST", path, "1.1", status)
+        return logging.LogRecord(
+            "uvicorn.access", logging.INFO, "", 0, "%s %s %s %s %d", args, None
+        )
+
+    quiet = QuietProbes()
+    assert not quiet.filter(line("/render", 200)) and not quiet.filter(line("/v1/batch", 200))
+    assert quiet.filter(line("/render", 400)) and quiet.filter(line("/v1/chat/completions", 200))
