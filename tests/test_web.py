@@ -210,6 +210,7 @@ def test_no_web_serves_no_page() -> None:
     with run_server(fixture_model("tiny-llama"), web=False) as server:
         assert httpx.get(server.url + "/").status_code == 404
         assert httpx.get(server.url + "/static/chat.js").status_code == 404
+        assert httpx.post(server.url + "/render", json={"texts": ["x"]}).status_code == 404
         assert httpx.get(server.url + "/health").status_code == 200
 
 
