@@ -3,9 +3,13 @@
 // math as MathML, highlighted code; raw HTML in a reply comes back as text), so the page holds
 // no parser of its own. While a reply streams, its rendered part is shown with the text that
 // came since after it, as text, and the server is asked again at most every RENDER_EVERY_MS,
-// one request at a time. A reply the server cannot render is shown as plain text.
+// one request at a time, and less often for a reply whose render takes long (a long code
+// block): never sooner than RENDER_SHARE times the last render's time after it, so that a
+// streaming reply's renders take at most about a tenth of a core from the model. A reply the
+// server cannot render is shown as plain text.
 
 const RENDER_EVERY_MS = 250;
+const RENDER_SHARE = 10;
 const RENDERED_KEEP = 400;  // rendered replies kept for redrawing the page (the latest ones)
 const renderedHtml = new Map();  // reply text -> its HTML
 
@@ -108,6 +112,7 @@ class StreamingMarkdown {
     this.html = "";
     this.busy = false;
     this.lastAsked = 0;
+    this.lastTook = 0;  // how long the last render took, in ms (the round trip)
     this.timer = null;
     this.failed = false;
     this.finished = false;
@@ -117,7 +122,8 @@ class StreamingMarkdown {
     this.text = text;
     this.draw();
     if (!this.busy && !this.timer && !this.failed && !this.finished) {
-      const wait = Math.max(0, this.lastAsked + RENDER_EVERY_MS - performance.now());
+      const every = Math.max(RENDER_EVERY_MS, RENDER_SHARE * this.lastTook);
+      const wait = Math.max(0, this.lastAsked + every - performance.now());
       this.timer = setTimeout(() => {
         this.timer = null;
         this.ask();
@@ -140,6 +146,7 @@ class StreamingMarkdown {
     this.lastAsked = performance.now();
     const text = this.text;
     const html = await renderTexts([text]);
+    this.lastTook = performance.now() - this.lastAsked;
     this.busy = false;
     if (html === null) this.failed = true;
     else [this.shown, this.html] = [text, html[0]];
