@@ -221,7 +221,7 @@ def test_reasoning_folds_code_renders_and_tool_calls_show(page: Any, served: Any
     server, scripts = served
     model = "tiny-qwen3-tools"
     reply = (
-        "<think>\nThe user wants code.\n</think>\n\nSee `x`:\n```\nx = 1 < 2\n```\n"
+        "<think>\nThe user wants *code*.\n</think>\n\nSee `x`:\n```\nx = 1 < 2\n```\n"
         '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
     )
     script(scripts[model], server, model, "[rich]", reply)
@@ -232,6 +232,7 @@ def test_reasoning_folds_code_renders_and_tool_calls_show(page: Any, served: Any
     details = answer.locator("details.reasoning")
     assert details.get_attribute("open") is None  # folded
     assert "The user wants code." in (details.text_content() or "")
+    assert details.locator("em").text_content() == "code"  # markdown, as the reply is
     assert answer.locator(".content code").first.inner_text() == "x"
     assert answer.locator(".content pre code").inner_text().strip() == "x = 1 < 2"
     assert answer.locator(".tool-call").inner_text() == 'get_time({"tz": "CET"})'

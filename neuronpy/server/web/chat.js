@@ -112,7 +112,11 @@ function messageNode(message, index) {
   if (message.reasoning) {
     const details = el("details", "reasoning");
     details.appendChild(el("summary", "", "reasoning"));
-    details.appendChild(el("div", "", message.reasoning));
+    const thinking = el("div", "thinking");
+    if (controller && message === conversation[conversation.length - 1]) {
+      thinking.textContent = message.reasoning;  // (streaming: as text until it has ended)
+    } else showMarkdown(thinking, message.reasoning);
+    details.appendChild(thinking);
     node.appendChild(details);
   }
   const body = el("div", "content");
@@ -300,7 +304,7 @@ async function complete(continued) {
           node = $("messages").lastChild;
           view.node = node.querySelector(".content");
         }
-        const thinking = node.querySelector("details.reasoning > div");
+        const thinking = node.querySelector("details.reasoning > .thinking");
         if (thinking && thinking.textContent !== reply.reasoning) thinking.textContent = reply.reasoning;
         view.update(reply.content);
         if (following) toBottom();
