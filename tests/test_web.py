@@ -231,8 +231,9 @@ def test_reasoning_folds_code_renders_and_tool_calls_show(page: Any, served: Any
     answer.locator(".meta .stats").wait_for()
     details = answer.locator("details.reasoning")
     assert details.get_attribute("open") is None  # folded
+    # markdown, as the reply is (rendered once the reply has ended: the locator waits for it)
+    assert details.locator("em").text_content() == "code"
     assert "The user wants code." in (details.text_content() or "")
-    assert details.locator("em").text_content() == "code"  # markdown, as the reply is
     assert answer.locator(".content code").first.inner_text() == "x"
     assert answer.locator(".content pre code").inner_text().strip() == "x = 1 < 2"
     assert answer.locator(".tool-call").inner_text() == 'get_time({"tz": "CET"})'
