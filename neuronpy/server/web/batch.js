@@ -147,7 +147,7 @@ function card(name, m) {
   const head = el("tr");
   for (const h of ["request", "state", "prompt tokens", "tokens so far", "max_tokens"]) head.appendChild(el("th", "", h));
   table.appendChild(head);
-  for (const r of m.requests || []) {
+  for (const r of m.requests) {
     const row = el("tr", "request");
     row.appendChild(el("td", "", r.label || String(r.id)));  // the id its client sees
     row.appendChild(el("td", "state-" + r.state, r.state));

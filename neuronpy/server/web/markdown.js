@@ -110,7 +110,7 @@ class StreamingMarkdown {
     this.text = "";
     this.shown = "";  // the text the shown HTML is of
     this.html = "";
-    this.busy = false;
+    this.pending = null;  // the render asked for and not yet answered
     this.lastAsked = 0;
     this.lastTook = 0;  // how long the last render took, in ms (the round trip)
     this.timer = null;
@@ -121,7 +121,7 @@ class StreamingMarkdown {
   update(text) {
     this.text = text;
     this.draw();
-    if (!this.busy && !this.timer && !this.failed && !this.finished) {
+    if (!this.pending && !this.timer && !this.failed && !this.finished) {
       const every = Math.max(RENDER_EVERY_MS, RENDER_SHARE * this.lastTook);
       const wait = Math.max(0, this.lastAsked + every - performance.now());
       this.timer = setTimeout(() => {
@@ -140,25 +140,27 @@ class StreamingMarkdown {
     } else showRendered(node, this.html, text.slice(shown.length));
   }
 
-  async ask() {
-    if (this.busy || this.failed) return;
-    this.busy = true;
+  // one render at a time: the one under way, or a new one of the text so far
+  ask() {
+    if (this.pending || this.failed) return this.pending;
     this.lastAsked = performance.now();
     const text = this.text;
-    const html = await renderTexts([text]);
-    this.lastTook = performance.now() - this.lastAsked;
-    this.busy = false;
-    if (html === null) this.failed = true;
-    else [this.shown, this.html] = [text, html[0]];
-    this.draw();
-    if (!this.failed && this.text !== this.shown) this.update(this.text);
+    this.pending = renderTexts([text]).then((html) => {
+      this.lastTook = performance.now() - this.lastAsked;
+      this.pending = null;
+      if (html === null) this.failed = true;
+      else [this.shown, this.html] = [text, html[0]];
+      this.draw();
+      if (!this.failed && this.text !== this.shown) this.update(this.text);
+    });
+    return this.pending;
   }
 
   async finish() {
     this.finished = true;
     clearTimeout(this.timer);
     this.timer = null;
-    while (this.busy) await new Promise((resolve) => setTimeout(resolve, 20));
+    await this.pending;
     if (!this.text.trim() || this.failed) return;
     if (this.text !== this.shown) await this.ask();
   }
