@@ -136,7 +136,7 @@ async def test_parity_with_concurrent_joins() -> None:
 @pytest.mark.anyio
 async def test_eviction_keeps_the_store_within_its_budget() -> None:
     tok = tokenizer()
-    budget = 100_000  # about four of these prompts' snapshots
+    budget = 220_000  # about four of these prompts' snapshots (their prompts' KV, ~54 KB each)
     async with make_engine(prefix_cache_bytes=budget) as engine:
         for i in range(24):
             prompt = tok.encode(f"{i} distinct prompt number {i * 7919} goes on for a while {i}")

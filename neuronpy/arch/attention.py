@@ -244,6 +244,7 @@ class SequenceAttention:
             v_cache[:, :, : self.total],
             self.mask,
             self.banded,
+            form="chunk",
         )
         return model.ungroup(out, self.tokens)
 
@@ -308,7 +309,8 @@ class PackedAttention:
             ks = k[at:hi].reshape(n, length, *k.shape[1:]).transpose(1, 2)
             vs = v[at:hi].reshape(n, length, *v.shape[1:]).transpose(1, 2)
             mask, banded = self.masks[length], self.banded.get(length)
-            outs.append(model.ungroup(model.sdpa(layer, qs, ks, vs, mask, banded), length))
+            out = model.sdpa(layer, qs, ks, vs, mask, banded, form="packed")
+            outs.append(model.ungroup(out, length))
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -9,7 +9,7 @@ import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ from neuronpy.arch.attention import (
     window_decode_mask,
 )
 from neuronpy.arch.config import ArchConfig
+from neuronpy.arch.exact import chunk_attention, soft_cap, step_attention
 from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch
 from neuronpy.arch.linear import Linear
 from neuronpy.arch.moe import MoeBlock
@@ -37,6 +38,9 @@ from neuronpy.arch.quant import QuantEmbedding
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.arch.weights import AnyLinear, LayerWeights, ModelWeights, take_weights
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
+from neuronpy.envflags import env_flag
+
+AttentionForm = Literal["step", "chunk", "packed"]
 
 # leading logits of a row a quantized tied head recomputes in fp32 (see LlamaModel._refine)
 REFINED_LOGITS = 16
@@ -54,11 +58,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.dtype == torch.float32:
         return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
-
-
-def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """cap * tanh(x / cap): Gemma 2's bound on attention scores and logits."""
-    return torch.tanh(x / cap) * cap
 
 
 class LlamaModel:
@@ -376,23 +375,45 @@ class LlamaModel:
         v: torch.Tensor,
         mask: torch.Tensor | None,
         banded: torch.Tensor | None = None,
+        form: AttentionForm = "step",
     ) -> torch.Tensor:
         """Attention over grouped queries (see group_queries): q [B, KVH, Q, D], k and v
         [B, KVH, L, D], mask broadcasting to [B, KVH, Q, L] (True = attend) -> [B, KVH, Q, D];
-        `banded` is the mask instead in a sliding-window layer. PyTorch's fused kernel, at
-        the family's query scale; with Gemma 2's soft-capped scores, the scores written out
-        (the kernel has no cap) and softmaxed in float32."""
+        `banded` is the mask instead in a sliding-window layer. `form`: what the call is, a
+        decode or verify step's rows ("step"), one sequence's prompt chunk ("chunk") or
+        packed whole sequences ("packed"). In the exact mode (see `exact`) steps and chunks
+        run arch/exact.py's attention, whose result for a query does not depend on the batch,
+        the padding or the chunking; else PyTorch's fused kernel, at the family's query scale,
+        and with Gemma 2's soft-capped scores (the kernel has no cap) written out and
+        softmaxed in float32."""
         c = self.config
         if c.window(layer) is not None:
             mask = banded
+        scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
+        if self.exact and form != "packed":
+            if form == "chunk":
+                assert mask is not None  # a chunk's queries are causal
+                return chunk_attention(q, k, v, mask, scale, c.attn_softcap)
+            return step_attention(q, k, v, mask, scale, c.attn_softcap)
         if c.attn_softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.attn_scale)
-        scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
         scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, c.attn_softcap)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, v)
+
+    @functools.cached_property
+    def exact(self) -> bool:
+        """Whether attention runs exactly (arch/exact.py): on the CPU in float32, the parity
+        contract's mode, unless NEURON_EXACT_ATTENTION=0 (to compare). Its products are exact
+        by what the CPU's BLAS does, measured there; elsewhere attention is PyTorch's fused
+        kernel, and a reply may change with the batch in its last bits."""
+        return (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and env_flag("NEURON_EXACT_ATTENTION")
+        )
 
     def group_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q: [B, T, H, D] -> [B, KVH, G * T, D]: each KV head's query heads side by side, so

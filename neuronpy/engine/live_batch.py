@@ -117,9 +117,8 @@ class LiveBatch:
             for (request, sid), nbytes, length in zip(
                 plan.cache, outcome.cached.nbytes, outcome.cached.lengths, strict=True
             ):
-                # the row's KV holds the tokens fed so far: the last sampled one may not be
-                fed = (*request.prompt_ids, *request.output_ids)[:length]
-                self.prefills.index_entry(sid, fed, nbytes)
+                # the worker kept the prompt's columns (see Prefills.worth_caching)
+                self.prefills.index_entry(sid, request.prompt_ids[:length], nbytes)
         for request in plan.leaving:
             if request.status is not RequestStatus.SAVING:
                 q.finish(request)

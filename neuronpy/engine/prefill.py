@@ -180,14 +180,16 @@ class Prefills:
         return next(self._kv_ids)
 
     def worth_caching(self, leaving: Sequence[Request]) -> list[Request]:
-        """Leaving rows worth keeping in the prefix cache: their prompt and output's KV."""
+        """Leaving rows worth keeping in the prefix cache: their prompt's KV. Only the prompt's:
+        a prefill computes a token's keys and values as every other prefill does, however the
+        prompt was cut into chunks, but a decode step computes them otherwise (in the last
+        bits), so a later prompt that holds this reply gets what a fresh prefill gives it."""
         if self.prefix is None:
             return []
         return [
             r
             for r in leaving
-            if r.total_tokens > self.prefix.block
-            and not self.prefix.covers((*r.prompt_ids, *r.output_ids[:-1]))
+            if len(r.prompt_ids) >= self.prefix.block and not self.prefix.covers(r.prompt_ids)
         ]
 
     def index_entry(self, cache_id: int, tokens: Sequence[int], nbytes: int) -> None:

@@ -372,7 +372,9 @@ class Runner:
         await self.run_ops(plan.ops)
         cached = None
         if plan.cache:
-            result: CacheResult = await self.call(CacheKvSnapshots(tuple(i for _, i in plan.cache)))
+            ids = tuple(i for _, i in plan.cache)
+            keep = tuple(len(r.prompt_ids) for r, _ in plan.cache)
+            result: CacheResult = await self.call(CacheKvSnapshots(ids, keep))
             cached = CacheOutcome(result.nbytes, result.lengths)
         padding = 0
         if plan.assemble:

@@ -162,9 +162,11 @@ class DropResult:
 @dataclass(frozen=True)
 class CacheKvSnapshots:
     """Move stored snapshots (rows extracted from the live batch included) into the prefix
-    cache, compact, under the same ids: they leave the store of running snapshots."""
+    cache, compact, under the same ids: they leave the store of running snapshots. `keep`:
+    per snapshot, its leading columns to keep (None: all), the rest dropped."""
 
     snapshot_ids: tuple[int, ...]
+    keep: tuple[int | None, ...] | None = None
 
 
 @dataclass(frozen=True)

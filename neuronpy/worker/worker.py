@@ -270,8 +270,12 @@ class DeviceWorker:
     def _cache_snapshots(self, job: CacheKvSnapshots) -> CacheResult:
         self._require(job.snapshot_ids)
         nbytes, lengths = [], []
-        for sid in job.snapshot_ids:
+        keep = job.keep or (None,) * len(job.snapshot_ids)
+        for sid, columns in zip(job.snapshot_ids, keep, strict=True):
             source = self._snapshots.pop(sid)
+            if columns is not None and columns < source.length:
+                whole = source.materialize() if isinstance(source, BatchRow) else source
+                source = _leading(whole, columns)
             # a row of the last batch is copied out once, compact, as materialize does
             cached = source.materialize() if isinstance(source, BatchRow) else _compact(source)
             self._cache[sid] = cached
@@ -466,6 +470,15 @@ def _prefix_of(snapshot: KvSnapshot, length: int) -> KvSnapshot:
         keys=[k[:, :, :length] for k in snapshot.keys],
         values=[v[:, :, :length] for v in snapshot.values],
         token_ids=list(snapshot.token_ids[:length]),
+    )
+
+
+def _leading(snapshot: KvSnapshot, columns: int) -> KvSnapshot:
+    """Views of the snapshot's first `columns` tokens (_compact copies them out)."""
+    return KvSnapshot(
+        keys=[k[:, :, :columns] for k in snapshot.keys],
+        values=[v[:, :, :columns] for v in snapshot.values],
+        token_ids=list(snapshot.token_ids[:columns]),
     )
 
 

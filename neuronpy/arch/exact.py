@@ -1,0 +1,98 @@
+"""Attention whose result for a query depends on that query's own keys and values alone: not on
+the batch's other rows, a row's padding gap or padded length, nor on how many queries one call
+holds. What the parity contract needs on the CPU in float32, from plain PyTorch products.
+
+PyTorch's fused attention (SDPA) changes a row's output in its last bits with the padded key
+length, the gap and the query count, and with the int4 kernels' bf16 inputs one such bit turns
+into a different token now and then. Measured here (torch 2.13, MKL), the pieces below are
+exact, and `tests/test_exact_attention.py` holds each one to it:
+- a product over at most NARROW columns (keys as rows, queries as columns) sums along the keys
+  in order, one key after another, so masked keys (zero weights) anywhere add exact zeros; its
+  result per column does not depend on the number of columns (1, 2 or 3) or of batch entries;
+- a product with MIN_ROWS query rows or more gives each row what it gives that row among any
+  others; one of fixed shape (KEY_BLOCK keys) is the same whatever else is computed beside it;
+- `amax` is exact in any order; `exp` gives each element the same value wherever it lies;
+- `cumsum` accumulates in order (in double on the CPU): a sum that zeros cannot change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NARROW = 3  # query columns per product in step_attention (wider ones block the keys: not exact)
+MIN_ROWS = 4  # query rows a chunk_attention product needs for rows independent of their count
+KEY_BLOCK = 64  # keys per product in chunk_attention: every product the same shape
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap): Gemma 2's bound on attention scores and logits."""
+    return torch.tanh(x / cap) * cap
+
+
+def step_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    cap: float | None = None,
+) -> torch.Tensor:
+    """A decode or verify step's attention: q [B, KVH, Q, D], k and v [B, KVH, L, D] (views
+    of the live batch's buffers, gap included), mask broadcasting to [B, KVH, Q, L] (True =
+    attend; None: every key) -> [B, KVH, Q, D]. Each query's output is what it would be with
+    its row alone in the batch, whatever the gap, the padded length or the other rows."""
+    b, h, nq, d = q.shape
+    n, length = b * h, k.shape[2]
+    keys = k.reshape(n, length, d)  # [n, L, D]: a view (B and KVH merge)
+    values_t = v.reshape(n, length, d).transpose(1, 2)  # [n, D, L]
+    queries = (q * scale).reshape(n, nq, d)
+    masks = None if mask is None else mask.expand(b, h, nq, length).reshape(n, nq, length)
+    outs = []
+    for lo in range(0, nq, NARROW):
+        hi = min(lo + NARROW, nq)
+        scores = torch.bmm(keys, queries[:, lo:hi].transpose(1, 2))  # [n, L, c]
+        if cap is not None:
+            scores = soft_cap(scores, cap)
+        if masks is not None:
+            scores = scores.masked_fill(~masks[:, lo:hi].transpose(1, 2), float("-inf"))
+        weights = torch.exp(scores - scores.amax(1, keepdim=True))  # [n, L, c]
+        total = weights.cumsum(1)[:, -1:]  # [n, 1, c]: in key order
+        outs.append((torch.bmm(values_t, weights) / total).transpose(1, 2))  # [n, c, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out.reshape(b, h, nq, d)
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    cap: float | None = None,
+) -> torch.Tensor:
+    """A prompt chunk's attention over its own sequence (no gap): q [B, KVH, Q, D], k and v
+    [B, KVH, L, D], mask broadcasting to [B, KVH, Q, L] (True = attend) -> [B, KVH, Q, D].
+    Each query's output is the same however the prompt was cut into chunks (a prefix-cache
+    restore, a chunk riding a decode step) and whatever keys past its own the call holds."""
+    b, h, nq, d = q.shape
+    length = k.shape[2]
+    blocks = -(-length // KEY_BLOCK)
+    rows = max(nq, MIN_ROWS)
+    pad_keys, pad_rows = blocks * KEY_BLOCK - length, rows - nq
+    queries = F.pad(q * scale, (0, 0, 0, pad_rows))  # [B, KVH, rows, D]
+    keys = F.pad(k, (0, 0, 0, pad_keys)).reshape(b, h, blocks, KEY_BLOCK, d)
+    values = F.pad(v, (0, 0, 0, pad_keys)).reshape(b, h, blocks, KEY_BLOCK, d)
+    mask = mask.expand(b, h, nq, length)
+    # padding rows see key 0 (a row that sees nothing would be NaN); padding keys are masked
+    mask = F.pad(F.pad(mask, (0, 0, 0, pad_rows), value=True), (0, pad_keys), value=False)
+    mask = mask.reshape(b, h, rows, blocks, KEY_BLOCK).transpose(2, 3)  # [B, KVH, nb, rows, KB]
+    scores = torch.matmul(queries[:, :, None], keys.transpose(-1, -2))  # [B, KVH, nb, rows, KB]
+    if cap is not None:
+        scores = soft_cap(scores, cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
+    partial = torch.matmul(weights, values)  # [B, KVH, nb, rows, D]: a block's share
+    out = partial.cumsum(2)[:, :, -1]  # [B, KVH, rows, D]: the blocks in order
+    total = weights.transpose(2, 3).reshape(b, h, rows, blocks * KEY_BLOCK).cumsum(-1)[..., -1:]
+    return (out / total)[:, :, :nq]
