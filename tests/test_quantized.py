@@ -20,6 +20,7 @@ from neuronpy.arch.quant import (
     GroupQuant,
     Int4Linear,
     Int8WeightLinear,
+    Quantized,
     SubBlockQuant,
 )
 from neuronpy.compose import engine_from_hf
@@ -132,15 +133,42 @@ def test_int8_weight_layer_matches_and_rows_stand_alone() -> None:
         assert torch.equal(lin(x[:m]), y[:m])
 
 
-@pytest.mark.parametrize("layout", ["groups", "channels"])
+def layout_of(layout: str, w: torch.Tensor) -> Quantized:
+    """`w` [N, K] in one of the quantized layouts, as a GGUF type of each width becomes it."""
+    if layout == "channels":
+        return ChannelQuant.from_float(w)
+    if layout == "sub-blocks":  # Q6_K's: 6-bit levels, a scale per 16 values
+        n, k = w.shape
+        scale = w.reshape(n, k // 16, 16).abs().amax(dim=2) / 31
+        u = (w.reshape(n, k // 16, 16) / scale[..., None]).round().clamp(-32, 31)
+        return SubBlockQuant(u.to(torch.int8).reshape(n, k), scale, "Q6_K")
+    groups = GroupQuant.from_float(w, 32)
+    if layout == "groups":
+        return groups
+    bits = int(layout.removeprefix("groups"))  # Q5_*'s and Q8_0's wider levels
+    gen = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 1 << bits, w.shape, generator=gen, dtype=torch.uint8)
+    return GroupQuant(q, groups.scale / (1 << (bits - 4)), groups.low, 32, "test", bits)
+
+
+@pytest.mark.parametrize("layout", ["groups", "groups5", "groups8", "channels", "sub-blocks"])
 def test_quantized_embedding_gathers_the_dequantized_rows_exactly(layout: str) -> None:
+    """Every layout a GGUF type becomes serves as the embedding: its rows exactly the
+    dequantized table's, the table kept quantized; and as the tied head beside it."""
     w = torch.from_numpy(weights(50, 64))
-    q = GroupQuant.from_float(w, 32) if layout == "groups" else ChannelQuant.from_float(w)
+    q = layout_of(layout, w)
     table = q.dequantize()
     embed = make_embedding(q, "auto", torch.float32)
     ids = torch.tensor([0, 49, 7, 7, 3])
     assert torch.equal(embed(ids), table[ids])
-    assert embed.nbytes < table.nbytes / 3
+    assert torch.equal(embed.rows(ids, torch.float32), table[ids])
+    assert torch.equal(embed.rows(ids[:1], torch.bfloat16), table[ids[:1]].bfloat16())
+    assert embed.nbytes < table.nbytes / 2.5
+    assert embed.kind.startswith("int")
+    head = make_linear(q, None, "auto", dtype=torch.float32)
+    x = torch.randn(3, 64)
+    ref = F.linear(x.bfloat16().float(), table)
+    assert (head(x) - ref).abs().max() < 0.02 * ref.abs().max()
 
 
 def test_int4_mode_refuses_what_it_cannot_group() -> None:
