@@ -34,7 +34,7 @@ from neuronpy.arch.quant import (
 from neuronpy.compose import engine_from_hf
 from neuronpy.config import EngineConfig
 from neuronpy.errors import ModelLoadError
-from tests.factories import hf_model, tokenizer
+from tests.factories import fixture_dir, hf_model, tokenizer
 from tests.gguf_files import (
     K_ENCODERS,
     PRESETS,
@@ -293,11 +293,14 @@ def test_the_preset_type_mix_is_llama_quantizes() -> None:
     assert kind("token_embd.weight", "Q4_K_M", tied=True, columns=64) == "Q8_0"
 
 
-def wide_llama(tied: bool) -> transformers.PreTrainedModel:
-    """big_llama, its embedding tied to its head or not."""
+def wide_llama(tied: bool, init: float = 0.02) -> transformers.PreTrainedModel:
+    """big_llama, its embedding tied to its head or not; `init`: its weights' spread (at
+    0.1 the layers outweigh the embedding in the residual: greedy tokens vary, where at the
+    default a tied model repeats the prompt's last token)."""
     torch.manual_seed(0)
     config = big_llama().config
     config.tie_word_embeddings = tied
+    config.initializer_range = init
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -388,6 +391,34 @@ def test_every_type_serves_as_the_embedding_and_the_tied_head(kind: str, tmp_pat
     logits = kept.logits(hidden)
     assert (logits - exact).abs().max() < 0.02 * exact.abs().max()
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.anyio
+async def test_serving_a_tied_q4_k_m_file_generates_its_dequantized_models_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`neuronpy serve --model m-Q4_K_M.gguf`'s load path, end to end: a whole file (metadata
+    and tokenizer too) of a tied model, its embedding in Q6_K, read as it is stored; greedy
+    tokens the dequantized model's."""
+    from neuronpy.compose import load_engine
+    from neuronpy.config import ModelSpec
+
+    monkeypatch.setenv("NEURONPY_CACHE_DIR", str(tmp_path / "cache"))  # the metadata's cache
+    source = wide_llama(tied=True, init=0.1)
+    path = write_preset(
+        tmp_path / "m-Q4_K_M.gguf", source, "Q4_K_M", tokenizer_dir=fixture_dir("tiny-llama")
+    )
+    assert {t.name: t.kind for t in read_index(path)[1]}["token_embd.weight"] == "Q6_K"
+    prompt = tokenizer("tiny-llama").encode("The quick brown fox jumps over the lazy dog")
+    want = greedy_ids(LlamaModel.from_hf(dequantized_model(path, source)), prompt, 10)
+    assert len(set(want)) > 5  # (a model that repeats one token would tell little)
+    spec = ModelSpec(path=str(path), device="cpu", engine=EngineConfig(compile="off"))
+    async with load_engine("m", spec) as engine:
+        assert isinstance(engine.model.embed, QuantEmbedding)
+        assert "int6 from Q6_K" in engine.model.describe_weights()
+        done = await engine.complete(prompt, greedy(10))
+    assert done.token_ids == want[: len(done.token_ids)]
+    assert done.finish_reason == "stop" or done.token_ids == want
 
 
 def test_an_unsupported_ggml_type_is_refused_by_name(tmp_path: Path) -> None:
