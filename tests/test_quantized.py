@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from neuronpy.arch.gguf import TensorInfo, decode, decode_groups, read_index
+from neuronpy.arch.gguf import (
+    PLAIN_TYPES,
+    SUPPORTED_TYPES,
+    TensorInfo,
+    decode,
+    decode_groups,
+    read_index,
+)
 from neuronpy.arch.linear import make_embedding, make_linear
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.quant import (
@@ -20,13 +27,25 @@ from neuronpy.arch.quant import (
     GroupQuant,
     Int4Linear,
     Int8WeightLinear,
+    QuantEmbedding,
+    Quantized,
     SubBlockQuant,
 )
 from neuronpy.compose import engine_from_hf
 from neuronpy.config import EngineConfig
 from neuronpy.errors import ModelLoadError
-from tests.factories import hf_model, tokenizer
-from tests.gguf_files import checkpoint, dequantized_model, quantize_q4_k, write_gguf
+from tests.factories import fixture_dir, hf_model, tokenizer
+from tests.gguf_files import (
+    K_ENCODERS,
+    PRESETS,
+    checkpoint,
+    dequantized_model,
+    preset_type,
+    preset_types,
+    quantize_q4_k,
+    write_gguf,
+    write_preset,
+)
 from tests.test_engine_parity import MAX_TOKENS, TEXTS, concurrently, greedy, one_at_a_time, summary
 
 
@@ -53,6 +72,22 @@ def test_4bit_blocks_decode_to_exactly_what_gguf_dequantizes(kind: str) -> None:
     # the same numbers, whatever order GGML multiplies them in: to an fp32 rounding or two
     np.testing.assert_allclose(groups.dequantize().numpy(), reference, rtol=0, atol=2e-7)
     assert np.abs(reference - w).max() < 0.1  # and the encoder is a real one
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_k_type_encoders_write_what_gguf_decodes(kind: str) -> None:
+    """The test files' own K-type encoders (the gguf package only decodes these types): gguf's
+    reference dequantizer reads back the weights to within half a level, and the loader's
+    decode gives exactly gguf's values."""
+    w = weights(48, 512)
+    qtype = gguf.GGMLQuantizationType[kind]
+    data = K_ENCODERS[kind](w)
+    assert data.shape == (48, 512 // 256 * gguf.GGML_QUANT_SIZES[qtype][1])
+    reference = gguf.quants.dequantize(data, qtype).reshape(48, 512)
+    step = {"Q4_K": 15, "Q5_K": 31, "Q6_K": 31}[kind]
+    assert np.abs(reference - w).max() < 0.6 * np.ptp(w) / step
+    got = decode(info(data, kind, (48, 512)))
+    np.testing.assert_allclose(got.dequantize().numpy(), reference, rtol=0, atol=2e-7)
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q5_1"])
@@ -132,15 +167,42 @@ def test_int8_weight_layer_matches_and_rows_stand_alone() -> None:
         assert torch.equal(lin(x[:m]), y[:m])
 
 
-@pytest.mark.parametrize("layout", ["groups", "channels"])
+def layout_of(layout: str, w: torch.Tensor) -> Quantized:
+    """`w` [N, K] in one of the quantized layouts, as a GGUF type of each width becomes it."""
+    if layout == "channels":
+        return ChannelQuant.from_float(w)
+    if layout == "sub-blocks":  # Q6_K's: 6-bit levels, a scale per 16 values
+        n, k = w.shape
+        scale = w.reshape(n, k // 16, 16).abs().amax(dim=2) / 31
+        u = (w.reshape(n, k // 16, 16) / scale[..., None]).round().clamp(-32, 31)
+        return SubBlockQuant(u.to(torch.int8).reshape(n, k), scale, "Q6_K")
+    groups = GroupQuant.from_float(w, 32)
+    if layout == "groups":
+        return groups
+    bits = int(layout.removeprefix("groups"))  # Q5_*'s and Q8_0's wider levels
+    gen = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 1 << bits, w.shape, generator=gen, dtype=torch.uint8)
+    return GroupQuant(q, groups.scale / (1 << (bits - 4)), groups.low, 32, "test", bits)
+
+
+@pytest.mark.parametrize("layout", ["groups", "groups5", "groups8", "channels", "sub-blocks"])
 def test_quantized_embedding_gathers_the_dequantized_rows_exactly(layout: str) -> None:
+    """Every layout a GGUF type becomes serves as the embedding: its rows exactly the
+    dequantized table's, the table kept quantized; and as the tied head beside it."""
     w = torch.from_numpy(weights(50, 64))
-    q = GroupQuant.from_float(w, 32) if layout == "groups" else ChannelQuant.from_float(w)
+    q = layout_of(layout, w)
     table = q.dequantize()
     embed = make_embedding(q, "auto", torch.float32)
     ids = torch.tensor([0, 49, 7, 7, 3])
     assert torch.equal(embed(ids), table[ids])
-    assert embed.nbytes < table.nbytes / 3
+    assert torch.equal(embed.rows(ids, torch.float32), table[ids])
+    assert torch.equal(embed.rows(ids[:1], torch.bfloat16), table[ids[:1]].bfloat16())
+    assert embed.nbytes < table.nbytes / 2.5
+    assert embed.kind.startswith("int")
+    head = make_linear(q, None, "auto", dtype=torch.float32)
+    x = torch.randn(3, 64)
+    ref = F.linear(x.bfloat16().float(), table)
+    assert (head(x) - ref).abs().max() < 0.02 * ref.abs().max()
 
 
 def test_int4_mode_refuses_what_it_cannot_group() -> None:
@@ -201,6 +263,162 @@ def test_a_gguf_model_computes_what_its_dequantized_copy_does(file: str, tmp_pat
     assert (got - want).abs().max() < 3 * bf16_error + 1e-3 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     assert kept.weight_bytes() < plain.weight_bytes() / 2
+
+
+# ---- the files llama-quantize writes ---------------------------------------------------------
+
+
+def test_the_preset_type_mix_is_llama_quantizes() -> None:
+    """What llama.cpp's llama_tensor_get_type picks, for a 16-layer model of 2048-wide rows."""
+
+    def kind(name: str, preset: str, tied: bool = False, columns: int = 2048) -> str:
+        return preset_type(name, columns, preset, 16, tied)
+
+    # attn_v and ffn_down: Q6_K in the first and last eighth and every third layer between
+    more = [i for i in range(16) if kind(f"blk.{i}.attn_v.weight", "Q4_K_M") == "Q6_K"]
+    assert more == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert [kind(f"blk.{i}.ffn_down.weight", "Q5_K_M") for i in (3, 4)] == ["Q5_K", "Q6_K"]
+    assert kind("blk.4.attn_q.weight", "Q4_K_M") == "Q4_K"
+    assert kind("blk.4.attn_v.weight", "Q4_0") == "Q4_0"  # only the _M presets add bits
+    # the head, or a tied model's embedding (the head too): Q6_K but in Q8_0 files
+    heads = {"Q4_K_M": "Q6_K", "Q5_K_M": "Q6_K", "Q6_K": "Q6_K", "Q4_0": "Q6_K", "Q8_0": "Q8_0"}
+    for preset, head in heads.items():
+        assert kind("output.weight", preset) == head
+        assert kind("token_embd.weight", preset, tied=True) == head
+    assert kind("token_embd.weight", "Q4_K_M") == "Q4_K"  # untied: the preset's own type
+    # rows that are no whole number of 256-value super-blocks: the 32-value fallbacks
+    assert kind("blk.0.attn_q.weight", "Q4_K_M", columns=64) == "Q5_0"
+    assert kind("blk.0.attn_q.weight", "Q5_K_M", columns=64) == "Q5_1"
+    assert kind("blk.0.attn_v.weight", "Q4_K_M", columns=64) == "Q8_0"
+    assert kind("token_embd.weight", "Q4_K_M", tied=True, columns=64) == "Q8_0"
+
+
+def wide_llama(tied: bool, init: float = 0.02) -> transformers.PreTrainedModel:
+    """big_llama, its embedding tied to its head or not; `init`: its weights' spread (at
+    0.1 the layers outweigh the embedding in the residual: greedy tokens vary, where at the
+    default a tied model repeats the prompt's last token)."""
+    torch.manual_seed(0)
+    config = big_llama().config
+    config.tie_word_embeddings = tied
+    config.initializer_range = init
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+# the models the preset files are written from: rows of whole K super-blocks (256 wide), and
+# the fixtures' 64-wide ones (the K types' 32-value fallbacks: Q5_0, Q5_1, Q8_0)
+PRESET_MODELS = {
+    "wide-tied": lambda: wide_llama(tied=True),
+    "wide-untied": lambda: wide_llama(tied=False),
+    "tiny-llama": lambda: hf_model("tiny-llama"),  # tied
+    "tiny-llama3": lambda: hf_model("tiny-llama3"),  # untied
+}
+
+
+def greedy_ids(model: LlamaModel, ids: list[int], count: int) -> list[int]:
+    """The `count` tokens greedy decoding appends to `ids` (each step a fresh prefill)."""
+    out = list(ids)
+    for _ in range(count):
+        out.append(int(logits_of(model, out)[-1].argmax()))
+    return out[len(ids) :]
+
+
+@pytest.mark.parametrize("model", list(PRESET_MODELS))
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_a_preset_file_loads_kept_quantized_and_computes_its_dequantized_model(
+    preset: str, model: str, tmp_path: Path
+) -> None:
+    """A file in the type mix llama-quantize writes for `preset` (a tied model's embedding in
+    Q6_K for most: the head's type) loads in the default mode, weights kept quantized, and
+    computes what its dequantized fp32 model does; greedy tokens the same."""
+    source = PRESET_MODELS[model]()
+    path = write_preset(tmp_path / f"m-{preset}.gguf", source, preset)
+    types = {t.name: t.kind for t in read_index(path)[1]}
+    assert {k: v for k, v in types.items() if v != "F32"} == preset_types(source, preset)
+    reference = LlamaModel.from_hf(dequantized_model(path, source))
+    prompt = tokenizer("tiny-llama").encode("The quick brown fox jumps over the lazy dog")
+    # the prompt and the reference's greedy continuation: each step's next-token logits
+    ids = prompt + greedy_ids(reference, prompt, 8)
+    want = logits_of(reference, ids)
+    kept = LlamaModel.from_hf(checkpoint(path, source), quantize="auto")
+    got = logits_of(kept, ids)
+    bf16 = LlamaModel.from_hf(checkpoint(path, source, torch.bfloat16), quantize="none")
+    bf16_error = (logits_of(bf16, ids) - want).abs().max()
+    assert (got - want).abs().max() < 3 * bf16_error + 1e-3 * want.abs().max()
+    # greedy decoding picks the reference's tokens (so it continues as the reference does).
+    # The fixtures' peaky logits (~30) put the bf16 copy's own error near 1, where it reorders
+    # a close pair itself: there a step whose two leading tokens lie closer than twice that
+    # error may go either way; the wide models' every step must agree.
+    steps = slice(len(prompt) - 1, None)
+    lead = want[steps].topk(2, dim=-1).values
+    clear = lead[:, 0] - lead[:, 1] > 2 * bf16_error
+    if model.startswith("wide"):
+        clear = torch.ones_like(clear)
+    assert bool(clear.any())
+    assert torch.equal(got[steps].argmax(-1)[clear], want[steps].argmax(-1)[clear])
+    # the embedding stays quantized, its rows the file's (to GGML's fp32 order of products)
+    assert isinstance(kept.embed, QuantEmbedding)
+    vocab, hidden = source.config.vocab_size, source.config.hidden_size
+    assert kept.embed.nbytes < vocab * hidden * 4 / 2.5
+    rows = kept.embed.rows(torch.arange(vocab), torch.float32)
+    torch.testing.assert_close(rows, reference.embed, rtol=0, atol=2e-7)
+    assert kept.weight_bytes() < reference.weight_bytes() / 2
+
+
+@pytest.mark.parametrize("kind", SUPPORTED_TYPES)
+def test_every_type_serves_as_the_embedding_and_the_tied_head(kind: str, tmp_path: Path) -> None:
+    """A tied model's embedding in any type the projections read: loaded in the default mode,
+    its lookups exactly gguf's dequantized rows, its head's logits (the leading ones
+    recomputed in fp32 from those rows where the head is quantized) the dequantized model's."""
+    source = wide_llama(tied=True)
+    path = write_gguf(tmp_path / f"e-{kind}.gguf", source, "Q8_0", {"token_embd.weight": kind})
+    (embd,) = (t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(
+        np.array(gguf.quants.dequantize(embd.data, embd.tensor_type), dtype=np.float32)
+    ).reshape(360, 256)
+    kept = LlamaModel.from_hf(checkpoint(path, source), quantize="auto")
+    ids = torch.tensor([0, 359, 17, 17, 200])
+    exactly = {"rtol": 0, "atol": 2e-7}  # (to the order GGML multiplies a K type's scales in)
+    if kind in PLAIN_TYPES:  # a float table, as it is
+        assert isinstance(kept.embed, torch.Tensor)
+        torch.testing.assert_close(kept.embed[ids], table[ids], **exactly)
+    else:
+        assert isinstance(kept.embed, QuantEmbedding) and kept.embed.nbytes < table.nbytes / 2.5
+        torch.testing.assert_close(kept.embed(ids), table[ids], **exactly)
+        torch.testing.assert_close(kept.embed.rows(ids, torch.float32), table[ids], **exactly)
+        assert kept._refines_logits
+    hidden = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
+    exact = hidden @ table.T
+    logits = kept.logits(hidden)
+    assert (logits - exact).abs().max() < 0.02 * exact.abs().max()
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.anyio
+async def test_serving_a_tied_q4_k_m_file_generates_its_dequantized_models_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`neuronpy serve --model m-Q4_K_M.gguf`'s load path, end to end: a whole file (metadata
+    and tokenizer too) of a tied model, its embedding in Q6_K, read as it is stored; greedy
+    tokens the dequantized model's."""
+    from neuronpy.compose import load_engine
+    from neuronpy.config import ModelSpec
+
+    monkeypatch.setenv("NEURONPY_CACHE_DIR", str(tmp_path / "cache"))  # the metadata's cache
+    source = wide_llama(tied=True, init=0.1)
+    path = write_preset(
+        tmp_path / "m-Q4_K_M.gguf", source, "Q4_K_M", tokenizer_dir=fixture_dir("tiny-llama")
+    )
+    assert {t.name: t.kind for t in read_index(path)[1]}["token_embd.weight"] == "Q6_K"
+    prompt = tokenizer("tiny-llama").encode("The quick brown fox jumps over the lazy dog")
+    want = greedy_ids(LlamaModel.from_hf(dequantized_model(path, source)), prompt, 10)
+    assert len(set(want)) > 5  # (a model that repeats one token would tell little)
+    spec = ModelSpec(path=str(path), device="cpu", engine=EngineConfig(compile="off"))
+    async with load_engine("m", spec) as engine:
+        assert isinstance(engine.model.embed, QuantEmbedding)
+        assert "int6 from Q6_K" in engine.model.describe_weights()
+        done = await engine.complete(prompt, greedy(10))
+    assert done.token_ids == want[: len(done.token_ids)]
+    assert done.finish_reason == "stop" or done.token_ids == want
 
 
 def test_an_unsupported_ggml_type_is_refused_by_name(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ row count up to 64), so the batched-equals-alone contract holds with them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +42,18 @@ class GroupQuant:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.q
+
+    @property
+    def levels(self) -> str:
+        return f"int{self.bits}"
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + self.low.nbytes
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group: int) -> GroupQuant:
@@ -116,6 +128,16 @@ class ChannelQuant:
     def shape(self) -> tuple[int, int]:
         return (self.q.shape[0], self.q.shape[1])
 
+    @property
+    def values(self) -> torch.Tensor:
+        return self.q
+
+    levels = "int8"
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
     @classmethod
     def from_float(cls, w: torch.Tensor, kind: str = "float") -> ChannelQuant:
         """Symmetric round-to-nearest: each channel's largest magnitude is level 127."""
@@ -161,6 +183,16 @@ class SubBlockQuant:
     def shape(self) -> tuple[int, int]:
         return (self.u.shape[0], self.u.shape[1])
 
+    @property
+    def values(self) -> torch.Tensor:
+        return self.u
+
+    levels = "int6"
+
+    @property
+    def nbytes(self) -> int:
+        return self.u.nbytes + self.scale.nbytes
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         n, k = self.shape
         w = self.u.reshape(n, k // 16, 16).float() * self.scale[..., None]
@@ -188,6 +220,9 @@ class SubBlockQuant:
 
 
 Quantized = GroupQuant | ChannelQuant | SubBlockQuant
+# Each layout has: shape, values (its stored integer levels), levels (their width, for the
+# load log), nbytes, dequantize, rows, cols, take_rows and cat. Code that takes any layout
+# goes through these alone, never a layout's own fields.
 AnyWeight = torch.Tensor | GroupQuant | ChannelQuant | SubBlockQuant
 
 
@@ -340,54 +375,40 @@ class Int8WeightLinear:
 
 
 class QuantEmbedding:
-    """The token embedding kept quantized: a lookup dequantizes the rows it gathers, exactly
-    as the full dequantized table would give them. (4-bit rows are kept two values a byte.)"""
+    """The token embedding kept quantized, in any layout above: a lookup gathers its rows
+    (take_rows) and dequantizes them with the layout's own dequantize, so each row is exactly
+    the full dequantized table's. 4-bit levels are kept two a byte."""
 
     def __init__(self, weight: Quantized, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.device = weight.q.device
         self.shape = weight.shape
-        bits = f"int{weight.bits}" if isinstance(weight, GroupQuant) else "int8"
-        self.kind = f"{bits} from {weight.kind}"
-        self._scale = weight.scale
-        self._low: torch.Tensor | None = None
-        self._group = 0
+        self.device = weight.values.device
+        self.kind = f"{weight.levels} from {weight.kind}"
+        # a 4-bit level takes half a byte; the layout keeps a byte each for the int4 kernel's
+        # packing, which the table never sees: a lookup unpacks only the rows it gathers
         self._nibbles = isinstance(weight, GroupQuant) and weight.bits == 4
-        if isinstance(weight, SubBlockQuant):
-            self._q, self._group = weight.u, 16
-            self._low = torch.zeros_like(weight.scale)
-        elif isinstance(weight, GroupQuant):
+        if isinstance(weight, GroupQuant) and self._nibbles:
             n, k = weight.shape
-            q = weight.q
-            if self._nibbles:
-                q = q.reshape(n, k // 2, 2)  # even columns in the low nibble
-                q = q[..., 0] | (q[..., 1] << 4)
-            self._q = q
-            self._low, self._group = weight.low, weight.group
-        else:
-            self._q = weight.q
+            pairs = weight.q.reshape(n, k // 2, 2)  # even columns in the low nibble
+            weight = replace(weight, q=pairs[..., 0] | (pairs[..., 1] << 4))
+        self._table: Quantized = weight
 
     @property
     def values(self) -> torch.Tensor:
         """The stored integer values (what a fingerprint samples)."""
-        return self._q
+        return self._table.values
 
     @property
     def nbytes(self) -> int:
-        low = 0 if self._low is None else self._low.nbytes
-        return self._q.nbytes + self._scale.nbytes + low
+        return self._table.nbytes
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.rows(ids, self.dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` [N] of the table, dequantized to `dtype`: [N, hidden]."""
-        q = self._q[ids]
-        if self._low is None:
-            return (q.float() * self._scale[ids][:, None]).to(dtype)
-        n, k, g = ids.shape[0], self.shape[1], self._group
-        if self._nibbles:
-            q = torch.stack((q & 15, q >> 4), dim=-1)
-        values = q.reshape(n, k // g, g)
-        rows = values.float() * self._scale[ids][..., None] + self._low[ids][..., None]
-        return rows.reshape(n, k).to(dtype)
+        part = self._table.take_rows(ids)
+        if isinstance(part, GroupQuant) and self._nibbles:
+            q = torch.stack((part.q & 15, part.q >> 4), dim=-1).reshape(ids.shape[0], -1)
+            part = replace(part, q=q)
+        return part.dequantize(dtype)
