@@ -128,3 +128,87 @@ def test_openai_parse_gives_a_parsed_object(server: RunningServer) -> None:
     country = out.choices[0].message.parsed
     assert isinstance(country, Country)
     assert country.capital == "Paris"
+
+
+# Sixteen chats of different lengths: half share a long system prompt (the prefix cache restores
+# it and prefills the rest), the rest start cold; greedy, 8 to 96 tokens each.
+SYSTEM = (
+    "You are a careful assistant. Answer in plain sentences, name your assumptions, keep "
+    "numbers exact, and say so when you do not know. Prefer short answers to long ones."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a child.",
+    "List three prime numbers and say why each is prime.",
+    "What does a compiler do?",
+    "Tell me a short story about a robot who learns to paint.",
+    "How do I boil an egg?",
+    "Why is the sky blue?",
+    "Give me two tips for learning a language.",
+    "What is the difference between weather and climate?",
+    "Name a famous painting and its painter.",
+    "What is 17 times 23?",
+    "Describe a cat in one sentence.",
+    "What are the three states of water?",
+    "Suggest a name for a small bakery.",
+    "How many legs does a spider have?",
+]
+
+
+def _chat(i: int) -> dict:
+    messages = [{"role": "user", "content": QUESTIONS[i]}]
+    if i % 2 == 0:
+        messages.insert(0, {"role": "system", "content": SYSTEM})
+    return {"messages": messages, "max_tokens": 8 + (i * 37) % 89, "temperature": 0}
+
+
+async def _reply(api: openai.AsyncOpenAI, i: int, started: anyio.Event | None = None) -> tuple:
+    """Chat i streamed: its text, token count and finish reason; sets `started` at its first
+    token (the next chat then arrives while this one decodes)."""
+    text, usage, finish = [], None, None
+    stream = await api.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, stream=True, stream_options={"include_usage": True}, **_chat(i)
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+        if started is not None and text:
+            started.set()
+    return "".join(text), usage, finish
+
+
+@pytest.mark.anyio
+async def test_default_mode_replies_do_not_depend_on_the_batch_or_the_prefix_cache(
+    server: RunningServer,
+) -> None:
+    """The parity contract as served: the default model kept quantized, its layers compiled,
+    the prefix cache on. Each chat alone, then alone again (its prompt now in the prefix
+    cache), then all sixteen arriving one after another while the earlier ones decode (each
+    next chat once the one before has its first token: joins, leaves and prompt chunks of many
+    sizes riding decode steps): byte for byte the same replies every time."""
+    api = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=600)
+    async with api:
+        alone = [await _reply(api, i) for i in range(len(QUESTIONS))]
+        hits = server.stats()["prefix_cache_hits"]
+        again = [await _reply(api, i) for i in range(len(QUESTIONS))]
+        assert server.stats()["prefix_cache_hits"] >= hits + len(QUESTIONS) // 2
+        assert again == alone
+        before = server.stats()
+        together: list[tuple | None] = [None] * len(QUESTIONS)
+
+        async def one(i: int, started: anyio.Event) -> None:
+            together[i] = await _reply(api, i, started)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(QUESTIONS)):
+                started = anyio.Event()
+                tg.start_soon(one, i, started)
+                await started.wait()
+    after = server.stats()
+    assert together == alone
+    assert after["max_batch_size"] > 1
+    assert after["riding_chunks"] > before["riding_chunks"]

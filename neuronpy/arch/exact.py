@@ -6,8 +6,8 @@ PyTorch's fused attention (SDPA) changes a row's output in its last bits with th
 length, the gap and the query count, and with the int4 kernels' bf16 inputs one such bit turns
 into a different token now and then. Measured here (torch 2.13, MKL), the pieces below are
 exact, and `tests/test_exact_attention.py` holds each one to it:
-- a product over at most NARROW columns (keys as rows, queries as columns) sums along the keys
-  in order, one key after another, so masked keys (zero weights) anywhere add exact zeros; its
+- a product over at most NARROW columns (keys as rows, queries as columns; MIN_KEYS keys or
+  more) sums along the keys in order, one key after another, so masked keys (zero weights) anywhere add exact zeros; its
   result per column does not depend on the number of columns (1, 2 or 3) or of batch entries;
 - a product with MIN_ROWS query rows or more gives each row what it gives that row among any
   others; one of fixed shape (KEY_BLOCK keys) is the same whatever else is computed beside it;
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 NARROW = 3  # query columns per product in step_attention (wider ones block the keys: not exact)
 MIN_ROWS = 4  # query rows a chunk_attention product needs for rows independent of their count
 KEY_BLOCK = 64  # keys per product in chunk_attention: every product the same shape
+MIN_KEYS = 8  # keys a step_attention product needs (2 to 6 keys take another kernel)
 
 
 def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -43,6 +44,12 @@ def step_attention(
     attend; None: every key) -> [B, KVH, Q, D]. Each query's output is what it would be with
     its row alone in the batch, whatever the gap, the padded length or the other rows."""
     b, h, nq, d = q.shape
+    if k.shape[2] < MIN_KEYS:  # a prompt of a few tokens: masked zero keys up to MIN_KEYS
+        pad = MIN_KEYS - k.shape[2]
+        if mask is None:
+            mask = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=k.device)
+        mask = F.pad(mask, (0, pad), value=False)
+        k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
     n, length = b * h, k.shape[2]
     keys = k.reshape(n, length, d)  # [n, L, D]: a view (B and KVH merge)
     values_t = v.reshape(n, length, d).transpose(1, 2)  # [n, D, L]
@@ -51,7 +58,8 @@ def step_attention(
     outs = []
     for lo in range(0, nq, NARROW):
         hi = min(lo + NARROW, nq)
-        scores = torch.bmm(keys, queries[:, lo:hi].transpose(1, 2))  # [n, L, c]
+        columns = queries[:, lo:hi].transpose(1, 2).contiguous()  # [n, D, c]: one layout for any c
+        scores = torch.bmm(keys, columns)  # [n, L, c]
         if cap is not None:
             scores = soft_cap(scores, cap)
         if masks is not None:

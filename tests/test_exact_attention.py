@@ -1,0 +1,92 @@
+"""arch/exact.py: attention whose result for a query depends on that query's own keys alone,
+whatever the batch, the padding gap, the padded length or the chunking; and the same attention
+as PyTorch's fused kernel computes, within float32's rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from neuronpy.arch.exact import chunk_attention, step_attention
+
+D = 64
+SCALE = D**-0.5
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE)
+
+
+@pytest.mark.parametrize("queries", [1, 3, 4, 7, 12])
+@pytest.mark.parametrize("length", [2, 5, 37, 300, 1100])
+def test_step_attention_is_the_attention_and_ignores_gap_padding_and_other_rows(
+    queries: int, length: int
+) -> None:
+    """A row alone (its keys contiguous) against the same row in a batch of 5, its keys split
+    by a gap of masked columns and followed by masked padding: bitwise equal; and within
+    float32's rounding of PyTorch's kernel."""
+    torch.manual_seed(length * 31 + queries)
+    heads = 3
+    q = torch.randn(1, heads, queries, D)
+    k, v = torch.randn(1, heads, length, D), torch.randn(1, heads, length, D)
+    alone = step_attention(q, k, v, None, SCALE)
+    torch.testing.assert_close(alone, reference(q, k, v, None), rtol=1e-5, atol=1e-5)
+    for gap, trail in [(0, 9), (1, 0), (130, 64), (700, 3)]:
+        at = max(1, length // 2)
+        total = length + gap + trail
+        keys = torch.randn(5, heads, total + 20, D)  # buffers with room to spare
+        values = torch.randn(5, heads, total + 20, D)
+        keys[2, :, :at], keys[2, :, at + gap : length + gap] = k[0, :, :at], k[0, :, at:]
+        values[2, :, :at], values[2, :, at + gap : length + gap] = v[0, :, :at], v[0, :, at:]
+        values[2, :, at : at + gap] = 0  # what assembly writes into a gap
+        mask = torch.ones(5, 1, 1, total, dtype=torch.bool)
+        mask[2, ..., at : at + gap] = False
+        mask[2, ..., length + gap :] = False
+        rows = torch.randn(5, heads, queries, D)
+        rows[2] = q[0]
+        batched = step_attention(rows, keys[:, :, :total], values[:, :, :total], mask, SCALE)
+        assert torch.equal(batched[2:3], alone), (gap, trail)
+
+
+@pytest.mark.parametrize("heads_per_kv", [1, 3, 4, 7])
+@pytest.mark.parametrize("length", [9, 70, 300])
+def test_chunk_attention_gives_a_query_the_same_output_however_the_prompt_is_cut(
+    heads_per_kv: int, length: int
+) -> None:
+    """Each position's output in one chunk of the whole prompt == in any later chunk (a
+    prefix-cache restore, a riding chunk of another size), bitwise; == PyTorch's kernel within
+    float32's rounding."""
+    torch.manual_seed(length * 7 + heads_per_kv)
+    kv_heads = 2
+    qs = torch.randn(1, kv_heads, heads_per_kv, length, D)  # a query per head and position
+    k, v = torch.randn(1, kv_heads, length, D), torch.randn(1, kv_heads, length, D)
+
+    def run(lo: int, hi: int) -> torch.Tensor:  # positions [lo, hi), grouped as the model does
+        q = qs[..., lo:hi, :].reshape(1, kv_heads, heads_per_kv * (hi - lo), D)
+        pos = torch.arange(lo, hi).repeat(heads_per_kv)
+        mask = torch.arange(hi)[None, :] <= pos[:, None]
+        out = chunk_attention(q, k[:, :, :hi], v[:, :, :hi], mask, SCALE)
+        return out.reshape(1, kv_heads, heads_per_kv, hi - lo, D)
+
+    whole = run(0, length)
+    q = qs.reshape(1, kv_heads, heads_per_kv * length, D)
+    causal = torch.arange(length)[None, :] <= torch.arange(length).repeat(heads_per_kv)[:, None]
+    expected = reference(q, k, v, causal).reshape(whole.shape)
+    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+    for lo, hi in [(length - 1, length), (length // 2, length), (length // 3, length // 2 + 1)]:
+        if lo < hi:
+            assert torch.equal(run(lo, hi), whole[..., lo:hi, :]), (lo, hi)
+
+
+def test_soft_capped_scores_match_the_capped_reference() -> None:
+    """Gemma 2's cap on the scores, applied in both forms."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 6, D), torch.randn(1, 2, 40, D), torch.randn(1, 2, 40, D)
+    cap = 5.0
+    scores = torch.tanh(q @ k.transpose(-1, -2) * SCALE / cap) * cap
+    expected = torch.softmax(scores, dim=-1) @ v
+    got = step_attention(q, k, v, None, SCALE, cap)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    mask = torch.ones(6, 40, dtype=torch.bool)
+    torch.testing.assert_close(chunk_attention(q, k, v, mask, SCALE, cap), expected)
