@@ -701,7 +701,8 @@ def response_bodies(draw: st.DrawFn) -> dict[str, Any]:
 
 # tool names chat's rule refuses (the Messages and Ollama requests reach it translated)
 ODD_TOOL_NAMES = ["", "a b", "x" * 65, "é", "a.b", "a/b"]
-tool_names = mostly(names, st.sampled_from(ODD_TOOL_NAMES) | texts | leaves, one_in=6)
+# (often: a refused name must reach the translation, past every other field's checks)
+tool_names = mostly(names, st.sampled_from(ODD_TOOL_NAMES), one_in=3)
 anthropic_tools = mostly(
     st.lists(
         st.fixed_dictionaries(
@@ -799,6 +800,8 @@ def anthropic_bodies(draw: st.DrawFn) -> dict[str, Any]:
         mostly(lengths, st.sampled_from([0, -1, "4", 1.5, True, 10**6, 10**20]))
     )
     body |= draw(st.fixed_dictionaries({}, optional=ANTHROPIC_OPTIONAL))
+    if draw(st.integers(0, 3)) == 1:  # tools and nothing odd elsewhere: they reach the translation
+        return {**body, "tools": draw(anthropic_tools), "max_tokens": 4}
     body |= draw(wrong_types(ANTHROPIC_FIELDS))
     return body
 
