@@ -215,6 +215,58 @@ def test_errors_are_in_anthropics_shape_and_name_the_field(server: RunningServer
         assert field in error["error"]["message"], (field, error)
 
 
+def _post(server: RunningServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(
+        f"{server.url}/v1/messages",
+        json={"model": MODEL, "max_tokens": 4, **body},
+        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+    )
+
+
+def _refused(response: httpx.Response, said: str) -> None:
+    assert response.status_code == 400, response.text
+    assert response.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": response.json()["error"]["message"]},
+    }
+    assert said in response.json()["error"]["message"], response.text
+
+
+def test_what_the_chat_request_refuses_is_a_400_naming_the_field(server: RunningServer) -> None:
+    """A value the chat request's own rules refuse (a tool's name, a tool result's id) is
+    Anthropic's 400 naming the Messages field it came from, never a 500."""
+    hi = [{"role": "user", "content": "hi"}]
+    for name in ("", "a b", "x" * 65, "é", "a.b", "a/b"):
+        tools = [{"name": "fine"}, {"name": name, "input_schema": {"type": "object"}}]
+        tools[0]["input_schema"] = {"type": "object"}
+        _refused(_post(server, {"messages": hi, "tools": tools}), "tools[1].name")
+    twice = [{"name": "same", "input_schema": {}}, {"name": "same", "input_schema": {}}]
+    _refused(_post(server, {"messages": hi, "tools": twice}), "tools[1].name")
+    result = {"type": "tool_result", "tool_use_id": "", "content": "12C"}
+    _refused(
+        _post(server, {"messages": [{"role": "user", "content": [result]}]}),
+        "messages[0].content[0]",
+    )
+
+
+def test_thinking_budget_and_metadata_are_held_to_anthropics_bounds(
+    server: RunningServer,
+) -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    for budget in (-1, 0, 1023):
+        thinking = {"type": "enabled", "budget_tokens": budget}
+        _refused(_post(server, {"messages": hi, "thinking": thinking}), "thinking.budget_tokens")
+    big = "x" * 1_900_000
+    _refused(_post(server, {"messages": hi, "metadata": {"user_id": big}}), "metadata.user_id")
+    _refused(_post(server, {"messages": hi, "metadata": {"notes": big}}), "metadata")
+    _refused(_post(server, {"messages": hi, "metadata": {"user_id": 7}}), "metadata.user_id")
+    fine = {
+        "metadata": {"user_id": "u" * 256},
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
+    assert _post(server, {"messages": hi, **fine}).status_code == 200
+
+
 # ---- tools and thinking, on the fixture whose template renders tools ---------------------------
 
 

@@ -1,8 +1,9 @@
-"""Fuzzing the constraint and Responses bodies through a real server on loopback: structured but
-hostile requests (random JSON Schemas, regexes, grammars, tools, Responses items, metadata,
-previous_response_id, wrong types everywhere) must never get a 500 (a 503 only as the
-documented overload answer, with Retry-After), must answer valid JSON (or a valid event stream
-that ends properly), 4xx errors in OpenAI's shape with no path or traceback in them; the store
+"""Fuzzing the constraint, Responses, Anthropic Messages and Ollama bodies through a real server on
+loopback: structured but hostile requests (random JSON Schemas, regexes, grammars, tools,
+Responses items, metadata, previous_response_id, content blocks, options, wrong types
+everywhere) must never get a 500 (a 503 only as the documented overload answer, with
+Retry-After), must answer valid JSON (or a valid stream that ends properly), 4xx errors in the
+API's own shape (OpenAI's, Anthropic's, Ollama's) with no path or traceback in them; the store
 stays within its bounds, and the server still serves afterwards.
 
 Each example is one short request (mostly up to 8 tokens, now and then enough for a whole JSON
@@ -83,6 +84,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.v1, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def ollama(server: RunningServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=f"{server.url}/api", timeout=120) as client:
         yield client
 
 
@@ -690,6 +697,231 @@ def response_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return short(body, "max_output_tokens")
 
 
+# ---- Anthropic's and Ollama's bodies ------------------------------------------------------------
+
+# tool names chat's rule refuses (the Messages and Ollama requests reach it translated)
+ODD_TOOL_NAMES = ["", "a b", "x" * 65, "é", "a.b", "a/b"]
+# (often: a refused name must reach the translation, past every other field's checks)
+tool_names = mostly(names, st.sampled_from(ODD_TOOL_NAMES), one_in=3)
+anthropic_tools = mostly(
+    st.lists(
+        st.fixed_dictionaries(
+            {"name": tool_names, "input_schema": mostly(object_schemas, any_json)},
+            optional={
+                "description": mostly(texts, leaves),
+                "type": mostly(st.just("custom"), texts),
+            },
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    any_json,
+)
+anthropic_blocks = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": mostly(texts, leaves)}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": mostly(call_ids, leaves),
+            "name": tool_names,
+            "input": mostly(st.dictionaries(names, plain_json, max_size=2), any_json),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": mostly(call_ids, st.just("") | leaves)},
+        optional={"content": contents, "is_error": mostly(st.booleans(), leaves)},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["thinking", "redacted_thinking"])},
+        optional={"thinking": mostly(texts, leaves), "signature": texts, "data": texts},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["image", "document", "nope", ""]) | leaves},
+        optional={"source": any_json},
+    ),
+)
+anthropic_messages = mostly(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": mostly(st.sampled_from(["user", "assistant"]), st.sampled_from(ODD_ROLES)),
+                "content": mostly(texts, st.lists(anthropic_blocks, max_size=3), one_in=3),
+            }
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.just([]) | any_json,
+)
+ANTHROPIC_OPTIONAL = {
+    "system": mostly(texts, st.lists(anthropic_blocks, max_size=2) | leaves),
+    "temperature": mostly(st.sampled_from([0, 0.5, 1]), numbers),
+    "top_p": mostly(st.sampled_from([0.5, 1]), numbers),
+    "top_k": mostly(st.integers(-1, 5), numbers),
+    "stop_sequences": mostly(st.lists(plain_texts, max_size=3), any_json),
+    "stream": mostly(st.booleans(), leaves),
+    "tools": anthropic_tools,
+    "tool_choice": mostly(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["auto", "any", "none", "tool"])},
+            optional={"name": tool_names, "disable_parallel_tool_use": st.booleans()},
+        ),
+        any_json,
+    ),
+    "thinking": mostly(
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["enabled", "disabled", "adaptive"])},
+            optional={"budget_tokens": counts | st.sampled_from([1024, 4096])},
+        ),
+        any_json,
+    ),
+    "metadata": mostly(
+        st.fixed_dictionaries({}, optional={"user_id": plain_texts}),
+        st.fixed_dictionaries({"user_id": st.just("u" * 257) | leaves}) | metadata,
+    ),
+    "output_config": mostly(
+        st.fixed_dictionaries(
+            {
+                "format": st.builds(
+                    lambda schema: {"type": "json_schema", "schema": schema}, object_schemas
+                )
+            }
+        ),
+        any_json,
+    ),
+}
+ANTHROPIC_FIELDS = [*ANTHROPIC_OPTIONAL, "model", "messages", "max_tokens", "container"]
+
+
+@st.composite
+def anthropic_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    body = {"model": draw(st.sampled_from(MODELS)), "messages": draw(anthropic_messages)}
+    body["max_tokens"] = draw(
+        mostly(lengths, st.sampled_from([0, -1, "4", 1.5, True, 10**6, 10**20]))
+    )
+    body |= draw(st.fixed_dictionaries({}, optional=ANTHROPIC_OPTIONAL))
+    if draw(st.integers(0, 3)) == 1:  # tools and nothing odd elsewhere: they reach the translation
+        return {**body, "tools": draw(anthropic_tools), "max_tokens": 4}
+    body |= draw(wrong_types(ANTHROPIC_FIELDS))
+    return body
+
+
+OLLAMA_OPTIONS = {
+    "temperature": numbers,
+    "top_p": numbers,
+    "top_k": mostly(st.integers(-3, 5), numbers),
+    "min_p": numbers,
+    "seed": numbers,
+    "stop": mostly(st.lists(plain_texts, max_size=2), any_json),
+    "repeat_penalty": numbers,
+    "presence_penalty": numbers,
+    "mirostat": mostly(st.just(0), numbers),
+    "num_ctx": numbers,
+    "not_an_option": leaves,
+}
+ollama_options = mostly(
+    st.builds(
+        lambda predict, more: {"num_predict": predict, **more},
+        mostly(lengths, st.sampled_from([0, -1, -2, -3, 1.5, "4", True])),
+        st.fixed_dictionaries({}, optional=OLLAMA_OPTIONS),
+    ),
+    any_json,
+)
+ollama_calls = st.lists(
+    st.fixed_dictionaries(
+        {
+            "function": mostly(
+                st.fixed_dictionaries(
+                    {"name": tool_names},
+                    optional={
+                        "arguments": mostly(
+                            st.dictionaries(names, plain_json, max_size=2), any_json
+                        )
+                    },
+                ),
+                any_json,
+            )
+        }
+    ),
+    max_size=2,
+)
+ollama_messages = mostly(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": mostly(
+                    st.sampled_from(["system", "user", "assistant", "tool"]),
+                    st.sampled_from(ODD_ROLES),
+                )
+            },
+            optional={
+                "content": mostly(texts, leaves),
+                "thinking": mostly(texts, leaves),
+                "tool_calls": mostly(ollama_calls, any_json),
+                "tool_name": mostly(tool_names, leaves),
+                "images": mostly(st.just([]), any_json),
+            },
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.just([]) | any_json,
+)
+OLLAMA_OPTIONAL = {
+    "format": mostly(st.just("json") | object_schemas, any_json),
+    "stream": mostly(st.booleans(), leaves),
+    "think": mostly(st.sampled_from([True, False, "low", "high"]), st.just("ultra") | leaves),
+    "keep_alive": leaves,
+    "logprobs": mostly(st.booleans(), leaves),
+    "top_logprobs": counts,
+}
+OLLAMA_FIELDS = [*OLLAMA_OPTIONAL, "model", "messages", "options", "tools", "prompt", "raw"]
+
+
+@st.composite
+def ollama_chat_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    body = {"model": draw(st.sampled_from([*MODELS, PLAIN + ":latest"]))}
+    body |= {"messages": draw(ollama_messages), "options": draw(ollama_options)}
+    if draw(st.integers(0, 3)) == 0:
+        body["tools"] = draw(mostly(chat_tools, any_json))
+    body |= draw(st.fixed_dictionaries({}, optional=OLLAMA_OPTIONAL))
+    return body | draw(wrong_types(OLLAMA_FIELDS))
+
+
+@st.composite
+def ollama_generate_bodies(draw: st.DrawFn) -> dict[str, Any]:
+    body = {"model": draw(st.sampled_from(MODELS)), "prompt": draw(mostly(texts, leaves))}
+    body["options"] = draw(ollama_options)
+    body |= draw(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                **OLLAMA_OPTIONAL,
+                "system": mostly(texts, leaves),
+                "raw": mostly(st.booleans(), leaves),
+                "suffix": mostly(st.just(""), texts),
+                "context": mostly(st.just([]), any_json),
+                "images": mostly(st.just([]), any_json),
+            },
+        )
+    )
+    return body | draw(wrong_types(OLLAMA_FIELDS))
+
+
+embed_bodies = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from([PLAIN, PLAIN + ":latest"]) | leaves,
+        "input": mostly(texts | st.lists(plain_texts, min_size=1, max_size=3), any_json),
+    },
+    optional={
+        "truncate": mostly(st.booleans(), leaves),
+        "dimensions": mostly(st.integers(1, 16), counts | leaves),
+        "keep_alive": leaves,
+        "options": any_json,
+    },
+)
+
+
 # ---- sending, and what every answer must be -----------------------------------------------------
 
 
@@ -815,6 +1047,38 @@ def check_stream(text: str, path: str) -> list[Any]:
     return chunks
 
 
+def check_foreign(response: httpx.Response, api: str) -> None:
+    """An Anthropic (`api` "anthropic") or Ollama ("ollama") answer: a 200 (whole, or a stream
+    that ends properly) or a 4xx in that API's error shape; never a 500, nothing private."""
+    status, text = response.status_code, response.text
+    check_private(text)
+    if status >= 500:
+        assert status == 503 and "retry-after" in response.headers, f"{status}: {text[:2000]}"
+    kind = response.headers.get("content-type", "")
+    if status == 200 and kind.startswith("text/event-stream"):
+        events = events_of(text)
+        assert events[0][0] == "message_start", text[:500]
+        assert events[-1][0] in ("message_stop", "error"), text[-500:]
+        for name, data in events:
+            assert strict_json(data)["type"] == name, data
+        return
+    if status == 200 and kind.startswith("application/x-ndjson"):
+        lines = [strict_json(line) for line in text.splitlines()]
+        assert lines and (lines[-1].get("done") is True or set(lines[-1]) == {"error"}), text
+        return
+    answer = strict_json(text)
+    if status == 200:
+        assert isinstance(answer, dict) and "error" not in answer, text
+        return
+    if api == "anthropic":
+        assert set(answer) == {"type", "error"} and answer["type"] == "error", text
+        assert set(answer["error"]) == {"type", "message"}, text
+        assert isinstance(answer["error"]["message"], str) and answer["error"]["message"], text
+    else:
+        assert set(answer) == {"error"} and isinstance(answer["error"], str), text
+        assert answer["error"], text
+
+
 def send(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
     """One request, and every check its answer must pass; a stored response is read back as it
     was answered (and now and then deleted)."""
@@ -858,6 +1122,30 @@ def test_fuzz_completion_constraints(client: httpx.Client, body: dict[str, Any])
 def test_fuzz_responses(client: httpx.Client, body: dict[str, Any]) -> None:
     RAN.add("responses")
     send(client, "/responses", body)
+
+
+@settings(FUZZ, max_examples=60)
+@given(body=anthropic_bodies())
+def test_fuzz_anthropic_messages(client: httpx.Client, body: dict[str, Any]) -> None:
+    check_foreign(post(client, "/messages", body), "anthropic")
+
+
+@settings(FUZZ, max_examples=40)
+@given(body=ollama_chat_bodies())
+def test_fuzz_ollama_chat(ollama: httpx.Client, body: dict[str, Any]) -> None:
+    check_foreign(post(ollama, "/chat", body), "ollama")
+
+
+@settings(FUZZ, max_examples=30)
+@given(body=ollama_generate_bodies())
+def test_fuzz_ollama_generate(ollama: httpx.Client, body: dict[str, Any]) -> None:
+    check_foreign(post(ollama, "/generate", body), "ollama")
+
+
+@settings(FUZZ, max_examples=20)
+@given(body=embed_bodies)
+def test_fuzz_ollama_embed(ollama: httpx.Client, body: dict[str, Any]) -> None:
+    check_foreign(post(ollama, "/embed", body), "ollama")
 
 
 requests = st.one_of(

@@ -3,9 +3,12 @@ model writes comes out as markup that runs, loads or links anywhere but http(s) 
 
 from __future__ import annotations
 
+import sys
 from html.parser import HTMLParser
+from pathlib import Path
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,11 +16,13 @@ from neuronpy.server.markdown import (
     MATHML_ATTRIBUTES,
     MATHML_ELEMENTS,
     MAX_TEXTS,
+    Work,
     math_html,
     render_markdown,
 )
 from tests.servers import fixture_model, run_server
 
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 HTML_ELEMENTS = frozenset(
     [
         "p",
@@ -165,3 +170,88 @@ def test_the_pages_own_requests_stay_out_of_the_access_log_unless_they_fail() ->
     quiet = QuietProbes()
     assert not quiet.filter(line("/render", 200)) and not quiet.filter(line("/v1/batch", 200))
     assert quiet.filter(line("/render", 400)) and quiet.filter(line("/v1/chat/completions", 200))
+
+
+# ---- work: linear in the text, whatever it holds ------------------------------------------------
+
+# Runs that make a markdown parser re-scan (the families of cmark's pathological tests), each
+# repeated to the length a test asks for.
+PATHOLOGICAL = [
+    "![",
+    "[",
+    "[a",
+    "![[]()",
+    "[ (](",
+    "[ a_",
+    "[a](b",
+    "[a](<b",
+    "*a **a ",
+    "a_ ",
+    "_a ",
+    "*a_ ",
+    "c* ",
+    "a]",
+    "`a",
+    "e``",
+    "<",
+    "</<!--",
+    "\\(",
+    "\\[",
+    "$a",
+    "a|b\n",
+    "a\n",
+]
+BRACKETS = ["![", "[", "[a", "![[]()", "[ a_"]  # what the link and image rules look ahead on
+
+
+def _repeated(unit: str, length: int) -> str:
+    return (unit * (length // len(unit) + 1))[:length]
+
+
+def _calls(text: str) -> int:
+    """The Python calls rendering `text` makes: a measure of its work that no machine's speed
+    changes (the same code and text make the same calls)."""
+    count = 0
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        nonlocal count
+        count += event == "call"
+
+    sys.setprofile(profile)
+    try:
+        render_markdown(text)
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("unit", PATHOLOGICAL)
+def test_a_run_takes_work_linear_in_its_length(unit: str) -> None:
+    """Twice the text is at most about twice the work (quadratic work would be four times)."""
+    small, large = _calls(_repeated(unit, 3000)), _calls(_repeated(unit, 6000))
+    assert large <= 2.3 * small, (unit, small, large)
+
+
+@pytest.mark.parametrize("unit", BRACKETS)
+def test_100k_of_brackets_stay_within_the_lookahead_budget(unit: str) -> None:
+    """100,000 characters of unclosed brackets run out of lookahead (20 to 40 skipToken calls
+    a character, where the budget gives 2) and are rendered without links, their brackets as
+    written; the lookahead spent never passes the budget."""
+    text = _repeated(unit, 100_000)
+    work = Work.for_text(text)
+    rendered = render_markdown(text, work)
+    assert work.linear and work.spent <= work.budget
+    assert rendered.startswith("<p>") and "<a" not in rendered and "[" in rendered
+
+
+def test_ordinary_markdown_keeps_its_links_well_within_the_budget() -> None:
+    """The docs, and text dense with links and brackets, render on the usual path (links and
+    images drawn), taking under a third of their budget."""
+    dense = "See [the docs](https://example.com/a) and ![a chart](https://example.com/c.png); "
+    dense += "x = a[i][j] + b[k]; [[nested]](https://example.com/n) [ref][r]\n\n"
+    texts = [path.read_text() for path in sorted(DOCS.glob("*.md"))] + [dense * 500]
+    for text in texts:
+        work = Work.for_text(text)
+        rendered = render_markdown(text, work)
+        assert not work.linear and work.spent * 3 < work.budget
+    assert '<a href="https://example.com/c.png"' in rendered

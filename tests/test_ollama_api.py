@@ -170,6 +170,42 @@ def test_errors_name_the_field_in_ollamas_shape(server: RunningServer) -> None:
     assert fine.done
 
 
+def test_bounds_are_checked_and_named_as_ollama_names_them(server: RunningServer) -> None:
+    """Options the chat request refuses are named as Ollama names them (`options.top_k`);
+    `think` names itself and what it takes; /api/embed's `truncate` must be a boolean; a
+    chat message the chat request refuses is a 400, never a 500."""
+    odd = [
+        ({"options": {"top_k": -2}}, "options.top_k"),
+        ({"options": {"repeat_penalty": 0}}, "options.repeat_penalty"),
+        ({"options": {"top_p": 0}}, "options.top_p"),
+        ({"think": "ultra"}, '\'think\' must be true, false, "low", "medium" or "high"'),
+        ({"think": 2}, "'think' must be true, false"),
+    ]
+    for extra, said in odd:
+        body = {"model": MODEL, "messages": MESSAGES, "stream": False, **extra}
+        response = httpx.post(f"{server.url}/api/chat", json=body)
+        assert response.status_code == 400, (extra, response.text)
+        error = response.json()["error"]
+        assert said in error and "think.bool" not in error and "'top_k'" not in error, error
+    # -1 and 0 are no top-k cut, as in chat completions (and Ollama: top_k <= 0 is off)
+    for top_k in (-1, 0):
+        reply = client(server).chat(
+            model=MODEL, messages=MESSAGES, options={"top_k": top_k, "num_predict": 2}
+        )
+        assert reply.done
+    for truncate in ("x", 1, None, {}):
+        body = {"model": MODEL, "input": "a cat", "truncate": truncate}
+        response = httpx.post(f"{server.url}/api/embed", json=body)
+        if truncate is None:  # (absent: Ollama's default)
+            assert response.status_code == 200, response.text
+            continue
+        assert response.status_code == 400, (truncate, response.text)
+        assert "'truncate' must be true or false" in response.json()["error"]
+    for truncate in (True, False):
+        body = {"model": MODEL, "input": "a cat", "truncate": truncate}
+        assert httpx.post(f"{server.url}/api/embed", json=body).status_code == 200
+
+
 # ---- tools and thinking -------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -33,6 +34,14 @@ from neuronpy.server.requests import BodyLimits, read_json
 MAX_TEXTS = 256  # texts in one request (a page shows a conversation's replies at once)
 MAX_CHARS = 400_000  # characters in one request, all texts together
 MAX_MATH_CHARS = 4_000  # longer math is shown as its TeX
+# The lookahead a render may take, counted in the inline parser's skipToken calls: markdown-it's
+# link and image rules look for a label's closing bracket token by token, again from each `[`
+# (the tokens are cached, the walk is not). An ordinary reply takes well under one call per
+# character (0.6 in text dense with links and indexing such as a[i][j]); runs of unclosed `[`
+# or `![` or deeply nested brackets take 20 to 40, seconds of a core for 100 KB. A text that
+# would take more is rendered without links and images (LINEAR), which looks nothing ahead.
+LOOKAHEAD_PER_CHAR = 2
+LOOKAHEAD_ALLOWANCE = 10_000
 LINK_SCHEMES = ("http:", "https:", "mailto:")
 # one render at a time, off the event loop: a long text never holds up a stream, and renders
 # never take more than a core from the model
@@ -190,6 +199,42 @@ def _bracket_math(state: StateInline, silent: bool) -> bool:
     return True
 
 
+@dataclass
+class Work:
+    """A render's lookahead: what it may take (`budget`), what it took, and whether the budget
+    ran out, so that the text was rendered without links and images (`linear`)."""
+
+    budget: int
+    spent: int = 0
+    linear: bool = False
+
+    @classmethod
+    def for_text(cls, text: str) -> Work:
+        return cls(LOOKAHEAD_PER_CHAR * len(text) + LOOKAHEAD_ALLOWANCE)
+
+
+class _OutOfLookahead(Exception):
+    """A render's lookahead ran past its budget (raised out of markdown-it's parse)."""
+
+
+_WORK = "neuronpy.work"  # (where a render's Work is in markdown-it's env)
+
+
+def _metered(md: MarkdownIt) -> MarkdownIt:
+    """`md`, its inline lookahead counted against the Work in the render's env."""
+    skip = md.inline.skipToken
+
+    def counted(state: StateInline) -> None:
+        work: Work = state.env[_WORK]
+        if work.spent >= work.budget:
+            raise _OutOfLookahead
+        work.spent += 1
+        skip(state)
+
+    md.inline.skipToken = counted  # type: ignore[method-assign]
+    return md
+
+
 def _parser() -> MarkdownIt:
     md = MarkdownIt("commonmark", {"html": False, "highlight": _highlighted})
     md.enable(["table", "strikethrough"])
@@ -236,12 +281,21 @@ def _parser() -> MarkdownIt:
     return md
 
 
-_MD = _parser()
+_MD = _metered(_parser())
+# the same without the two rules that look ahead: linear in the text (no skipToken calls)
+LINEAR = _metered(_parser().disable(["link", "image"]))
 
 
-def render_markdown(text: str) -> str:
-    """`text` (a model's reply) as safe HTML."""
-    return _MD.render(text)
+def render_markdown(text: str, work: Work | None = None) -> str:
+    """`text` (a model's reply) as safe HTML; without links and images (its brackets as
+    written) when its lookahead would pass `work`'s budget (by default the text's own:
+    Work.for_text), so that no text takes more than a linear amount of work."""
+    work = Work.for_text(text) if work is None else work
+    try:
+        return _MD.render(text, {_WORK: work})
+    except _OutOfLookahead:
+        work.linear = True
+        return LINEAR.render(text, {_WORK: work})
 
 
 @cache

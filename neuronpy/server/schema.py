@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
 from pydantic_core import ErrorDetails
 
 from neuronpy.errors import InvalidRequestError
-from neuronpy.server.structure import format_path
+from neuronpy.server.structure import JsonPath, format_path
 
 # What a JSON value is called in errors (and the tags of the unions below).
 JSON_NOUNS = {str: "a string", list: "an array", dict: "an object", bool: "a boolean"}
@@ -86,6 +86,21 @@ def validate(model: type[M], body: dict[str, Any], **context: Any) -> M:
         return model.model_validate(body, context=context or None)
     except ValidationError as exc:
         raise first_error(exc.errors(include_url=False)) from None
+
+
+def build(model: type[M], at: JsonPath, **values: Any) -> M:
+    """A `model` built in Python from the request field at `at` (where one API's request becomes
+    the chat request it means). The chat's models hold rules of their own that the other API's
+    models need not repeat (a tool's name), so a value that breaks one is the request's 400
+    naming the field it came from, as `validate`'s errors are, never a ValidationError that
+    escapes as a 500."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        error = errors[0]
+        error["loc"] = (*at, *error["loc"])
+        raise first_error([error]) from None
 
 
 def first_error(errors: list[ErrorDetails]) -> InvalidRequestError:

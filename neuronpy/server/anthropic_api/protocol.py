@@ -19,11 +19,14 @@ from neuronpy.server.chat_input import (
     NamedToolChoice,
     Tool,
     ToolCall,
+    check_toolbox,
 )
 from neuronpy.server.protocol import ChatCompletionRequest
-from neuronpy.server.schema import FieldError, WireModel, by_type, either, validate
+from neuronpy.server.schema import FieldError, WireModel, build, by_type, either, validate
 
 MAX_STOP_SEQUENCES = 16
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+MAX_USER_ID = 256  # Anthropic's bound on metadata.user_id, its one metadata field
 
 
 class TextBlock(WireModel):
@@ -129,6 +132,18 @@ class Thinking(WireModel):
     budget_tokens: int | None = None  # not held apart: max_tokens bounds reasoning and answer
     display: Literal["summarized", "omitted"] | None = None
 
+    @field_validator("budget_tokens")
+    @classmethod
+    def _budget(cls, value: int | None) -> int | None:
+        # held to Anthropic's rule though unused, so that a request this server takes is one
+        # Anthropic's API takes too
+        if value is not None and value < MIN_THINKING_BUDGET:
+            raise InvalidRequestError(
+                f"'thinking.budget_tokens' must be at least {MIN_THINKING_BUDGET}, got {value}",
+                "thinking.budget_tokens",
+            )
+        return value
+
 
 class OutputFormat(WireModel):
     type: Literal["json_schema"]
@@ -141,7 +156,31 @@ class OutputConfig(WireModel):
 
 
 class Metadata(WireModel):
+    """Anthropic's metadata: a user's id and nothing else (it is not echoed or stored here, but
+    an unbounded object would be read and held for nothing)."""
+
     user_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_user_id(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key in value:
+                if key != "user_id":
+                    raise InvalidRequestError(
+                        f"'metadata' takes only 'user_id', got {str(key)[:40]!r}", "metadata"
+                    )
+        return value
+
+    @field_validator("user_id")
+    @classmethod
+    def _user_id(cls, value: str | None) -> str | None:
+        if value is not None and len(value) > MAX_USER_ID:
+            raise InvalidRequestError(
+                f"'metadata.user_id' holds at most {MAX_USER_ID} characters, got {len(value)}",
+                "metadata.user_id",
+            )
+        return value
 
 
 class MessagesRequest(WireModel):
@@ -194,6 +233,13 @@ class MessagesRequest(WireModel):
             )
         return stops
 
+    @field_validator("tools")
+    @classmethod
+    def _toolbox(cls, tools: list[ToolSpec] | None) -> list[ToolSpec] | None:
+        if tools is not None:
+            check_toolbox([tool.name for tool in tools], "tools[{i}].name")
+        return tools
+
     @model_validator(mode="after")
     def _whole(self) -> MessagesRequest:
         for name in ("container", "mcp_servers"):
@@ -227,19 +273,22 @@ class MessagesRequest(WireModel):
 
     def chat_messages(self) -> list[Message]:
         """The conversation as chat messages: a user turn's tool results become tool
-        messages (before its text), an assistant turn's tool_use blocks its tool calls."""
+        messages (before its text), an assistant turn's tool_use blocks its tool calls. Each
+        is built from the field it comes from (`build`): a value the chat's rules refuse is a
+        400 naming that field."""
         out: list[Message] = []
         system = self.system_text()
         if system:
-            out.append(Message(role="system", content=system))
+            out.append(build(Message, ("system",), role="system", content=system))
         for i, message in enumerate(self.messages):
+            at = ("messages", i)
             blocks = message.content
             if isinstance(blocks, str):
-                out.append(Message(role=message.role, content=blocks))
+                out.append(build(Message, at, role=message.role, content=blocks))
                 continue
             texts = [b.text for b in blocks if isinstance(b, TextBlock)]
             if message.role == "user":
-                for block in blocks:
+                for j, block in enumerate(blocks):
                     if isinstance(block, ToolUseBlock):
                         raise InvalidRequestError(
                             f"messages[{i}]: a user message cannot hold tool_use blocks",
@@ -247,10 +296,16 @@ class MessagesRequest(WireModel):
                         )
                     if isinstance(block, ToolResultBlock):
                         out.append(
-                            Message(role="tool", content=block.text, tool_call_id=block.tool_use_id)
+                            build(
+                                Message,
+                                (*at, "content", j),
+                                role="tool",
+                                content=block.text,
+                                tool_call_id=block.tool_use_id,
+                            )
                         )
                 if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
-                    out.append(Message(role="user", content="\n".join(texts)))
+                    out.append(build(Message, at, role="user", content="\n".join(texts)))
                 continue
             if any(isinstance(b, ToolResultBlock) for b in blocks):
                 raise InvalidRequestError(
@@ -258,16 +313,25 @@ class MessagesRequest(WireModel):
                     f"messages[{i}].content",
                 )
             calls = [
-                ToolCall(
+                build(
+                    ToolCall,
+                    (*at, "content", j),
                     id=b.id,
-                    function=CalledFunction(name=b.name, arguments=json.dumps(b.input)),
+                    function=build(
+                        CalledFunction,
+                        (*at, "content", j),
+                        name=b.name,
+                        arguments=json.dumps(b.input),
+                    ),
                 )
-                for b in blocks
+                for j, b in enumerate(blocks)
                 if isinstance(b, ToolUseBlock)
             ]
             reasoning = "".join(b.thinking or "" for b in blocks if isinstance(b, ThinkingBlock))
             out.append(
-                Message(
+                build(
+                    Message,
+                    at,
                     role="assistant",
                     content="\n".join(texts),
                     tool_calls=calls or None,
@@ -292,17 +356,26 @@ class MessagesRequest(WireModel):
             values["tools"] = [
                 Tool(
                     type="function",
-                    function=Function(
-                        name=t.name, description=t.description, parameters=t.input_schema
+                    function=build(
+                        Function,
+                        ("tools", i),
+                        name=t.name,
+                        description=t.description,
+                        parameters=t.input_schema,
                     ),
                 )
-                for t in self.tools
+                for i, t in enumerate(self.tools)
             ]
         choice = self.tool_choice
         if choice is not None:
             values["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
                 choice.type
-            ) or NamedToolChoice(type="function", function=NamedFunction(name=choice.name or ""))
+            ) or build(
+                NamedToolChoice,
+                ("tool_choice",),
+                type="function",
+                function=NamedFunction(name=choice.name or ""),
+            )
             if choice.disable_parallel_tool_use:
                 values["parallel_tool_calls"] = False
         output = self.output_config

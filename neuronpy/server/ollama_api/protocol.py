@@ -7,14 +7,15 @@ was started (they are not per request here)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from typing import Any, Literal, TypeVar
 
-from pydantic import ConfigDict, model_validator
+from pydantic import ConfigDict, field_validator, model_validator
 
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.chat_input import CalledFunction, Message, Tool, ToolCall
 from neuronpy.server.protocol import ChatCompletionRequest, CompletionRequest
-from neuronpy.server.schema import FieldError, WireModel, validate
+from neuronpy.server.schema import FieldError, WireModel, build, json_type, validate
 
 LATEST = ":latest"  # the tag Ollama gives a model named without one
 # options that set how Ollama loads a model: this server's are set when it starts
@@ -46,6 +47,10 @@ SAMPLING = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
+# what the chat request's errors name, as Ollama's request names it
+OPTION_NAMES = {chat: f"options.{name}" for name, chat in SAMPLING.items()}
+OPTION_NAMES |= {"max_tokens": "options.num_predict", "response_format": "format"}
+THINK_LEVELS = ("low", "medium", "high")
 # samplers neuronpy does not have: refused unless set to what turns them off
 OFF = {"mirostat": 0, "tfs_z": 1.0, "typical_p": 1.0}
 # accepted and without effect: the penalty window (the penalties see the whole context) and a
@@ -129,19 +134,29 @@ class OllamaMessage(WireModel):
         return self
 
     def as_chat(self, index: int) -> Message:
+        """This message (`messages[index]`) as the chat message it means, built from its fields
+        (`build`): a value the chat's rules refuse is a 400 naming this message."""
+        at = ("messages", index)
         if self.role == "tool":
             call_id = self.tool_name or f"call_{index}"
-            return Message(role="tool", content=self.content or "", tool_call_id=call_id)
+            return build(Message, at, role="tool", content=self.content or "", tool_call_id=call_id)
         calls = [
-            ToolCall(
+            build(
+                ToolCall,
+                (*at, "tool_calls", j),
                 id=f"call_{index}_{j}",
-                function=CalledFunction(
-                    name=c.function.name, arguments=json.dumps(c.function.arguments or {})
+                function=build(
+                    CalledFunction,
+                    (*at, "tool_calls", j, "function"),
+                    name=c.function.name,
+                    arguments=json.dumps(c.function.arguments or {}),
                 ),
             )
             for j, c in enumerate(self.tool_calls or ())
         ]
-        return Message(
+        return build(
+            Message,
+            at,
             role=self.role,
             content=self.content or "",
             tool_calls=calls or None,
@@ -160,6 +175,17 @@ class OllamaBase(WireModel):
     think: bool | Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+
+    @field_validator("think", mode="before")
+    @classmethod
+    def _think(cls, value: Any) -> Any:
+        # (checked before the union, whose own error would name its member: 'think.bool')
+        if value is None or isinstance(value, bool) or value in THINK_LEVELS:
+            return value
+        shown = f"{value[:40]!r}" if isinstance(value, str) else json_type(value)
+        raise InvalidRequestError(
+            f'\'think\' must be true, false, "low", "medium" or "high", got {shown}', "think"
+        )
 
     @property
     def shows_thinking(self) -> bool:
@@ -187,7 +213,7 @@ class OllamaChatRequest(OllamaBase):
             "messages": [m.as_chat(i) for i, m in enumerate(self.messages)],
             "tools": self.tools,
         }
-        return validate(OllamaChat, values)
+        return translated(OllamaChat, values)
 
 
 class OllamaGenerateRequest(OllamaBase):
@@ -230,11 +256,11 @@ class OllamaGenerateRequest(OllamaBase):
             top = values.pop("top_logprobs", None)
             if logprobs:
                 values["logprobs"] = top or 0
-            return validate(OllamaText, {**values, "prompt": self.prompt})
+            return translated(OllamaText, {**values, "prompt": self.prompt})
         messages = [{"role": "user", "content": self.prompt}]
         if self.system:
             messages.insert(0, {"role": "system", "content": self.system})
-        return validate(OllamaChat, {**values, "messages": messages})
+        return translated(OllamaChat, {**values, "messages": messages})
 
 
 class OllamaChat(ChatCompletionRequest):
@@ -254,6 +280,24 @@ class OllamaText(CompletionRequest):
     @property
     def param_names(self) -> dict[str, str]:
         return {"max_tokens": "options.num_predict"}
+
+
+M = TypeVar("M", OllamaChat, OllamaText)
+
+
+def translated(model: type[M], values: dict[str, Any]) -> M:
+    """The chat or completions request an Ollama request means; InvalidRequestError naming the
+    field as Ollama's request names it (`options.top_k`, not the chat request's `top_k`)."""
+    try:
+        return validate(model, values)
+    except InvalidRequestError as exc:
+        param = exc.param or ""
+        name = OPTION_NAMES.get(re.split(r"[.\[]", param)[0])
+        if name is None:
+            raise
+        # (a schema's place within `format` is chat's `response_format.json_schema.schema`)
+        message = re.sub(rf"\b{re.escape(param)}\b", name, exc.message)
+        raise InvalidRequestError(message, name) from None
 
 
 def parse(model: type[OllamaBase], body: dict[str, Any]) -> Any:

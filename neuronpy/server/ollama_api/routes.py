@@ -58,6 +58,7 @@ from neuronpy.server.ollama_api.protocol import (
 from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import BodyLimits, read_json, requested_model
 from neuronpy.server.responses import Reply
+from neuronpy.server.schema import json_type
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,12 @@ async def _pooling(
 
     async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
         refuse_reranker(model, engine)
+        truncate = body.get("truncate")
+        if truncate is not None and not isinstance(truncate, bool):
+            # (either way an input longer than the context is refused, never cut short)
+            raise InvalidRequestError(
+                f"'truncate' must be true or false, got {json_type(truncate)}", "truncate"
+            )
         texts, ids = parse_inputs(body.get("prompt" if legacy else "input"), engine.vocab_size)
         dimensions = parse_dimensions(body.get("dimensions"), engine.model.config.hidden_size)
         if texts is not None:

@@ -27,7 +27,15 @@ from neuronpy.server.chat_input import (
 )
 from neuronpy.server.constraints import tool_constraint
 from neuronpy.server.protocol import ChatCompletionRequest
-from neuronpy.server.schema import FieldError, WireModel, by_type, either, json_type, validate
+from neuronpy.server.schema import (
+    FieldError,
+    WireModel,
+    build,
+    by_type,
+    either,
+    json_type,
+    validate,
+)
 from neuronpy.server.structure import decode_json
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on a response's metadata
@@ -151,8 +159,11 @@ class FunctionTool(Function):
             )
         return value
 
-    def as_chat(self) -> Tool:
-        function = Function(
+    def as_chat(self, index: int) -> Tool:
+        """This tool (`tools[index]`) as chat's."""
+        function = build(
+            Function,
+            ("tools", index),
             name=self.name,
             description=self.description,
             parameters=self.parameters,
@@ -308,21 +319,28 @@ class ResponsesRequest(WireModel):
         """`input` as chat messages: a function call joins the assistant message before it
         (or makes one); a call's output is a tool message; reasoning items are skipped."""
         if isinstance(self.input, str):
-            return [Message(role="user", content=self.input)]
+            return [build(Message, ("input",), role="user", content=self.input)]
         out: list[Message] = []
-        for item in self.input:
+        for i, item in enumerate(self.input):
+            at = ("input", i)
             if isinstance(item, InputMessage):
-                out.append(Message(role=item.role, content=_text(item.content)))
+                out.append(build(Message, at, role=item.role, content=_text(item.content)))
             elif isinstance(item, FunctionCallItem):
-                function = CalledFunction(name=item.name, arguments=item.arguments)
-                call = ToolCall(id=item.call_id, type="function", function=function)
+                function = build(CalledFunction, at, name=item.name, arguments=item.arguments)
+                call = build(ToolCall, at, id=item.call_id, type="function", function=function)
                 if out and out[-1].role == "assistant":
                     out[-1].tool_calls = [*(out[-1].tool_calls or ()), call]
                 else:
-                    out.append(Message(role="assistant", content="", tool_calls=[call]))
+                    out.append(build(Message, at, role="assistant", content="", tool_calls=[call]))
             elif isinstance(item, FunctionCallOutput):
                 out.append(
-                    Message(role="tool", tool_call_id=item.call_id, content=_text(item.output))
+                    build(
+                        Message,
+                        at,
+                        role="tool",
+                        tool_call_id=item.call_id,
+                        content=_text(item.output),
+                    )
                 )
         return out
 
@@ -341,13 +359,20 @@ class ResponsesRequest(WireModel):
                 "'input' holds no message to answer (reasoning items alone are skipped)", "input"
             )
         if self.instructions is not None:  # (the conversation stored does not keep them)
-            messages.insert(0, Message(role="system", content=self.instructions))
+            messages.insert(
+                0, build(Message, ("instructions",), role="system", content=self.instructions)
+            )
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
-            choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+            choice = build(
+                NamedToolChoice,
+                ("tool_choice",),
+                type="function",
+                function=NamedFunction(name=choice.name),
+            )
         values: dict[str, Any] = {
             "messages": messages,
-            "tools": [tool.as_chat() for tool in self.tools] if self.tools else None,
+            "tools": [tool.as_chat(i) for i, tool in enumerate(self.tools)] if self.tools else None,
             "tool_choice": choice,
             "max_tokens": self.max_output_tokens,
             "text_format": self._format,
