@@ -1,9 +1,10 @@
 """A GGUF file's transformers config and tokenizer, from one quick read of its metadata.
 
-transformers (5.x) builds a Llama-family GGUF's config with gguf's GGUFReader, which makes a
+transformers (5.25) builds a Llama-family GGUF's config with gguf's GGUFReader, which makes a
 numpy object for every element of every metadata array, then parses each element in Python:
 the vocabulary, its merges and the token types of a 49k-token model are ~150k of them, about
-4 s. AutoTokenizer builds that config a second time only to choose the tokenizer's class. Here
+5 s on a busy 2-core machine. AutoTokenizer builds that config a second time only to choose
+the tokenizer's class. Here
 the config comes from read_index (arch/gguf.py: scalars and numeric arrays, the vocabulary
 left unread), laid out by transformers' own tables exactly as its GGUF reader lays it out, and
 the tokenizer is built by the class AutoTokenizer would choose, from the file, by transformers'
