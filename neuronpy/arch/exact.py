@@ -7,8 +7,9 @@ length, the gap and the query count, and with the int4 kernels' bf16 inputs one 
 into a different token now and then. Measured here (torch 2.13, MKL), the pieces below are
 exact, and `tests/test_exact_attention.py` holds each one to it:
 - a product over at most NARROW columns (keys as rows, queries as columns; MIN_KEYS keys or
-  more) sums along the keys in order, one key after another, so masked keys (zero weights) anywhere add exact zeros; its
-  result per column does not depend on the number of columns (1, 2 or 3) or of batch entries;
+  more) sums along the keys in order, one key after another, so masked keys (zero weights)
+  anywhere add exact zeros; its result per column does not depend on the number of columns
+  (1, 2 or 3) or of batch entries;
 - a product with MIN_ROWS query rows or more gives each row what it gives that row among any
   others; one of fixed shape (KEY_BLOCK keys) is the same whatever else is computed beside it;
 - `amax` is exact in any order; `exp` gives each element the same value wherever it lies;

@@ -1,0 +1,128 @@
+"""A GGUF file's transformers config and tokenizer, from one quick read of its metadata.
+
+transformers (5.25) builds a Llama-family GGUF's config with gguf's GGUFReader, which makes a
+numpy object for every element of every metadata array, then parses each element in Python:
+the vocabulary, its merges and the token types of a 49k-token model are ~150k of them, about
+5 s on a busy 2-core machine. AutoTokenizer builds that config a second time only to choose
+the tokenizer's class. Here
+the config comes from read_index (arch/gguf.py: scalars and numeric arrays, the vocabulary
+left unread), laid out by transformers' own tables exactly as its GGUF reader lays it out, and
+the tokenizer is built by the class AutoTokenizer would choose, from the file, by transformers'
+own GGUF tokenizer path. Any other architecture, or a file beside a tokenizer_config.json,
+goes through transformers' Auto classes as before. tests/test_gguf_metadata.py checks both
+against transformers' own path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import transformers
+
+from neuronpy.arch.gguf import NATIVE_ARCHITECTURES, SkippedArray, read_index
+
+
+def read_gguf_metadata(path: Path) -> tuple[Any, transformers.PreTrainedTokenizerBase]:
+    """(config, tokenizer) of GGUF file `path`, as transformers' AutoConfig and AutoTokenizer
+    with gguf_file= give them. Raises what those raise (ValueError, OSError, ...)."""
+    config = gguf_config(path)
+    if config is None:
+        return transformers_metadata(path)
+    tokenizer_class = _tokenizer_class(path, config)
+    if tokenizer_class is None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        )
+    else:
+        tokenizer = tokenizer_class.from_pretrained(str(path.parent), gguf_file=path.name)
+    return config, tokenizer
+
+
+def transformers_metadata(path: Path) -> tuple[Any, transformers.PreTrainedTokenizerBase]:
+    """(config, tokenizer) by transformers' own GGUF path: the reference read_gguf_metadata
+    matches, and the way for the architectures it does not read itself."""
+    config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return config, tokenizer
+
+
+def gguf_config(path: Path) -> Any | None:
+    """The transformers config of a Llama-family GGUF file (None: another architecture, or a
+    file whose config needs a value read_index leaves unread)."""
+    fields, tensors = read_index(path)
+    config = gguf_config_dict(fields, [t.name for t in tensors])
+    if config is None:
+        return None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if config.get("model_type") not in CONFIG_MAPPING:
+        return None  # (transformers' own path raises its own error)
+    # (AutoConfig names the config after the folder it read)
+    return CONFIG_MAPPING[config["model_type"]].from_dict(config, name_or_path=str(path.parent))
+
+
+def gguf_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[str, Any] | None:
+    """The config dict transformers' load_gguf_checkpoint(return_tensors=False) returns for a
+    GGUF file of one of NATIVE_ARCHITECTURES with these metadata fields (read_index's) and
+    tensors; None for anything else. Its steps for these architectures, in its order: the
+    Mistral rename, the tied head, the architecture's defaults, each field renamed by
+    GGUF_CONFIG_MAPPING, the vocabulary's length when the file states no vocab_size."""
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    architecture = fields.get("general.architecture")
+    if architecture not in NATIVE_ARCHITECTURES or architecture not in GGUF_CONFIG_MAPPING:
+        return None
+    # transformers tests `"mistral" in model_name` on the list of general.name's values: an
+    # exact match, not a substring
+    renamed = architecture
+    if "llama" in architecture and fields.get("general.name") == "mistral":
+        renamed = "mistral"
+    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(
+        renamed, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {}
+    )
+    for key, value in defaults.items():
+        config.setdefault(key, value)
+    for key, value in fields.items():
+        key = key.replace(architecture, renamed)
+        prefix, _, config_key = key.partition(".")
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(config_key)
+        if target is None or target == -1:
+            continue
+        if isinstance(value, SkippedArray):
+            return None  # a config value read_index did not decode: transformers' path reads it
+        if isinstance(value, np.ndarray):
+            value = value.tolist()  # Python numbers, as transformers parses them
+            if len(value) == 1:
+                value = value[0]  # as transformers unwraps a one-element array
+        if isinstance(value, str):
+            value = value.replace(architecture, renamed)
+        config[target] = value
+    if "vocab_size" not in config:
+        tokens = fields.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, SkippedArray):
+            config["vocab_size"] = tokens.count
+    return config
+
+
+def _tokenizer_class(path: Path, config: Any) -> type | None:
+    """The tokenizer class AutoTokenizer.from_pretrained(gguf_file=) chooses for a GGUF file
+    whose config is `config`, where the choice follows from the config alone (its
+    TOKENIZER_MAPPING, by the config's class); None where AutoTokenizer looks further (a
+    tokenizer_config.json beside the file, a class the config names, a Mistral tokenizer
+    format), for AutoTokenizer to choose."""
+    from transformers.models.auto import tokenization_auto
+
+    backend = getattr(tokenization_auto, "TokenizersBackend", None)
+    if backend is None or (path.parent / "tokenizer_config.json").exists():
+        return None
+    if getattr(config, "tokenizer_class", None):
+        return None
+    # (AutoTokenizer also matches the config's name against model ids it treats apart; the
+    # config it builds for a GGUF file has no name, so none matches)
+    chosen = tokenization_auto.TOKENIZER_MAPPING.get(type(config), backend)
+    if chosen is None or chosen.__name__ == "MistralCommonBackend":
+        return None
+    return chosen
