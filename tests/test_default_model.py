@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import openai
@@ -163,12 +164,18 @@ def _chat(i: int) -> dict:
     return {"messages": messages, "max_tokens": 8 + (i * 37) % 89, "temperature": 0}
 
 
-async def _reply(api: openai.AsyncOpenAI, i: int, started: anyio.Event | None = None) -> tuple:
+async def _reply(
+    api: openai.AsyncOpenAI, i: int, started: anyio.Event | None = None, **extra: Any
+) -> tuple:
     """Chat i streamed: its text, token count and finish reason; sets `started` at its first
-    token (the next chat then arrives while this one decodes)."""
+    token (the next chat then arrives while this one decodes). `extra`: more of the body."""
     text, usage, finish = [], None, None
     stream = await api.chat.completions.create(
-        model=DEFAULT_MODEL_NAME, stream=True, stream_options={"include_usage": True}, **_chat(i)
+        model=DEFAULT_MODEL_NAME,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra or None,
+        **_chat(i),
     )
     async for chunk in stream:
         if chunk.usage is not None:
@@ -181,34 +188,63 @@ async def _reply(api: openai.AsyncOpenAI, i: int, started: anyio.Event | None = 
     return "".join(text), usage, finish
 
 
+def _client(server: RunningServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=600)
+
+
+async def _one_after_another(server: RunningServer, **extra: Any) -> list[tuple | None]:
+    """All chats, each arriving once the one before has its first token: joins, leaves and
+    prompt chunks of many sizes riding decode steps, whatever the machine's speed."""
+    replies: list[tuple | None] = [None] * len(QUESTIONS)
+
+    async def one(api: openai.AsyncOpenAI, i: int, started: anyio.Event) -> None:
+        replies[i] = await _reply(api, i, started, **extra)
+
+    async with _client(server) as api, anyio.create_task_group() as tg:
+        for i in range(len(QUESTIONS)):
+            started = anyio.Event()
+            tg.start_soon(one, api, i, started)
+            await started.wait()
+    return replies
+
+
+@pytest.fixture(scope="module")
+def alone(server: RunningServer) -> list[tuple]:
+    """Each chat's reply with nothing else running (its first time: no prefix cached)."""
+
+    async def each() -> list[tuple]:
+        async with _client(server) as api:
+            return [await _reply(api, i) for i in range(len(QUESTIONS))]
+
+    return anyio.run(each)
+
+
 @pytest.mark.anyio
 async def test_default_mode_replies_do_not_depend_on_the_batch_or_the_prefix_cache(
-    server: RunningServer,
+    server: RunningServer, alone: list[tuple]
 ) -> None:
     """The parity contract as served: the default model kept quantized, its layers compiled,
-    the prefix cache on. Each chat alone, then alone again (its prompt now in the prefix
-    cache), then all sixteen arriving one after another while the earlier ones decode (each
-    next chat once the one before has its first token: joins, leaves and prompt chunks of many
-    sizes riding decode steps): byte for byte the same replies every time."""
-    api = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=600)
-    async with api:
-        alone = [await _reply(api, i) for i in range(len(QUESTIONS))]
-        hits = server.stats()["prefix_cache_hits"]
+    the prefix cache on. Each chat alone again (its prompt now in the prefix cache: the cache
+    restores all but its last token, or the shared system prompt), then all of them joining
+    one after another while the earlier ones decode: byte for byte the replies alone."""
+    hits = server.stats()["prefix_cache_hits"]
+    async with _client(server) as api:
         again = [await _reply(api, i) for i in range(len(QUESTIONS))]
-        assert server.stats()["prefix_cache_hits"] >= hits + len(QUESTIONS) // 2
-        assert again == alone
-        before = server.stats()
-        together: list[tuple | None] = [None] * len(QUESTIONS)
-
-        async def one(i: int, started: anyio.Event) -> None:
-            together[i] = await _reply(api, i, started)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(QUESTIONS)):
-                started = anyio.Event()
-                tg.start_soon(one, i, started)
-                await started.wait()
+    assert server.stats()["prefix_cache_hits"] >= hits + len(QUESTIONS)
+    assert again == alone
+    before = server.stats()
+    assert await _one_after_another(server) == alone
     after = server.stats()
-    assert together == alone
     assert after["max_batch_size"] > 1
     assert after["riding_chunks"] > before["riding_chunks"]
+
+
+@pytest.mark.anyio
+async def test_default_mode_replies_with_prompt_lookup_drafts_are_the_replies_alone(
+    server: RunningServer, alone: list[tuple]
+) -> None:
+    """The same chats joining one after another, each verifying prompt-lookup drafts (several
+    tokens of a row in one step): the replies alone, byte for byte."""
+    before = server.stats()
+    assert await _one_after_another(server, speculative="ngram") == alone
+    assert server.stats()["spec_accepted_tokens"] > before["spec_accepted_tokens"]
