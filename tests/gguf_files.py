@@ -5,6 +5,7 @@ small reference encoder below (the package only decodes it)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +83,52 @@ def encode(w: np.ndarray, kind: str) -> tuple[np.ndarray, Any]:
     return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
 
 
+def add_fixture_metadata(writer: gguf.GGUFWriter, src: Path) -> None:
+    """Fixture folder `src`'s config and byte-level BPE tokenizer as GGUF metadata (all but
+    the block count), so that the file serves alone, as a downloaded one does."""
+    cfg = json.loads((src / "config.json").read_text())
+    tok = json.loads((src / "tokenizer.json").read_text())
+    writer.add_name(src.name)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    for added in tok["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+    special = {added["id"] for added in tok["added_tokens"] if added["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    writer.add_token_merges(
+        [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    )
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_pad_token_id(cfg["pad_token_id"])
+    writer.add_chat_template((src / "chat_template.jinja").read_text())
+
+
 def write_gguf(
-    path: Path, hf_model: Any, kind: str = "Q4_1", kinds: dict[str, str] | None = None
+    path: Path,
+    hf_model: Any,
+    kind: str = "Q4_1",
+    kinds: dict[str, str] | None = None,
+    metadata_from: Path | None = None,
 ) -> Path:
     """`hf_model`'s weights as a GGUF file: 2-D weights in `kind` (or `kinds[gguf name]`),
-    norms in F32; a tied LM head left out, as llama.cpp does."""
+    norms in F32; a tied LM head left out, as llama.cpp does. `metadata_from`: the fixture
+    folder whose config and tokenizer the file carries too (one `neuronpy serve` can serve);
+    else tensors only."""
     config = hf_model.config
     writer = gguf.GGUFWriter(str(path), "llama")
+    if metadata_from is not None:
+        add_fixture_metadata(writer, metadata_from)
     writer.add_block_count(config.num_hidden_layers)
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
