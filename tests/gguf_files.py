@@ -200,10 +200,17 @@ def preset_types(hf_model: Any, preset: str) -> dict[str, str]:
     }
 
 
-def _add_metadata(writer: gguf.GGUFWriter, config: Any, tokenizer_dir: Path) -> None:
-    """The hyperparameters and byte-level BPE tokenizer llama.cpp's converter writes, so that
-    transformers (and so neuronpy's GGUF loader) reads the file as a whole model."""
+def add_fixture_metadata(
+    writer: gguf.GGUFWriter, tokenizer_dir: Path, config: Any | None = None
+) -> None:
+    """The hyperparameters (`config`'s, else the fixture folder `tokenizer_dir`'s) and its
+    byte-level BPE tokenizer, all but the block count, as llama.cpp's converter writes them:
+    transformers (and so neuronpy's GGUF loader) reads the file as a whole model, which
+    `neuronpy serve` serves alone."""
+    if config is None:
+        config = transformers.AutoConfig.from_pretrained(tokenizer_dir)
     tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    writer.add_name(tokenizer_dir.name)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -246,7 +253,7 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config.num_hidden_layers)
     if tokenizer_dir is not None:
-        _add_metadata(writer, config, tokenizer_dir)
+        add_fixture_metadata(writer, tokenizer_dir, config)
     for name, tensor in hf_model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue

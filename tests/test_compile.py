@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,6 +28,11 @@ from neuronpy.compose import engine_from_hf
 from neuronpy.config import EngineConfig
 from neuronpy.engine.types import FinishReason, SamplingParams
 from tests.factories import FAMILIES, fixture_dir, hf_model, tokenizer
+from tests.gguf_files import write_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+# where a start would find caches other than its HOME's (the test's two starts share a HOME)
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "NEURONPY_CACHE_DIR", "XDG_CACHE_HOME")
 
 PROMPTS = ([5, 17, 42, 99, 3, 250, 71], [12, 8], [300, 1, 44, 44, 19, 7, 65, 80, 91, 2, 33], [60])
 
@@ -138,3 +150,50 @@ def test_a_model_the_compiler_cannot_take_serves_eagerly(
             return (await engine.complete(tokenizer().encode("Hello"), params)).finish_reason
 
     assert anyio.run(serve) is FinishReason.LENGTH
+
+
+# what `neuronpy serve` logs once its layers are compiled (compose.compile_model)
+COMPILED = re.compile(
+    r"compiled its layers in [\d.]+ s \((\d+) graphs? from the cache, (\d+) compiled\)"
+)
+
+
+def start_compiled(model: Path, home: Path, log: Path, timeout: float = 600) -> tuple[int, int]:
+    """Starts `neuronpy serve` on `model` with `home` as its HOME (its caches under it), until
+    it has compiled its layers: (graphs from the cache, graphs compiled), from its log."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
+    env["HOME"] = str(home)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "neuronpy", "serve", "--model", str(model)]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [*command, "--port", str(port)], cwd=ROOT, env=env, stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + timeout
+        while (found := COMPILED.search(log.read_text(errors="replace"))) is None:
+            assert process.poll() is None, log.read_text(errors="replace")
+            assert time.monotonic() < deadline, "the layers were never compiled"
+            time.sleep(0.2)
+    finally:
+        process.kill()
+        process.wait()
+    return int(found[1]), int(found[2])
+
+
+def test_a_second_start_compiles_nothing(tmp_path: Path) -> None:
+    """A start with the compile cache the first start wrote takes every graph from it: nothing
+    traced or compiled again (the quantized layers of a GGUF file, as the default model's).
+    Two servers in fresh processes sharing one HOME, where their caches are."""
+    model = write_gguf(
+        tmp_path / "tiny-llama.gguf", hf_model(), "Q4_1", tokenizer_dir=fixture_dir()
+    )
+    home = tmp_path / "home"
+    home.mkdir()
+    first = start_compiled(model, home, tmp_path / "first.log")
+    assert first[1] >= 1, "the first start found a cache in a fresh HOME"
+    assert any((home / ".cache" / "neuronpy" / "inductor").iterdir())
+    from_cache, compiled = start_compiled(model, home, tmp_path / "second.log")
+    assert (from_cache, compiled) == (first[1], 0)

@@ -28,6 +28,7 @@ from neuronpy.loading import (
     load_pretrained,
     resolve_dtype,
 )
+from tests.gguf_files import add_fixture_metadata
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_LLAMA = FIXTURES / "tiny-llama"
@@ -51,34 +52,10 @@ def write_tiny_gguf(src: Path, out: Path) -> Path:
     """The tiny-llama fixture as a float32 GGUF file, written as llama.cpp's converter does
     (Q and K rows permuted for its RoPE layout; a byte-level BPE tokenizer with merges)."""
     cfg = json.loads((src / "config.json").read_text())
-    tok = json.loads((src / "tokenizer.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(out), "llama")
-    writer.add_name("tiny-llama")
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
+    add_fixture_metadata(writer, src)
     writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(cfg["head_dim"])
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    writer.add_vocab_size(cfg["vocab_size"])
-    tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
-    for added in tok["added_tokens"]:
-        tokens[added["id"]] = added["content"]
-    special = {added["id"] for added in tok["added_tokens"] if added["special"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
-    writer.add_token_merges(
-        [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    )
-    writer.add_eos_token_id(cfg["eos_token_id"])
-    writer.add_pad_token_id(cfg["pad_token_id"])
-    writer.add_chat_template((src / "chat_template.jinja").read_text())
 
     def permute(w: np.ndarray, n: int) -> np.ndarray:
         return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

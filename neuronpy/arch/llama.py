@@ -228,7 +228,12 @@ class LlamaModel:
         compiled = torch.compile(layers, dynamic=True, fullgraph=True, options=options)
         self._attention = NoAttention(2)
         try:
-            with torch.inference_mode():
+            # The config's floats (norm eps, RoPE and embedding scales) as constants: under
+            # dynamic=True dynamo makes each a symbolic input, and one the graph must fix
+            # (a branch on it, an op that takes a number) restarted the whole trace once AOT
+            # had traced it, so that every start, warm ones too, traced the layers twice and
+            # missed AOTAutograd's cache once (the first attempt's key never gets an entry)
+            with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode():
                 ids = torch.zeros(2, dtype=torch.long, device=self.device)
                 compiled(ids, torch.arange(2, device=self.device))  # traced and compiled here
         finally:
