@@ -32,6 +32,7 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+@torch.profiler.record_function("exact_attention")
 def step_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -72,6 +73,7 @@ def step_attention(
     return out.reshape(b, h, nq, d)
 
 
+@torch.profiler.record_function("exact_attention")
 def chunk_attention(
     q: torch.Tensor,
     k: torch.Tensor,

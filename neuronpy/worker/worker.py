@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -275,7 +276,7 @@ class DeviceWorker:
             source = self._snapshots.pop(sid)
             if columns is not None and columns < source.length:
                 whole = source.materialize() if isinstance(source, BatchRow) else source
-                source = _leading(whole, columns)
+                source = _prefix_of(whole, columns)
             # a row of the last batch is copied out once, compact, as materialize does
             cached = source.materialize() if isinstance(source, BatchRow) else _compact(source)
             self._cache[sid] = cached
@@ -444,17 +445,26 @@ class OpProfile:
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
         by_class = {"linear": 0.0, "attention": 0.0, "other ops": 0.0}
-        calls = 0
-        for event in profiler.key_averages():
-            by_class[op_class(event.key)] += event.self_cpu_time_total / 1e6
-            calls += event.count
-        return ProfileResult(seconds, max(0.0, busy), by_class, calls)
+        events = profiler.events()
+        for event in events:
+            by_class[op_class(event.name, _ancestors(event))] += event.self_cpu_time_total / 1e6
+        return ProfileResult(seconds, max(0.0, busy), by_class, len(events))
 
 
-def op_class(name: str) -> str:
+def _ancestors(event: Any) -> list[str]:
+    """The names of the ranges a profiled operation ran within, innermost first."""
+    names, parent = [], event.cpu_parent
+    while parent is not None:
+        names.append(parent.name)
+        parent = parent.cpu_parent
+    return names
+
+
+def op_class(name: str, within: Sequence[str] = ()) -> str:
     """linear (matrix products against weights), attention, or other ops (elementwise,
-    norms, copies, indexing), by a profiled operation's name."""
-    if "scaled_dot_product" in name or "attention" in name:
+    norms, copies, indexing), by a profiled operation's name, or the ranges it ran within
+    (arch/exact.py's attention is products and elementwise ops in an "attention" range)."""
+    if any("scaled_dot_product" in n or "attention" in n for n in (name, *within)):
         return "attention"
     op = name.rsplit("::", 1)[-1]
     if "linear" in op or op in ("addmm", "mm", "matmul", "bmm"):
@@ -470,15 +480,6 @@ def _prefix_of(snapshot: KvSnapshot, length: int) -> KvSnapshot:
         keys=[k[:, :, :length] for k in snapshot.keys],
         values=[v[:, :, :length] for v in snapshot.values],
         token_ids=list(snapshot.token_ids[:length]),
-    )
-
-
-def _leading(snapshot: KvSnapshot, columns: int) -> KvSnapshot:
-    """Views of the snapshot's first `columns` tokens (_compact copies them out)."""
-    return KvSnapshot(
-        keys=[k[:, :, :columns] for k in snapshot.keys],
-        values=[v[:, :, :columns] for v in snapshot.values],
-        token_ids=list(snapshot.token_ids[:columns]),
     )
 
 
