@@ -49,6 +49,23 @@ def test_step_attention_is_the_attention_and_ignores_gap_padding_and_other_rows(
         assert torch.equal(batched[2:3], alone), (gap, trail)
 
 
+@pytest.mark.parametrize("heads_per_kv", [1, 3, 4, 8])
+def test_a_verify_steps_tokens_each_get_what_a_decode_step_gives_them(heads_per_kv: int) -> None:
+    """Four tokens of a row in one step (its next token and three drafts, each seeing the
+    columns up to its own) == each token alone in a step of its own, bitwise."""
+    torch.manual_seed(heads_per_kv)
+    kv_heads, length, t = 2, 90, 4
+    k, v = torch.randn(3, kv_heads, length, D), torch.randn(3, kv_heads, length, D)
+    q = torch.randn(3, kv_heads, heads_per_kv, t, D)  # head-major, as group_queries lays out
+    sees = torch.arange(length)[None, :] <= torch.arange(length - t, length)[:, None]  # [T, L]
+    mask = sees.repeat(heads_per_kv, 1)[None, None]  # [1, 1, G * T, L]
+    flat = q.reshape(3, kv_heads, heads_per_kv * t, D)
+    verify = step_attention(flat, k, v, mask, SCALE, tokens=t).reshape(q.shape)
+    for i in range(t):
+        alone = step_attention(q[:, :, :, i], k, v, sees[i][None, None, None], SCALE)
+        assert torch.equal(verify[:, :, :, i], alone), i
+
+
 @pytest.mark.parametrize("heads_per_kv", [1, 3, 4, 7])
 @pytest.mark.parametrize("length", [9, 70, 300])
 def test_chunk_attention_gives_a_query_the_same_output_however_the_prompt_is_cut(

@@ -6,10 +6,10 @@ PyTorch's fused attention (SDPA) changes a row's output in its last bits with th
 length, the gap and the query count, and with the int4 kernels' bf16 inputs one such bit turns
 into a different token now and then. Measured here (torch 2.13, MKL), the pieces below are
 exact, and `tests/test_exact_attention.py` holds each one to it:
-- a product over at most NARROW columns (keys as rows, queries as columns; MIN_KEYS keys or
-  more) sums along the keys in order, one key after another, so masked keys (zero weights)
-  anywhere add exact zeros; its result per column does not depend on the number of columns
-  (1, 2 or 3) or of batch entries;
+- scores with the keys as rows (MIN_KEYS or more) and a token's query heads as columns: each
+  the same wherever its key lies and whatever else the batch holds;
+- weights by values with at most NARROW query rows sum along the keys in order, one key after
+  another, so masked keys (zero weights) anywhere add exact zeros, whatever the batch holds;
 - a product with MIN_ROWS query rows or more gives each row what it gives that row among any
   others; one of fixed shape (KEY_BLOCK keys) is the same whatever else is computed beside it;
 - `amax` is exact in any order; `exp` gives each element the same value wherever it lies;
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-NARROW = 3  # query columns per product in step_attention (wider ones block the keys: not exact)
+NARROW = 3  # query rows per weights-by-values product in step_attention (more: not exact)
 MIN_ROWS = 4  # query rows a chunk_attention product needs for rows independent of their count
 KEY_BLOCK = 64  # keys per product in chunk_attention: every product the same shape
 MIN_KEYS = 8  # keys a step_attention product needs (2 to 6 keys take another kernel)
@@ -40,11 +40,14 @@ def step_attention(
     mask: torch.Tensor | None,
     scale: float,
     cap: float | None = None,
+    tokens: int = 1,
 ) -> torch.Tensor:
-    """A decode or verify step's attention: q [B, KVH, Q, D], k and v [B, KVH, L, D] (views
-    of the live batch's buffers, gap included), mask broadcasting to [B, KVH, Q, L] (True =
-    attend; None: every key) -> [B, KVH, Q, D]. Each query's output is what it would be with
-    its row alone in the batch, whatever the gap, the padded length or the other rows."""
+    """A decode or verify step's attention: q [B, KVH, G * T, D] (`tokens` T per row, each
+    with its G query heads, head-major as LlamaModel.group_queries lays them), k and v
+    [B, KVH, L, D] (views of the live batch's buffers, gap included), mask broadcasting to
+    [B, KVH, G * T, L] (True = attend; None: every key) -> [B, KVH, G * T, D]. Each query's
+    output is what it would be with its row alone in the batch and its token alone in the
+    step, whatever the gap, the padded length or the other rows."""
     b, h, nq, d = q.shape
     if k.shape[2] < MIN_KEYS:  # a prompt of a few tokens: masked zero keys up to MIN_KEYS
         pad = MIN_KEYS - k.shape[2]
@@ -52,24 +55,28 @@ def step_attention(
             mask = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=k.device)
         mask = F.pad(mask, (0, pad), value=False)
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
-    n, length = b * h, k.shape[2]
-    keys = k.reshape(n, length, d)  # [n, L, D]: a view (B and KVH merge)
-    values_t = v.reshape(n, length, d).transpose(1, 2)  # [n, D, L]
-    queries = (q * scale).reshape(n, nq, d)
-    masks = None if mask is None else mask.expand(b, h, nq, length).reshape(n, nq, length)
+    n, length, g = b * h, k.shape[2], nq // tokens
+    keys = k.reshape(n, length, d)  # [n, L, D]: views (B and KVH merge)
+    values = v.reshape(n, length, d)
+    queries = (q * scale).reshape(n, g, tokens, d)
+    masks = None
+    if mask is not None:
+        masks = mask.expand(b, h, nq, length).reshape(n, g, tokens, length)
     outs = []
-    for lo in range(0, nq, NARROW):
-        hi = min(lo + NARROW, nq)
-        columns = queries[:, lo:hi].transpose(1, 2).contiguous()  # [n, D, c]: one layout for any c
-        scores = torch.bmm(keys, columns)  # [n, L, c]
+    for t in range(tokens):
+        # [n, L, G]: keys as rows, one token's query heads as the columns (a transposed view)
+        scores = torch.bmm(keys, queries[:, :, t].transpose(1, 2))
         if cap is not None:
             scores = soft_cap(scores, cap)
         if masks is not None:
-            scores = scores.masked_fill(~masks[:, lo:hi].transpose(1, 2), float("-inf"))
-        weights = torch.exp(scores - scores.amax(1, keepdim=True))  # [n, L, c]
-        total = weights.cumsum(1)[:, -1:]  # [n, 1, c]: in key order
-        outs.append((torch.bmm(values_t, weights) / total).transpose(1, 2))  # [n, c, D]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            scores = scores.masked_fill(~masks[:, :, t].transpose(1, 2), float("-inf"))
+        weights = torch.exp(scores - scores.amax(1, keepdim=True))  # [n, L, G]
+        total = weights.cumsum(1)[:, -1]  # [n, G]: in key order
+        rows = weights.transpose(1, 2)  # [n, G, L]
+        parts = [torch.bmm(rows[:, lo : lo + NARROW], values) for lo in range(0, g, NARROW)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [n, G, D]
+        outs.append(out / total[..., None])
+    out = outs[0] if tokens == 1 else torch.stack(outs, dim=2)  # [n, G, T, D]
     return out.reshape(b, h, nq, d)
 
 

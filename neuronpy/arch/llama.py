@@ -399,7 +399,8 @@ class LlamaModel:
             if form == "chunk":
                 assert mask is not None  # a chunk's queries are causal
                 return chunk_attention(q, k, v, mask, scale, c.attn_softcap)
-            return step_attention(q, k, v, mask, scale, c.attn_softcap)
+            tokens = q.shape[2] // c.group_size
+            return step_attention(q, k, v, mask, scale, c.attn_softcap, tokens)
         if c.attn_softcap is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.attn_scale)
         scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, c.attn_softcap)
