@@ -94,7 +94,13 @@ def run_server(
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    # idle connections kept 2 minutes (uvicorn's default is 5 s): a module's client reuses its
+    # pooled connections between tests, and one the server closed just as the client sent on
+    # it is "Server disconnected without sending a response", a race of the test, not the app
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=120
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     running = RunningServer(f"http://127.0.0.1:{port}", app.state.neuron)
