@@ -102,7 +102,7 @@ def chunk_attention(
     keys = F.pad(k, (0, 0, 0, pad_keys)).reshape(b, h, blocks, KEY_BLOCK, d)
     values = F.pad(v, (0, 0, 0, pad_keys)).reshape(b, h, blocks, KEY_BLOCK, d)
     mask = mask.expand(b, h, nq, length)
-    # padding rows see key 0 (a row that sees nothing would be NaN); padding keys are masked
+    # padding rows see every key (a row that saw none would be NaN); padding keys none
     mask = F.pad(F.pad(mask, (0, 0, 0, pad_rows), value=True), (0, pad_keys), value=False)
     mask = mask.reshape(b, h, rows, blocks, KEY_BLOCK).transpose(2, 3)  # [B, KVH, nb, rows, KB]
     scores = torch.matmul(queries[:, :, None], keys.transpose(-1, -2))  # [B, KVH, nb, rows, KB]

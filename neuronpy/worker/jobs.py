@@ -163,10 +163,10 @@ class DropResult:
 class CacheKvSnapshots:
     """Move stored snapshots (rows extracted from the live batch included) into the prefix
     cache, compact, under the same ids: they leave the store of running snapshots. `keep`:
-    per snapshot, its leading columns to keep (None: all), the rest dropped."""
+    per snapshot, the leading columns the cache takes (its prompt's), the rest dropped."""
 
     snapshot_ids: tuple[int, ...]
-    keep: tuple[int | None, ...] | None = None
+    keep: tuple[int, ...]
 
 
 @dataclass(frozen=True)

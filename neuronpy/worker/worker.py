@@ -271,10 +271,9 @@ class DeviceWorker:
     def _cache_snapshots(self, job: CacheKvSnapshots) -> CacheResult:
         self._require(job.snapshot_ids)
         nbytes, lengths = [], []
-        keep = job.keep or (None,) * len(job.snapshot_ids)
-        for sid, columns in zip(job.snapshot_ids, keep, strict=True):
+        for sid, columns in zip(job.snapshot_ids, job.keep, strict=True):
             source = self._snapshots.pop(sid)
-            if columns is not None and columns < source.length:
+            if columns < source.length:
                 whole = source.materialize() if isinstance(source, BatchRow) else source
                 source = _prefix_of(whole, columns)
             # a row of the last batch is copied out once, compact, as materialize does
