@@ -2,18 +2,23 @@
 (SequenceAttention), the rows of a lockstep group one column each (UniformStep) or rows that
 lag, each its own count (RaggedStep), a decode step with chunks riding it (StepAttention),
 whole sequences packed one after another that keep no KV (PackedAttention: embeddings);
-and the snapshot a chunk's K/V make (snapshot_of)."""
+and the snapshot a chunk's K/V make (snapshot_of).
+
+The same objects run the layers whose state is fixed-size (`mix`, arch/mixer.py) over the
+same spans of the forward's tokens: a group's rows step their own states, a chunk advances its
+sequence's. The caches are indexed by a layer's place among the attention layers
+(`model.kv_index`), the states by its place among the others (`model.state_index`)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from neuronpy.arch.kv import KvGroup, KvSnapshot
+from neuronpy.arch.kv import KvGroup, KvSnapshot, States
 
 if TYPE_CHECKING:
     from neuronpy.arch.llama import LlamaModel
@@ -30,6 +35,11 @@ class Attention(Protocol):
         """q [N, H, D], k and v [N, KVH, D] (this layer's, every token's) -> [N, H * D]."""
         ...
 
+    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """A fixed-size-state layer over every token: x [N, hidden] (input-normed) ->
+        [N, hidden], each span's states advanced in place."""
+        ...
+
 
 @dataclass(frozen=True)
 class PrefillChunk:
@@ -41,6 +51,7 @@ class PrefillChunk:
     past: KvSnapshot | None = None
     reserve: int = 0
     extend: bool = False
+    capture: int | None = None  # keep the fixed-size states after this many tokens too
 
 
 @dataclass(frozen=True)
@@ -55,18 +66,26 @@ def snapshot_of(
     values: list[torch.Tensor],
     past: KvSnapshot | None,
     new: list[int],
+    states: list[States] | None = None,
+    checkpoint: tuple[int, list[States]] | None = None,
 ) -> KvSnapshot:
-    """The snapshot of past's tokens then `new`, over buffers that may hold more columns."""
+    """The snapshot of past's tokens then `new`, over buffers that may hold more columns, with
+    the fixed-size states after them (and at `checkpoint`, when taken)."""
     token_ids = (list(past.token_ids) if past is not None else []) + new
     total = len(token_ids)
+    states = states or []
     if keys[0].shape[2] == total:
-        return KvSnapshot(keys=keys, values=values, token_ids=token_ids)
+        return KvSnapshot(
+            keys=keys, values=values, token_ids=token_ids, states=states, checkpoint=checkpoint
+        )
     # room left: views of the first `total` columns, the buffers kept beside them
     return KvSnapshot(
         keys=[k[:, :, :total] for k in keys],
         values=[v[:, :, :total] for v in values],
         token_ids=token_ids,
         buffers=(keys, values),
+        states=states,
+        checkpoint=checkpoint,
     )
 
 
@@ -113,7 +132,8 @@ class UniformStep:
         group, lo = self.group, self.first
         hi = lo + group.batch_size
         c = model.config
-        k_cache, v_cache, col = group.keys[layer], group.values[layer], group.used
+        slot = model.kv_index[layer]
+        k_cache, v_cache, col = group.keys[slot], group.values[slot], group.used
         k_cache[:, :, col] = k[lo:hi]
         v_cache[:, :, col] = v[lo:hi]
         q_g = q[lo:hi].reshape(hi - lo, c.num_kv_heads, c.group_size, c.head_dim)
@@ -121,6 +141,12 @@ class UniformStep:
             layer, q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], self.mask, self.banded
         )  # [B_g, KVH, G, D]: one query per row and head
         return out.reshape(hi - lo, c.num_heads * c.head_dim)
+
+    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """This group's rows, one token each, through their own states: [B_g, hidden]."""
+        lo = self.first
+        state = self.group.states[model.state_index[layer]]
+        return model.mixer(layer).step(x[lo : lo + self.group.batch_size], state)
 
 
 @dataclass(frozen=True)
@@ -199,7 +225,8 @@ class RaggedStep:
             q_t, k_t, v_t = (x[lo : lo + b * t].unflatten(0, (b, t)) for x in (q, k, v))
         else:
             q_t, k_t, v_t = (x[self.take] for x in (q, k, v))  # [B_g, T, heads, D]
-        k_cache, v_cache = self.group.keys[layer], self.group.values[layer]
+        slot = model.kv_index[layer]
+        k_cache, v_cache = self.group.keys[slot], self.group.values[slot]
         k_cache[self.rows, :, self.cols] = k_t
         v_cache[self.rows, :, self.cols] = v_t
         out = model.sdpa(
@@ -213,6 +240,11 @@ class RaggedStep:
         out = model.ungroup(out, t)  # [B_g * T, H * D]
         return out if even else out[self.keep]
 
+    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(
+            "a verify step (speculative decoding) over fixed-size-state layers"
+        )
+
 
 @dataclass(frozen=True)
 class SequenceAttention:
@@ -225,16 +257,36 @@ class SequenceAttention:
     total: int
     mask: torch.Tensor  # [G * T, total] (see LlamaModel._causal_mask)
     banded: torch.Tensor | None = None  # the sliding-window layers' mask, as `mask`
+    # per fixed-size-state layer: the sequence's states, [1, ...] each, advanced in place
+    states: list[States] = field(default_factory=list)
+    # (a token count in (start, total), the states after it per layer, filled as layers run)
+    capture: tuple[int, list[States]] | None = None
 
     @property
     def tokens(self) -> int:
         return self.total - self.start
 
+    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden], the sequence's states advanced past the chunk (and
+        copied at `capture` on the way: a call cut at a STATE_BLOCK multiple gives the same
+        bits as one call)."""
+        mixer = model.mixer(layer)
+        state = self.states[model.state_index[layer]]
+        if self.capture is None:
+            return mixer.prefill(x, state, self.start)
+        at, kept = self.capture
+        cut = at - self.start
+        head = mixer.prefill(x[:cut], state, self.start)
+        kept.append(tuple(t.clone() for t in state))
+        tail = mixer.prefill(x[cut:], state, at)
+        return torch.cat((head, tail))
+
     def attend(
         self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
-        k_cache, v_cache = self.keys[layer], self.values[layer]
+        slot = model.kv_index[layer]
+        k_cache, v_cache = self.keys[slot], self.values[slot]
         k_cache[0, :, self.start : self.total] = k.transpose(0, 1)
         v_cache[0, :, self.start : self.total] = v.transpose(0, 1)
         out = model.sdpa(
@@ -260,6 +312,9 @@ class NoAttention:
     ) -> torch.Tensor:
         return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
 
+    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
 
 @dataclass(frozen=True)
 class StepAttention:
@@ -280,6 +335,15 @@ class StepAttention:
         for rider in self.riders:
             hi = at + rider.tokens
             outs.append(rider.attend(model, layer, q[at:hi], k[at:hi], v[at:hi]))
+            at = hi
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+        outs = [s.mix(model, layer, x) for s in self.steps]
+        at = sum(s.tokens for s in self.steps)
+        for rider in self.riders:
+            hi = at + rider.tokens
+            outs.append(rider.mix(model, layer, x[at:hi]))
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -312,6 +376,16 @@ class PackedAttention:
             out = model.sdpa(layer, qs, ks, vs, mask, banded, form="packed")
             outs.append(model.ungroup(out, length))
             at = hi
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Each sequence from a zero state, one after another."""
+        outs, at = [], 0
+        for length, n in self.runs:
+            for _ in range(n):
+                state = model.zero_states(layer)
+                outs.append(model.mixer(layer).prefill(x[at : at + length], state, 0))
+                at += length
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

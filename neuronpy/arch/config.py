@@ -80,6 +80,10 @@ class ArchConfig:
     sliding_layers: tuple[bool, ...] = ()
     moe: MoeConfig | None = None  # mixture-of-experts families (arch/moe.py); None when dense
     qk_norm_full: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
+    attn_gate: bool = False  # Qwen3-Next: a sigmoid gate per head and dim on attention's output
+    # per layer: "attention", or the fixed-size-state mixer it has instead (arch/mixer.py:
+    # "gdn", "mamba2", "conv"); empty: every layer attends
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -5,6 +5,12 @@ matters: only the mask does. Padding columns and headroom hold zeros until writt
 step's queries attend over columns up to its longest row's, and a masked column must hold finite
 values (a NaN left in memory would reach the output through its zero attention weight).
 The live batch is one or more groups; within a group every row has exactly one padding gap.
+
+Layers whose state is fixed-size (arch/mixer.py: Gated DeltaNet, Mamba2, short convolutions)
+keep it beside the KV, per layer a few tensors with the row as dim 0 (`states`): concatenated
+when rows are assembled, sliced whole (copied) when one is extracted, with nothing to pad and
+nothing to mask. `keys` and `values` then hold the attention layers only, in order. A state is
+a sequence's after its last token: it cannot be cut to a shorter prefix as KV can.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+# one fixed-size-state layer's tensors for some rows: [rows, ...] each
+States = tuple[torch.Tensor, ...]
 
 # Decode columns allocated ahead of need, so a step writes in place instead of growing the cache.
 DEFAULT_HEADROOM = 64
@@ -35,6 +44,11 @@ class KvSnapshot:
     # The whole per-layer K and V buffers when `keys` and `values` are views of their first P
     # columns: room reserved for a prompt prefilled chunk by chunk to grow into, in place.
     buffers: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(default=None, repr=False)
+    # per fixed-size-state layer (arch/mixer.py): its state after the last token, [1, ...] each
+    states: list[States] = field(default_factory=list, repr=False)
+    # the states after an earlier token count (a STATE_BLOCK boundary, for the prefix cache):
+    # (that count, per layer its states), taken by a prefill asked to (`capture`)
+    checkpoint: tuple[int, list[States]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.keys and self.keys[0].shape[2] != len(self.token_ids):
@@ -52,6 +66,10 @@ class KvSnapshot:
         return len(self.keys)
 
     @property
+    def num_states(self) -> int:
+        return len(self.states)
+
+    @property
     def capacity(self) -> int:
         """Columns it can hold without a new buffer (its length unless it has `buffers`)."""
         return self.buffers[0][0].shape[2] if self.buffers else self.length
@@ -59,11 +77,17 @@ class KvSnapshot:
     @property
     def nbytes(self) -> int:
         keys, values = self.buffers or (self.keys, self.values)
-        return sum(t.numel() * t.element_size() for t in (*keys, *values))
+        return sum(t.numel() * t.element_size() for t in (*keys, *values)) + states_nbytes(
+            self.states
+        )
 
     def layer(self, kind: Literal["keys", "values"], layer: int) -> torch.Tensor:
         """One layer's K or V as [KVH, columns, D]; its columns are `spans()`."""
         return getattr(self, kind)[layer][0]
+
+    def row_states(self, layer: int) -> States:
+        """Fixed-size-state layer `layer`'s state tensors, [1, ...] each."""
+        return self.states[layer]
 
     def spans(self) -> tuple[tuple[int, int], ...]:
         """The column ranges of `layer()` that hold this sequence, in order."""
@@ -88,6 +112,8 @@ class KvGroup:
     # per row: how many of the last `steps` decode columns are not its own (drafts a verify
     # step rejected, dropped by `trim`); None: every row holds all `steps`
     lags: list[int] | None = None
+    # per fixed-size-state layer: its state tensors, [B_g, ...] each (see the module's docstring)
+    states: list[States] = field(default_factory=list)
     _prefix_lens_t: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -195,6 +221,7 @@ class KvGroup:
             prefix_lens=[self.prefix_lens[r] for r in rows],
             padded_len=self.padded_len,
             steps=self.steps,
+            states=[tuple(t.index_select(0, index) for t in st) for st in self.states],
         )
         if self.lags is not None:
             group._set_steps([self.row_steps[r] for r in rows])
@@ -227,10 +254,16 @@ class BatchRow:
             t.shape[1] * t.shape[3] * t.element_size()
             for t in (*self.group.keys, *self.group.values)
         )
-        return per_column * self.length
+        return per_column * self.length + states_nbytes(self.group.states) // max(
+            1, self.group.batch_size
+        )
 
     def layer(self, kind: Literal["keys", "values"], layer: int) -> torch.Tensor:
         return getattr(self.group, kind)[layer][self.row]
+
+    def row_states(self, layer: int) -> States:
+        """Its state tensors in fixed-size-state layer `layer`, [1, ...] each (views)."""
+        return tuple(t[self.row : self.row + 1] for t in self.group.states[layer])
 
     def spans(self) -> tuple[tuple[int, int], ...]:
         return self.group.spans(self.row)
@@ -248,7 +281,12 @@ class BatchRow:
             keys=[take(k) for k in self.group.keys],
             values=[take(v) for v in self.group.values],
             token_ids=list(self.token_ids),
+            states=[tuple(t.clone() for t in self.row_states(i)) for i in range(self.num_states)],
         )
+
+    @property
+    def num_states(self) -> int:
+        return len(self.group.states)
 
 
 KvSource = KvSnapshot | BatchRow
@@ -361,6 +399,8 @@ def _group_of(run: Sequence[KvSource], headroom: int) -> KvGroup:
             values=list(values),
             prefix_lens=[first.length],
             padded_len=first.length,
+            # the batch advances its states in place: a copy, the snapshot's own stay as they are
+            states=[tuple(t.clone() for t in st) for st in first.states],
         )
     if not isinstance(first, BatchRow):
         return _assemble_group(run, headroom)
@@ -402,7 +442,18 @@ def _assemble_group(sources: Sequence[KvSource], headroom: int) -> KvGroup:
                     out[b, :, at:padded_len].zero_()
             out[:, :, padded_len:].zero_()
             dst.append(out)
-    return KvGroup(keys=keys, values=values, prefix_lens=prefix_lens, padded_len=padded_len)
+    states = [
+        tuple(torch.cat(parts) for parts in zip(*(s.row_states(i) for s in sources), strict=True))
+        for i in range(sources[0].num_states)
+    ]
+    return KvGroup(
+        keys=keys, values=values, prefix_lens=prefix_lens, padded_len=padded_len, states=states
+    )
+
+
+def states_nbytes(states: Sequence[States]) -> int:
+    """The bytes of fixed-size-state layers' tensors."""
+    return sum(t.numel() * t.element_size() for st in states for t in st)
 
 
 def batch_decode_mask(

@@ -31,8 +31,9 @@ from neuronpy.arch.attention import (
 )
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.exact import chunk_attention, soft_cap, step_attention
-from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch
+from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch, States
 from neuronpy.arch.linear import Linear
+from neuronpy.arch.mixer import STATE_BLOCK, Mixer
 from neuronpy.arch.moe import MoeBlock
 from neuronpy.arch.quant import QuantEmbedding
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
@@ -97,6 +98,43 @@ class LlamaModel:
         self._attention: Attention | None = None  # the running forward's (see _run)
         self._handle: torch.Tensor | None = None  # what the compiled graph names it by
         self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # each layer's place among the attention layers (their KV in a snapshot's keys and
+        # values) and among the fixed-size-state ones (their states); -1 where it is not one
+        self.kv_index: list[int] = []
+        self.state_index: list[int] = []
+        kv = state = 0
+        for lw in layers:
+            self.kv_index.append(-1 if lw.mixer is not None else kv)
+            self.state_index.append(state if lw.mixer is not None else -1)
+            kv, state = kv + (lw.mixer is None), state + (lw.mixer is not None)
+        self.num_kv_layers, self.num_state_layers = kv, state
+
+    @property
+    def has_states(self) -> bool:
+        """Whether some layer keeps a fixed-size state (arch/mixer.py) besides the KV."""
+        return self.num_state_layers > 0
+
+    def mixer(self, layer: int) -> Mixer:
+        """Layer `layer`'s fixed-size-state mixer."""
+        mixer = self.layers[layer].mixer
+        assert mixer is not None, f"layer {layer} is an attention layer"
+        return mixer
+
+    def zero_states(self, layer: int, rows: int = 1) -> States:
+        """A state before any token of mixer layer `layer`, for `rows` rows."""
+        return tuple(
+            torch.zeros(rows, *spec.shape, dtype=spec.dtype, device=self.device)
+            for spec in self.mixer(layer).state_specs()
+        )
+
+    def state_bytes(self) -> int:
+        """The bytes of one sequence's fixed-size states, all layers (0: attention only)."""
+        return sum(
+            torch.Size(spec.shape).numel() * spec.dtype.itemsize
+            for lw in self.layers
+            if lw.mixer is not None
+            for spec in lw.mixer.state_specs()
+        )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):
@@ -122,7 +160,8 @@ class LlamaModel:
     def _linears(self) -> list[Any]:
         dense = [(lw.qkv, lw.o_proj, lw.gate_up, lw.down) for lw in self.layers]
         experts = [lw.moe.linears() for lw in self.layers if lw.moe is not None]
-        return [lin for lins in dense + experts for lin in lins if lin is not None]
+        mixers = [lw.mixer.linears() for lw in self.layers if lw.mixer is not None]
+        return [lin for lins in dense + experts + mixers for lin in lins if lin is not None]
 
     def weight_bytes(self) -> int:
         """The bytes its weights take (the embedding, projections, norms)."""
@@ -248,6 +287,16 @@ class LlamaModel:
     def _projections(self) -> list[AnyLinear]:
         return [p for lw in self.layers for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
 
+    def mix_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The running forward's fixed-size-state layer `layer` over x (arch/ops)."""
+        attention = self._attention
+        assert attention is not None
+        n = attention.tokens
+        out = attention.mix(self, layer, x[:n])
+        if x.shape[0] > n:
+            out = torch.cat((out, out.new_zeros(x.shape[0] - n, out.shape[1])))
+        return out
+
     def moe_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s mixture-of-experts block over x (arch/ops)."""
         block = self.layers[layer].moe
@@ -273,11 +322,27 @@ class LlamaModel:
         tables = [rope_cos_sin(f, scale, positions, self.dtype) for f, scale in self.ropes]
         x = self._embed(ids)  # [N, hidden]
         for layer, lw in enumerate(self.layers):
-            rope = c.rope_of(layer)
-            cos_sin = None if rope is None else tables[rope]
-            q, k, v = self._qkv(layer, lw, x, cos_sin)  # q [N, H, D]; k, v [N, KVH, D]
-            x = self._finish_layer(layer, lw, x, self._attend(layer, q, k, v))
+            if lw.mixer is not None:  # a fixed-size-state layer: its own projections
+                out = self._mix(layer, rms_norm(x, lw.input_norm, c.rms_norm_eps))
+            else:
+                rope = c.rope_of(layer)
+                cos_sin = None if rope is None else tables[rope]
+                q, k, v, gate = self._qkv(layer, lw, x, cos_sin)  # q [N, H, D]; k, v [N, KVH, D]
+                attn = self._attend(layer, q, k, v)
+                if gate is not None:  # Qwen3-Next's output gate, per head and dim
+                    attn = attn * torch.sigmoid(gate)
+                out = self._linear(layer, 1, lw.o_proj, attn)
+            x = self._finish_layer(layer, lw, x, out)
         return rms_norm(x, self.norm, c.rms_norm_eps)
+
+    def _mix(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """This forward's fixed-size-state layer `layer`: [N, hidden] (an opaque operator in a
+        compiled graph: its states live outside it, as the KV does)."""
+        if torch.compiler.is_compiling():
+            assert self._handle is not None
+            return ops.mix(x, self._handle, layer)
+        assert self._attention is not None
+        return self._attention.mix(self, layer, x)
 
     def _attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -310,12 +375,19 @@ class LlamaModel:
         lw: LayerWeights,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x: [N, hidden] -> q [N, H, D], k and v [N, KVH, D] (q and k after RoPE, when the
-        layer has one: `cos_sin`)."""
+        layer has one: `cos_sin`), and the output gate [N, H * D] where the family has one
+        (Qwen3-Next: each head's query rows followed by its gate rows)."""
         c = self.config
         n, d = x.shape[0], c.head_dim
         qkv = self._linear(layer, 0, lw.qkv, rms_norm(x, lw.input_norm, c.rms_norm_eps))
+        gate = None
+        if c.attn_gate:
+            qg, kv = qkv.split([2 * c.num_heads * d, 2 * c.num_kv_heads * d], dim=-1)
+            q, g = qg.view(n, c.num_heads, 2 * d).split([d, d], dim=-1)
+            gate = g.reshape(n, c.num_heads * d)
+            qkv = torch.cat((q.reshape(n, c.num_heads * d), kv), dim=-1)
         if cos_sin is not None and lw.q_norm is None and lw.k_norm is None:
             # RoPE over the query and key heads at once: half the operations (same values)
             cos, sin = cos_sin
@@ -323,7 +395,7 @@ class LlamaModel:
             qk, v = qkv.split([heads * d, c.num_kv_heads * d], dim=-1)
             qk = apply_rope(qk.view(n, heads, d), cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            return q, k, v.view(n, c.num_kv_heads, d)
+            return q, k, v.view(n, c.num_kv_heads, d), gate
         q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
         if c.qk_norm_full and lw.q_norm is not None and lw.k_norm is not None:
             # OLMoE: RMSNorm over the whole projection, before the split into heads
@@ -336,16 +408,16 @@ class LlamaModel:
             q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
             k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
         if cos_sin is None:  # a layer without RoPE (SmolLM3)
-            return q, k, v
+            return q, k, v, gate
         cos, sin = cos_sin
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
 
     def _finish_layer(
-        self, layer: int, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor
+        self, layer: int, lw: LayerWeights, x: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
-        """Output projection, residual, MLP, residual. x: [N, hidden]; attn: [N, H * D]."""
+        """Residual, MLP, residual. x: [N, hidden]; out: [N, hidden], the attention's (after
+        its output projection) or the mixer's."""
         c = self.config
-        out = self._linear(layer, 1, lw.o_proj, attn)
         if self.reduce is not None:
             out = self.reduce(out)
         x = self._residual(x, out, lw.attn_out_norm)
@@ -442,15 +514,25 @@ class LlamaModel:
         return causal.repeat(self.config.group_size, 1)
 
     def _sequence_attention(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, total: int
+        self,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        start: int,
+        total: int,
+        states: list[States] | None = None,
+        capture: int | None = None,
     ) -> SequenceAttention:
         """A sequence's tokens at columns [start, total) of its own buffers (see
-        SequenceAttention), with the banded mask of the sliding layers when there are any."""
+        SequenceAttention), with the banded mask of the sliding layers when there are any, its
+        fixed-size `states`, and their copy after `capture` tokens when that lies within."""
         positions = torch.arange(start, total, device=self.device)
         window = self.config.sliding_window if self.config.windowed else None
         banded = None if window is None else self._causal_mask(positions, total, window)
         mask = self._causal_mask(positions, total)
-        return SequenceAttention(keys, values, start, total, mask, banded)
+        kept = None
+        if capture is not None and start < capture < total and self.has_states:
+            kept = (capture, [])
+        return SequenceAttention(keys, values, start, total, mask, banded, states or [], kept)
 
     def ungroup(self, out: torch.Tensor, t: int) -> torch.Tensor:
         """[B, KVH, G * T, D] -> [B * T, H * D]."""
@@ -470,6 +552,7 @@ class LlamaModel:
         *,
         reserve: int = 0,
         extend: bool = False,
+        capture: int | None = None,
     ) -> tuple[KvSnapshot, torch.Tensor]:
         """Runs one sequence's new tokens (after `past`, if given) in chunks of `chunk_size`.
 
@@ -477,6 +560,8 @@ class LlamaModel:
         tokens: [N, hidden]. `reserve`: allocate room for that many tokens in all, so that later
         calls with `extend` grow the snapshot in place. `extend`: `past` is consumed, and when
         its buffers have room the new columns are written into them rather than into a copy.
+        `capture`: a token count at which the fixed-size states are kept too (the snapshot's
+        `checkpoint`), for the prefix cache.
         """
         c = self.config
         new = list(token_ids)
@@ -488,14 +573,35 @@ class LlamaModel:
             raise ValueError(f"sequence of {total} tokens exceeds the context of {c.context_len}")
         dev = self.device
         keys, values = self._kv_buffers(past, total, reserve, extend)
+        states = self._state_buffers(past, extend)
+        if self.has_states and chunk_size % STATE_BLOCK:
+            raise ValueError(f"a prefill chunk must be a multiple of {STATE_BLOCK} tokens here")
         ids = torch.tensor(new, dtype=torch.long, device=dev)
         hidden_out = []
+        checkpoint = None
         for lo in range(0, len(new), chunk_size):
             hi = min(lo + chunk_size, len(new))
             a, b = start + lo, start + hi  # absolute columns of this chunk
-            chunk = self._sequence_attention(keys, values, a, b)
+            chunk = self._sequence_attention(keys, values, a, b, states, capture)
             hidden_out.append(self._run(ids[lo:hi], torch.arange(a, b, device=dev), chunk))
-        return snapshot_of(keys, values, past, new), torch.cat(hidden_out)
+            if chunk.capture is not None:
+                checkpoint = chunk.capture
+            elif capture == b and self.has_states:
+                checkpoint = (b, [tuple(t.clone() for t in st) for st in states])
+        return snapshot_of(keys, values, past, new, states, checkpoint), torch.cat(hidden_out)
+
+    def _state_buffers(self, past: KvSnapshot | None, extend: bool) -> list[States]:
+        """The fixed-size states a sequence's next tokens advance: past's own when `extend`
+        (it is consumed), a copy of them otherwise, or zeros from the start."""
+        if not self.has_states:
+            return []
+        if past is None:
+            return [self.zero_states(i) for i, lw in enumerate(self.layers) if lw.mixer]
+        if len(past.states) != self.num_state_layers:
+            raise ValueError("the snapshot holds no fixed-size states of this model's layers")
+        if extend:
+            return past.states
+        return [tuple(t.clone() for t in st) for st in past.states]
 
     def _kv_buffers(
         self, past: KvSnapshot | None, total: int, reserve: int, extend: bool
@@ -511,7 +617,7 @@ class LlamaModel:
             torch.empty(
                 1, c.num_kv_heads, capacity, c.head_dim, device=self.device, dtype=self.dtype
             )
-            for _ in range(c.num_layers)
+            for _ in range(self.num_kv_layers)
         ]
         values = [torch.empty_like(k) for k in keys]
         if capacity > total:  # room to grow into: zeroed, as a live batch's headroom is
@@ -519,7 +625,7 @@ class LlamaModel:
                 t[:, :, total:].zero_()
         if past is not None:
             start = past.length
-            for layer in range(c.num_layers):
+            for layer in range(self.num_kv_layers):
                 keys[layer][:, :, :start] = past.keys[layer]
                 values[layer][:, :, :start] = past.values[layer]
         return keys, values
@@ -642,9 +748,12 @@ class LlamaModel:
             if not new or total > c.context_len:
                 raise ValueError(f"a prefill chunk of {len(new)} tokens after {start} does not fit")
             keys, values = self._kv_buffers(chunk.past, total, chunk.reserve, chunk.extend)
+            states = self._state_buffers(chunk.past, chunk.extend)
             positions.append(torch.arange(start, total, device=self.device))
             ids.append(torch.tensor(new, dtype=torch.long, device=self.device))
-            riders.append(self._sequence_attention(keys, values, start, total))
+            riders.append(
+                self._sequence_attention(keys, values, start, total, states, chunk.capture)
+            )
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
         flat = torch.cat(ids) if len(ids) > 1 else ids[0]
         hidden = self._run(flat, rows, StepAttention(steps, riders))  # [N + n, hidden]
@@ -663,10 +772,25 @@ class LlamaModel:
             lasts.append(at - 1)
         last = hidden[torch.tensor(lasts, device=self.device)]  # [chunks, hidden]
         snapshots = tuple(
-            snapshot_of(r.keys, r.values, chunk.past, list(chunk.token_ids))
+            snapshot_of(
+                r.keys,
+                r.values,
+                chunk.past,
+                list(chunk.token_ids),
+                r.states,
+                r.capture if r.capture is not None else self._at_end(chunk, r),
+            )
             for chunk, r in zip(chunks, riders, strict=True)
         )
         return StepOutput(hidden[:n_dec], snapshots, tuple(last))
+
+    def _at_end(
+        self, chunk: PrefillChunk, rider: SequenceAttention
+    ) -> tuple[int, list[States]] | None:
+        """The checkpoint of a chunk asked to keep its states at its own end."""
+        if chunk.capture != rider.total or not self.has_states:
+            return None
+        return rider.total, [tuple(t.clone() for t in st) for st in rider.states]
 
     def _group_step(self, group: KvGroup, counts: Sequence[int], first: int) -> GroupStep:
         """What one step does in one group, whose rows' tokens start at `first` of the

@@ -11,6 +11,8 @@ same shape) and plain ints (which projection, which layer); each finds the model
 eager code. Everything between them (norms, RoPE, residuals, SiLU, the embedding) is the
 compiler's to fuse. A mixture-of-experts block (arch/moe.py) is one operator too: which
 experts run, over how many tokens each, depends on the routing, a shape no graph can fix.
+A layer whose state is fixed-size (arch/mixer.py) is one too: its states live outside the
+graph, per group and per chunk, as the KV does.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class Opaque(Protocol):
         """Layer `layer`'s mixture-of-experts block over x: [N, hidden]."""
         ...
 
+    def mix_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The running forward's fixed-size-state layer `layer` over x: [N, hidden]."""
+        ...
+
 
 _MODELS: dict[int, weakref.ref[Opaque]] = {}
 _KEYS = itertools.count()
@@ -62,6 +68,7 @@ _LIB = torch.library.Library("neuronpy", "DEF")
 _LIB.define("linear(Tensor x, Tensor model, int index, int out_features) -> Tensor")
 _LIB.define("attend(Tensor q, Tensor k, Tensor v, Tensor model, int layer) -> Tensor")
 _LIB.define("moe(Tensor x, Tensor model, int layer) -> Tensor")
+_LIB.define("mix(Tensor x, Tensor model, int layer) -> Tensor")
 
 
 def _linear(x: torch.Tensor, model: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -78,10 +85,15 @@ def _moe(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:
     return _model(model).moe_at(layer, x)
 
 
+def _mix(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:
+    return _model(model).mix_at(layer, x)
+
+
 # (a Library kernel costs about a third of what a torch.library.custom_op does per call)
 _LIB.impl("linear", _linear, "CompositeExplicitAutograd")
 _LIB.impl("attend", _attend, "CompositeExplicitAutograd")
 _LIB.impl("moe", _moe, "CompositeExplicitAutograd")
+_LIB.impl("mix", _mix, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("neuronpy::linear")
@@ -103,6 +115,11 @@ def _moe_shape(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor
     return torch.empty_like(x)
 
 
+@torch.library.register_fake("neuronpy::mix")
+def _mix_shape(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 def linear(x: torch.Tensor, model: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
     """In a compiled graph: the model's projection `index` over x ([..., out_features])."""
     return torch.ops.neuronpy.linear(x, model, index, out_features)
@@ -118,3 +135,9 @@ def attend(
 def moe(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:
     """In a compiled graph: the model's mixture-of-experts block in `layer` ([N, hidden])."""
     return torch.ops.neuronpy.moe(x, model, layer)
+
+
+def mix(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:
+    """In a compiled graph: the model's fixed-size-state layer `layer` ([N, hidden]), over the
+    running forward's states (arch/mixer.py)."""
+    return torch.ops.neuronpy.mix(x, model, layer)

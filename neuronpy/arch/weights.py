@@ -30,6 +30,7 @@ from neuronpy.arch.linear import (
     make_embedding,
     make_linear,
 )
+from neuronpy.arch.mixer import Mixer
 from neuronpy.arch.moe import MoeBlock, take_moe_block
 from neuronpy.arch.quant import AnyWeight, QuantEmbedding, cat_weights, dequantized
 from neuronpy.errors import NeuronError
@@ -42,10 +43,11 @@ class TensorParallelError(NeuronError, ValueError):
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: AnyLinear  # hidden -> (H + 2*KVH) * D: q, k and v fused into one weight read
+    # hidden -> (H + 2*KVH) * D: q, k and v fused into one weight read (None beside `mixer`)
+    qkv: AnyLinear | None
     q_norm: torch.Tensor | None  # Qwen3: [D]
     k_norm: torch.Tensor | None
-    o_proj: AnyLinear  # H * D -> hidden
+    o_proj: AnyLinear | None  # H * D -> hidden
     post_norm: torch.Tensor  # [hidden]
     gate_up: AnyLinear | None  # hidden -> 2 * inter: gate and up fused (None beside `moe`)
     down: AnyLinear | None  # inter -> hidden
@@ -53,6 +55,8 @@ class LayerWeights:
     # Gemma's sandwich norms: on the attention's output and the MLP's, before each residual
     attn_out_norm: torch.Tensor | None = None  # [hidden]
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
+    # a layer whose state is fixed-size (arch/mixer.py) in place of attention
+    mixer: Mixer | None = None
 
 
 @dataclass
