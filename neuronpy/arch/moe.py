@@ -1,16 +1,29 @@
-"""Mixture-of-experts MLP blocks (Qwen3-MoE, Mixtral, OLMoE): a router picks, per token, the
-top-k of E experts (each a SiLU-gated MLP of its own), and the token's output is their
-outputs weighted by the router's probabilities.
+"""Mixture-of-experts MLP blocks (Qwen3-MoE, Mixtral, OLMoE; the hybrid families' Qwen3-Next,
+Qwen3.5-MoE and Granite-4.0-H): a router picks, per token, the top-k of E experts (each a
+SiLU-gated MLP of its own), and the token's output is their outputs weighted by the router's
+probabilities, plus, where the family has one, a shared expert's output.
 
 The router computes as transformers does: its logits in the model's dtype (the router weight
-is kept as the checkpoint holds it, never quantized), the softmax over the E experts in
-float32, top-k, renormalized over the k where the family does (Mixtral always, Qwen3-MoE and
-OLMoE as `norm_topk_prob` says), and the k weights cast back to the model's dtype before they
-scale the experts' outputs (Qwen3-MoE, OLMoE; Mixtral scales in float32). In float32 models
-all of this is float32. (A router kept in float32 in a bfloat16 model was measured against
-transformers' bfloat16 forward of the tiny OLMoE fixture: its experts' choices part from the
-reference's on near-ties at bfloat16's resolution, and the logits with them, 1.7 off where the
-router in the model's dtype stays within 0.63; so the reference's arithmetic it is.)
+is kept as the checkpoint holds it, never quantized), then one of two orders:
+- softmax, then top-k (Qwen3-MoE, Mixtral, OLMoE, Qwen3-Next, Qwen3.5-MoE): the softmax over
+  the E experts in float32, top-k, renormalized over the k where the family does (Mixtral and
+  Qwen3.5-MoE always, Qwen3-MoE, OLMoE and Qwen3-Next as `norm_topk_prob` says);
+- top-k, then softmax (Granite): the top-k of the logits (upcast to float32), and the softmax
+  over those k alone, so the k weights always sum to one.
+The k weights are cast back to the model's dtype before they scale the experts' outputs
+(every family but Mixtral, which scales in float32). In float32 models all of this is
+float32. (A router kept in float32 in a bfloat16 model was measured against transformers'
+bfloat16 forward of the tiny OLMoE fixture: its experts' choices part from the reference's on
+near-ties at bfloat16's resolution, and the logits with them, 1.7 off where the router in the
+model's dtype stays within 0.63; so the reference's arithmetic it is.)
+
+A shared expert (Qwen3-Next, Qwen3.5-MoE: `mlp.shared_expert`; Granite: the layer's
+`shared_mlp`) is one more SiLU-gated MLP, of its own intermediate size, that every token runs
+through; its output is added to the routed experts' sum, scaled first by a per-token
+sigmoid(`shared_expert_gate`(x)) where the family has that gate (the Qwens; the gate, a
+[1, hidden] weight, is kept float as the router is). A Granite model of no routed experts
+(num_local_experts 0) has the shared MLP alone: its MoeConfig says 0 experts, and its block is
+the shared MLP, with no router to run.
 
 The experts run grouped: the step's N * k (token, expert) assignments are sorted by expert and
 counted, and each expert that some token chose runs once over all of its tokens (one gate/up
@@ -20,24 +33,26 @@ each token's contributions in ascending expert order as transformers adds them. 
 per-token Python loop: one per expert present in the step.
 
 Each expert's gate/up and down are linear layers of arch/linear.py (`make_linear`), so every
-`--quantize` mode applies to each expert as to a dense projection, and a float expert gets
-oneDNN's packed weight on the CPU. (A stacked [E, 2I, H] layout driven by one batched matmul
-would need every expert's tokens padded to the largest group, or a grouped-GEMM kernel plain
-PyTorch does not offer on the CPU; per-expert packed linears over exact slices do no wasted
-work and keep the quantized kinds.)
+`--quantize` mode applies to each expert (and the shared one) as to a dense projection, and a
+float expert gets oneDNN's packed weight on the CPU. (A stacked [E, 2I, H] layout driven by one
+batched matmul would need every expert's tokens padded to the largest group, or a grouped-GEMM
+kernel plain PyTorch does not offer on the CPU; per-expert packed linears over exact slices do
+no wasted work and keep the quantized kinds.)
 
 Tensor parallelism splits every expert as the dense MLP is split (arch/weights.py): rank r of
 N holds columns [r*I/N, (r+1)*I/N) of each expert's gate and up (column-parallel) and the same
-input columns of its down (row-parallel); the router is replicated, so every rank routes every
-token alike (the same full hidden state in, the same float32 arithmetic). Each rank's block
-output is then a partial sum of the full one (the routing weights scale it linearly), and the
+input columns of its down (row-parallel); the shared expert is split alike over its own
+intermediate size. The router and the shared expert's gate are replicated, so every rank
+routes every token alike (the same full hidden state in, the same float32 arithmetic) and
+scales its share of the shared expert by the same sigmoid. Each rank's block output is then a
+partial sum of the full one (the routing weights and the sigmoid scale it linearly), and the
 all-reduce that follows the MLP in LlamaModel._finish_layer completes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,38 +68,62 @@ MOE_MODEL_TYPES = {
     "mixtral": ("intermediate_size", True, False),
     "olmoe": ("intermediate_size", False, True),
 }
+# The hybrid families (linear-attention or Mamba layers beside attention) whose MoE blocks
+# moe_config reads and take_moe_block builds. They are not in MOE_MODEL_TYPES, which
+# arch/config.py serves whole: their token mixers are another module's.
+HYBRID_MOE_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "granitemoehybrid")
 
 
 @dataclass(frozen=True)
 class MoeConfig:
     """What a mixture-of-experts model's sparse MLP blocks need."""
 
-    num_experts: int
+    num_experts: int  # routed experts; 0: the block is its shared expert alone (Granite)
     top_k: int
     intermediate_size: int  # each expert's (this rank's share of it, in a shard's config)
     norm_topk_prob: bool  # renormalize the top-k probabilities to sum to one
     sparse_layers: tuple[int, ...]  # the layers whose MLP is a MoE block (the rest are dense)
     cast_weights: bool = True  # routing weights cast to the model's dtype before they scale
+    shared_intermediate_size: int = 0  # the shared expert's (this rank's share); 0: none
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(a [1, H] gate)
+    topk_then_softmax: bool = False  # top-k of the logits, softmax over the k (Granite)
 
     def shard(self, world_size: int) -> MoeConfig:
         """One tensor-parallel rank's: its share of every expert's intermediate columns."""
-        return dataclasses.replace(self, intermediate_size=self.intermediate_size // world_size)
+        return dataclasses.replace(
+            self,
+            intermediate_size=self.intermediate_size // world_size,
+            shared_intermediate_size=self.shared_intermediate_size // world_size,
+        )
+
+
+def _sparse_layers(hf_config: Any, num_experts: int) -> tuple[int, ...]:
+    """Qwen's layers of experts: not in mlp_only_layers, every decoder_sparse_step-th."""
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    layers = range(hf_config.num_hidden_layers)
+    return tuple(i for i in layers if i not in dense and num_experts and (i + 1) % step == 0)
 
 
 def moe_config(hf_config: Any) -> MoeConfig | None:
-    """The MoE settings of a transformers config; None for a dense family."""
+    """The MoE settings of a transformers config; None for a dense family.
+
+    A Granite hybrid (granitemoehybrid) of num_local_experts 0 gets a config of 0 experts
+    whose every layer is "sparse": its blocks are the shared MLP alone (take_moe_block reads
+    no router and no experts for it), so that a caller builds every Granite layer's MLP the
+    one way. A Qwen3-Next of 0 experts gets no sparse layers (every MLP is dense, as
+    transformers builds it)."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in HYBRID_MOE_MODEL_TYPES:
+        return _hybrid_moe_config(hf_config)
     if model_type not in MOE_MODEL_TYPES:
         return None
     size_field, always_norm, cast = MOE_MODEL_TYPES[model_type]
     num_experts = getattr(hf_config, "num_experts", None) or hf_config.num_local_experts
-    layers = range(hf_config.num_hidden_layers)
     if model_type == "qwen3_moe":  # dense MLPs mixed in: mlp_only_layers, decoder_sparse_step
-        dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
-        step = getattr(hf_config, "decoder_sparse_step", 1) or 1
-        sparse = tuple(i for i in layers if i not in dense and num_experts and (i + 1) % step == 0)
+        sparse = _sparse_layers(hf_config, num_experts)
     else:
-        sparse = tuple(layers)
+        sparse = tuple(range(hf_config.num_hidden_layers))
     return MoeConfig(
         num_experts=int(num_experts),
         top_k=int(hf_config.num_experts_per_tok),
@@ -95,37 +134,104 @@ def moe_config(hf_config: Any) -> MoeConfig | None:
     )
 
 
+def _hybrid_moe_config(hf_config: Any) -> MoeConfig:
+    model_type = hf_config.model_type
+    if model_type == "qwen3_5_moe":  # the multimodal config: its language model's
+        hf_config = hf_config.text_config
+        model_type = hf_config.model_type
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"a {model_type} MoE block with hidden_act {act!r} is not supported")
+    layers = tuple(range(hf_config.num_hidden_layers))
+    if model_type == "granitemoehybrid":
+        num_experts = int(getattr(hf_config, "num_local_experts", 0) or 0)
+        return MoeConfig(
+            num_experts=num_experts,
+            top_k=int(hf_config.num_experts_per_tok) if num_experts else 0,
+            intermediate_size=int(hf_config.intermediate_size) if num_experts else 0,
+            norm_topk_prob=False,  # the softmax over the k: they sum to one already
+            sparse_layers=layers,  # every layer: routed experts and/or the shared MLP
+            shared_intermediate_size=int(hf_config.shared_intermediate_size),
+            topk_then_softmax=True,
+        )
+    num_experts = int(hf_config.num_experts)
+    qwen3_next = model_type == "qwen3_next"
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=int(hf_config.num_experts_per_tok),
+        intermediate_size=int(hf_config.moe_intermediate_size),
+        # Qwen3.5-MoE always renormalizes; Qwen3-Next as norm_topk_prob says
+        norm_topk_prob=not qwen3_next or bool(getattr(hf_config, "norm_topk_prob", False)),
+        # Qwen3.5-MoE: every layer; Qwen3-Next: as Qwen3-MoE
+        sparse_layers=_sparse_layers(hf_config, num_experts) if qwen3_next else layers,
+        shared_intermediate_size=int(hf_config.shared_expert_intermediate_size),
+        shared_gate=True,
+    )
+
+
 class MoeBlock:
     """One layer's sparse MLP: x [N, hidden] (post-attention normed) -> [N, hidden]."""
 
     def __init__(
         self,
         config: MoeConfig,
-        router: Linear,
-        gate_up: list[AnyLinear],
-        down: list[AnyLinear],
+        router: Linear | None,
+        gate_up: Sequence[AnyLinear],
+        down: Sequence[AnyLinear],
+        shared_gate_up: AnyLinear | None = None,
+        shared_down: AnyLinear | None = None,
+        shared_gate: Linear | None = None,
     ) -> None:
-        if not len(gate_up) == len(down) == config.num_experts == router.out_features:
+        routers = 0 if router is None else router.out_features
+        if not len(gate_up) == len(down) == config.num_experts == routers:
             raise ValueError("a MoE block needs a gate/up and a down for each routed expert")
+        if (shared_gate_up is None) != (shared_down is None) or (
+            (shared_gate_up is not None) != bool(config.shared_intermediate_size)
+        ):
+            raise ValueError("a shared expert needs a gate/up and a down, as the config says")
+        if (shared_gate is not None) != (config.shared_gate and shared_gate_up is not None):
+            raise ValueError("a shared expert's gate is there where the config says it is")
+        if not config.num_experts and shared_gate_up is None:
+            raise ValueError("a MoE block of no routed experts needs a shared expert")
         self.config = config
-        self.router = router  # hidden -> experts
-        self.gate_up = gate_up  # per expert: hidden -> 2 * inter (gate, then up)
-        self.down = down  # per expert: inter -> hidden
+        self.router = router  # hidden -> experts (None: no routed experts)
+        self.gate_up = list(gate_up)  # per expert: hidden -> 2 * inter (gate, then up)
+        self.down = list(down)  # per expert: inter -> hidden
+        self.shared_gate_up = shared_gate_up  # hidden -> 2 * shared inter (gate, then up)
+        self.shared_down = shared_down  # shared inter -> hidden
+        self.shared_gate = shared_gate  # hidden -> 1: sigmoid-scales the shared expert
 
     def linears(self) -> list[Any]:
-        """Every projection of the block: the router and each expert's two."""
-        return [self.router, *self.gate_up, *self.down]
+        """Every projection of the block: the router, each expert's two, the shared expert's
+        two and its gate."""
+        shared = [self.shared_gate_up, self.shared_down, self.shared_gate]
+        head = [] if self.router is None else [self.router]
+        return [*head, *self.gate_up, *self.down, *(lin for lin in shared if lin is not None)]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> each token's top-k routing weights [N, k] (float32) and experts
-        [N, k], as transformers computes them: float32 softmax, top-k, renormalized or not."""
-        probs = self.router(x).softmax(dim=-1, dtype=torch.float32)  # [N, E]
+        [N, k], as transformers computes them: float32 softmax, top-k, renormalized or not;
+        or (topk_then_softmax) the top-k logits and a float32 softmax over them."""
+        if self.router is None:
+            raise ValueError("a MoE block of no routed experts routes nothing")
+        logits = self.router(x)  # [N, E]
+        if self.config.topk_then_softmax:
+            top, experts = logits.float().topk(self.config.top_k, dim=-1)
+            return top.softmax(dim=-1), experts
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.config.top_k, dim=-1)
         if self.config.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self._shared(x)
+        if shared is None:
+            return self._routed(x)
+        # no router: the block is its shared MLP alone (Granite's dense hybrids)
+        return shared if self.router is None else self._routed(x) + shared
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         k = self.config.top_k
         flat = experts.reshape(-1)  # [N * k]: assignment j is token j // k's
@@ -148,6 +254,62 @@ class MoeBlock:
         gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
         return self.down[expert](F.silu(gate) * up)
 
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_gate_up is None or self.shared_down is None:
+            return None
+        gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
+        out = self.shared_down(F.silu(gate) * up)
+        if self.shared_gate is not None:
+            out = torch.sigmoid(self.shared_gate(x)) * out
+        return out
+
+
+def _first(tensor: Callable[[str], Any], names: Sequence[str]) -> tuple[str, Any]:
+    """The first of `names` the checkpoint holds, and its tensor."""
+    for name in names:
+        try:
+            return name, tensor(name)
+        except KeyError:
+            continue
+    raise KeyError(f"the checkpoint has none of {', '.join(repr(n) for n in names)}")
+
+
+def _plain_tensor(name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: a MoE tensor stored in a layout not supported")
+    return t.detach()
+
+
+def _gated_mlp(
+    gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    down: torch.Tensor,
+    inter: int,
+    lo: int,
+    hi: int,
+    quantize: str,
+    dtype: torch.dtype,
+) -> tuple[AnyLinear, AnyLinear]:
+    """One SiLU-gated MLP's gate/up and down linears, intermediate columns [lo, hi) of
+    `inter`: gate_up is one [2 * inter, hidden] weight (gate rows, then up) or the gate and
+    the up [inter, hidden] apart; down is [hidden, inter]."""
+    whole = (lo, hi) == (0, inter)
+    if isinstance(gate_up, tuple):
+        gate, up = gate_up
+        w = torch.cat((gate[lo:hi], up[lo:hi]))
+    elif whole:
+        w = gate_up
+    else:  # a copy, so that the full weights can be freed
+        w = torch.cat((gate_up[lo:hi], gate_up[inter + lo : inter + hi]))
+    d = down if whole else down[:, lo:hi].contiguous()
+    return make_linear(w, None, quantize, dtype=dtype), make_linear(d, None, quantize, dtype=dtype)
+
+
+def _split(size: int, what: str, rank: int, world_size: int) -> tuple[int, int]:
+    if size % world_size:
+        raise ValueError(f"{what} of {size} does not split {world_size} ways")
+    share = size // world_size
+    return rank * share, (rank + 1) * share
+
 
 def take_moe_block(
     tensor: Callable[[str], Any],
@@ -157,37 +319,128 @@ def take_moe_block(
     world_size: int = 1,
     quantize: str = "none",
     dtype: torch.dtype = torch.float32,
+    *,
+    shared_prefix: str | None = None,
 ) -> MoeBlock:
-    """Rank `rank`'s MoE block of the layer whose MLP is at `prefix` (e.g.
-    "model.layers.3.mlp"), from transformers' fused expert tensors: `{prefix}.gate.weight`
-    [E, hidden], `{prefix}.experts.gate_up_proj` [E, 2 * I, hidden] (gate rows, then up) and
-    `{prefix}.experts.down_proj` [E, hidden, I]. `config` is the whole model's; `tensor`
-    answers a tensor by name. Each expert becomes `quantize`'s linear kind after slicing, so
-    that quantization scales are per shard (as arch/weights.py does for dense projections)."""
-    inter = config.intermediate_size
-    if inter % world_size:
-        raise ValueError(f"an expert intermediate size of {inter} does not split {world_size} ways")
-    share = inter // world_size
-    lo, hi = rank * share, (rank + 1) * share
-    router = tensor(f"{prefix}.gate.weight")
-    gate_up = tensor(f"{prefix}.experts.gate_up_proj")
-    down = tensor(f"{prefix}.experts.down_proj")
-    for name, t in (("gate_up_proj", gate_up), ("down_proj", down), ("gate", router)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{prefix}: expert tensor {name} is stored in a layout not supported")
-    experts = config.num_experts
-    if gate_up.shape[:2] != (experts, 2 * inter) or down.shape[::2] != (experts, inter):
-        raise ValueError(
-            f"{prefix}: expert tensors {list(gate_up.shape)} and {list(down.shape)} do not "
-            f"match {experts} experts of intermediate size {inter}"
+    """Rank `rank`'s MoE block of the layer whose MoE module is at `prefix` (e.g.
+    "model.layers.3.mlp"; Granite's "model.layers.3.block_sparse_moe"). `config` is the whole
+    model's; `tensor` answers a tensor by name and raises KeyError for one the checkpoint does
+    not hold (each piece is looked up under its names in turn, the first held taken). Each
+    expert becomes `quantize`'s linear kind after slicing, so that quantization scales are
+    per shard (as arch/weights.py does for dense projections); the router and the shared
+    expert's gate stay float.
+
+    The router: `{prefix}.gate.weight` or `{prefix}.router.weight` (Granite in transformers;
+    `{prefix}.router.layer.weight` in its files), [E, hidden].
+    The routed experts, one of:
+    - transformers' fused tensors `{prefix}.experts.gate_up_proj` [E, 2 * I, hidden] (gate
+      rows, then up) and `{prefix}.experts.down_proj` [E, hidden, I];
+    - Granite's files' stacked `{prefix}.input_linear.weight` [E, 2 * I, hidden] (the same
+      chunk order: gate, then up) and `{prefix}.output_linear.weight` [E, hidden, I];
+    - the Qwens' files' per-expert `{prefix}.experts.{e}.gate_proj.weight`, `up_proj` [I,
+      hidden] and `down_proj` [hidden, I].
+    The shared expert (where config.shared_intermediate_size says there is one), at
+    `shared_prefix` (by default `{prefix}.shared_expert`, the Qwens'; Granite's is the layer's
+    "model.layers.3.shared_mlp"), one of: `{shared_prefix}.gate_proj.weight`, `up_proj` and
+    `down_proj` apart, or `{shared_prefix}.input_linear.weight` [2 * S, hidden] (gate rows,
+    then up) and `{shared_prefix}.output_linear.weight` [hidden, S]. Its gate (where
+    config.shared_gate says) is `{prefix}.shared_expert_gate.weight` [1, hidden].
+
+    A config of 0 routed experts (Granite's dense hybrids) reads the shared expert alone."""
+    router: Linear | None = None
+    ups: list[AnyLinear] = []
+    downs: list[AnyLinear] = []
+    if config.num_experts:
+        name, w = _first(
+            tensor, [f"{prefix}.{r}.weight" for r in ("gate", "router", "router.layer")]
         )
-    whole = (lo, hi) == (0, inter)
+        router = Linear(_plain_tensor(name, w).to(dtype))
+        ups, downs = _routed_experts(tensor, prefix, config, rank, world_size, quantize, dtype)
+    shared_gate_up = shared_down = shared_gate = None
+    if config.shared_intermediate_size:
+        at = f"{prefix}.shared_expert" if shared_prefix is None else shared_prefix
+        shared_gate_up, shared_down = _shared_expert(
+            tensor, at, config.shared_intermediate_size, rank, world_size, quantize, dtype
+        )
+        if config.shared_gate:
+            name = f"{prefix}.shared_expert_gate.weight"
+            shared_gate = Linear(_plain_tensor(name, tensor(name)).to(dtype))
+    return MoeBlock(
+        config.shard(world_size), router, ups, downs, shared_gate_up, shared_down, shared_gate
+    )
+
+
+def _weight(tensor: Callable[[str], Any], name: str) -> torch.Tensor:
+    return _plain_tensor(name, tensor(name))
+
+
+def _routed_experts(
+    tensor: Callable[[str], Any],
+    prefix: str,
+    config: MoeConfig,
+    rank: int,
+    world_size: int,
+    quantize: str,
+    dtype: torch.dtype,
+) -> tuple[list[AnyLinear], list[AnyLinear]]:
+    """Each routed expert's gate/up and down linears, rank `rank`'s columns (see
+    take_moe_block for the layouts read)."""
+    experts, inter = config.num_experts, config.intermediate_size
+    lo, hi = _split(inter, "an expert intermediate size", rank, world_size)
+    stacked = {  # the stacked layouts: gate/up's name -> down's
+        f"{prefix}.experts.gate_up_proj": f"{prefix}.experts.down_proj",
+        f"{prefix}.input_linear.weight": f"{prefix}.output_linear.weight",
+    }
+    try:
+        name, gate_up = _first(tensor, list(stacked))
+    except KeyError:
+        name, gate_up = "", None  # the per-expert layout
+    if gate_up is not None:
+        gate_up, down = _plain_tensor(name, gate_up), _weight(tensor, stacked[name])
+        if gate_up.shape[:2] != (experts, 2 * inter) or down.shape[::2] != (experts, inter):
+            raise ValueError(
+                f"{prefix}: expert tensors {list(gate_up.shape)} and {list(down.shape)} do "
+                f"not match {experts} experts of intermediate size {inter}"
+            )
     ups, downs = [], []
     for e in range(experts):
-        w = gate_up[e]
-        if not whole:  # a copy, so that the full weights can be freed
-            w = torch.cat((w[lo:hi], w[inter + lo : inter + hi]))
-        ups.append(make_linear(w.detach(), None, quantize, dtype=dtype))
-        d = down[e] if whole else down[e][:, lo:hi].contiguous()
-        downs.append(make_linear(d.detach(), None, quantize, dtype=dtype))
-    return MoeBlock(config.shard(world_size), Linear(router.detach().to(dtype)), ups, downs)
+        if gate_up is not None:
+            gu, d = _gated_mlp(gate_up[e], down[e], inter, lo, hi, quantize, dtype)
+        else:
+            at = f"{prefix}.experts.{e}"
+            gate, up = (
+                _weight(tensor, f"{at}.gate_proj.weight"),
+                _weight(tensor, f"{at}.up_proj.weight"),
+            )
+            d = _weight(tensor, f"{at}.down_proj.weight")
+            if gate.shape[0] != inter or up.shape != gate.shape or d.shape[1] != inter:
+                raise ValueError(f"{at}: expert weights do not match intermediate size {inter}")
+            gu, d = _gated_mlp((gate, up), d, inter, lo, hi, quantize, dtype)
+        ups.append(gu)
+        downs.append(d)
+    return ups, downs
+
+
+def _shared_expert(
+    tensor: Callable[[str], Any],
+    at: str,
+    inter: int,
+    rank: int,
+    world_size: int,
+    quantize: str,
+    dtype: torch.dtype,
+) -> tuple[AnyLinear, AnyLinear]:
+    """The shared expert at `at`: its gate/up and down linears, rank `rank`'s columns."""
+    lo, hi = _split(inter, "a shared expert intermediate size", rank, world_size)
+    name, first = _first(tensor, [f"{at}.input_linear.weight", f"{at}.gate_proj.weight"])
+    gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    if name.endswith("input_linear.weight"):  # Granite's: [gate; up] in one weight
+        gate_up, down = _plain_tensor(name, first), _weight(tensor, f"{at}.output_linear.weight")
+        rows = gate_up.shape[0] // 2
+    else:
+        gate_up = (_plain_tensor(name, first), _weight(tensor, f"{at}.up_proj.weight"))
+        down = _weight(tensor, f"{at}.down_proj.weight")
+        rows = gate_up[0].shape[0] if gate_up[1].shape == gate_up[0].shape else -1
+    if rows != inter or down.shape[1] != inter:
+        raise ValueError(f"{at}: shared expert weights do not match intermediate size {inter}")
+    return _gated_mlp(gate_up, down, inter, lo, hi, quantize, dtype)

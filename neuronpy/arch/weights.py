@@ -150,6 +150,8 @@ def check_divisible(config: ArchConfig, world_size: int) -> None:
     }
     if config.moe is not None:
         counts["moe_intermediate_size"] = config.moe.intermediate_size
+        if config.moe.shared_intermediate_size:  # a shared expert splits as the routed ones
+            counts["shared_expert_intermediate_size"] = config.moe.shared_intermediate_size
     if config.qk_norm_full and world_size > 1:
         raise TensorParallelError(
             "cannot split this model over tensor-parallel ranks: its q/k norm spans every "
