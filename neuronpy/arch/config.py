@@ -9,6 +9,11 @@ A family is a set of features over one forward (arch/llama.py), not a copy of it
 - Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint (split where a shard needs
   it), partial rotary embeddings, longrope (the context capped at its short-factor range).
 - SmolLM3: RoPE skipped on some layers. Granite 3: its four scalar multipliers.
+- Hybrids, whose layers are attention or a fixed-size-state mixer (arch/mixer.py):
+  Qwen3-Next and Qwen3.5 (Gated DeltaNet beside gated attention with partial RoPE, `(1 + w)`
+  norms; Qwen3-Next's MoE with a shared expert), Granite 4 (Mamba2 beside attention without
+  RoPE, MoE and a shared MLP, Granite's multipliers), LFM2 (gated short convolutions beside
+  attention with q/k norms).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 
 import torch
 
-from neuronpy.arch.moe import MOE_MODEL_TYPES, MoeConfig, moe_config
+from neuronpy.arch.moe import HYBRID_MOE_MODEL_TYPES, MOE_MODEL_TYPES, MoeConfig, moe_config
 from neuronpy.errors import UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
@@ -36,7 +41,26 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3",
     "granite",
     *MOE_MODEL_TYPES,
+    *HYBRID_MOE_MODEL_TYPES,
+    "qwen3_5_text",
+    "lfm2",
 )
+# model_type -> {the config's name of a layer type: the layer it is (arch/mixer.py's kinds)}
+HYBRID_LAYERS = {
+    "qwen3_next": {"linear_attention": "gdn", "full_attention": "attention"},
+    "qwen3_5_text": {"linear_attention": "gdn", "full_attention": "attention"},
+    "qwen3_5_moe_text": {"linear_attention": "gdn", "full_attention": "attention"},
+    "granitemoehybrid": {
+        "linear_attention": "mamba2",
+        "mamba": "mamba2",
+        "attention": "attention",
+        "full_attention": "attention",
+    },
+    "lfm2": {"conv": "conv", "full_attention": "attention", "attention": "attention"},
+}
+QWEN_NEXT = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# families with an RMSNorm over each head's q and k before RoPE
+QK_NORM = ("qwen3", "gemma3_text", "qwen3_moe", "olmoe", "lfm2", *QWEN_NEXT)
 # RoPE variants whose inverse frequencies do not depend on the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # ...and longrope, whose short factors hold up to its original context (the context is capped
@@ -129,6 +153,7 @@ class ArchConfig:
             raise UnsupportedArchitectureError(
                 f"hidden_act {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})"
             )
+        layer_types = hybrid_layer_types(hf_config)
         if getattr(hf_config, "clip_qkv", None) is not None:
             raise UnsupportedArchitectureError("clip_qkv (OLMoE) is not supported")
         num_heads = hf_config.num_attention_heads
@@ -175,7 +200,10 @@ class ArchConfig:
             context_len = min(context_len, int(window))
             window = None
         gemma = model_type in GEMMA
-        granite = model_type == "granite"
+        granite = model_type in ("granite", "granitemoehybrid")
+        qwen_next = model_type in QWEN_NEXT
+        if model_type == "granitemoehybrid" and hf_config.position_embedding_type != "rope":
+            layer_rope = (None,) * layers  # Granite 4: attention without positions (NoPE)
         scalar = getattr(hf_config, "query_pre_attn_scalar", None)
         return cls(
             model_type=model_type,
@@ -185,10 +213,10 @@ class ArchConfig:
             num_heads=num_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            intermediate_size=hf_config.intermediate_size,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
+            intermediate_size=mlp_size(hf_config),
+            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", None) or hf_config.norm_eps),
             context_len=int(context_len),
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
+            qk_norm=model_type in QK_NORM,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             act=ACTIVATIONS[act],
             attn_scale=(
@@ -207,14 +235,54 @@ class ArchConfig:
             residual_scale=float(getattr(hf_config, "residual_multiplier", 1.0)),
             logits_scale=float(getattr(hf_config, "logits_scaling", 1.0)),
             sandwich_norms=gemma,
-            norm_offset=1.0 if gemma else 0.0,
+            norm_offset=1.0 if gemma or qwen_next else 0.0,
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
             layer_rope=layer_rope,
             sliding_window=int(window) if sliding and any(sliding) else None,
             sliding_layers=sliding if any(sliding) else (),
             moe=moe_config(hf_config),
             qk_norm_full=model_type == "olmoe",
+            attn_gate=qwen_next,
+            layer_types=layer_types,
         )
+
+
+def hybrid_layer_types(hf_config: Any) -> tuple[str, ...]:
+    """Per layer, "attention" or its fixed-size-state mixer's kind, for a hybrid family; empty
+    for the others (every layer attends)."""
+    model_type = getattr(hf_config, "model_type", None)
+    kinds = HYBRID_LAYERS.get(model_type)
+    if kinds is None:
+        return ()
+    types = list(getattr(hf_config, "layer_types", None) or ())
+    if model_type == "lfm2" and not types:
+        full = set(getattr(hf_config, "full_attn_idxs", None) or ())
+        types = [
+            "full_attention" if i in full else "conv" for i in range(hf_config.num_hidden_layers)
+        ]
+    if len(types) != hf_config.num_hidden_layers:
+        raise UnsupportedArchitectureError(f"{model_type}: the config's layer_types do not fit")
+    unknown = sorted(set(types) - set(kinds))
+    if unknown:
+        raise UnsupportedArchitectureError(f"{model_type}: layer types {unknown} are not supported")
+    out = tuple(kinds[t] for t in types)
+    if "attention" not in out:
+        raise UnsupportedArchitectureError(
+            f"{model_type} without an attention layer is not supported (its snapshot is KV)"
+        )
+    return out
+
+
+def mlp_size(hf_config: Any) -> int:
+    """The dense MLP's intermediate size (LFM2 derives it from the config's, as it builds it)."""
+    size = int(hf_config.intermediate_size)
+    if getattr(hf_config, "model_type", None) == "lfm2" and hf_config.block_auto_adjust_ff_dim:
+        size = int(2 * size / 3)
+        if hf_config.block_ffn_dim_multiplier is not None:
+            size = int(hf_config.block_ffn_dim_multiplier * size)
+            multiple = hf_config.block_multiple_of
+            size = multiple * ((size + multiple - 1) // multiple)
+    return size
 
 
 def partial_rotary_factor(hf_config: Any, params: dict[str, Any]) -> float:

@@ -578,7 +578,7 @@ class LlamaModel:
             raise ValueError(f"a prefill chunk must be a multiple of {STATE_BLOCK} tokens here")
         ids = torch.tensor(new, dtype=torch.long, device=dev)
         hidden_out = []
-        checkpoint = None
+        checkpoint = _kept(states, start) if capture == start and self.has_states else None
         for lo in range(0, len(new), chunk_size):
             hi = min(lo + chunk_size, len(new))
             a, b = start + lo, start + hi  # absolute columns of this chunk
@@ -587,7 +587,7 @@ class LlamaModel:
             if chunk.capture is not None:
                 checkpoint = chunk.capture
             elif capture == b and self.has_states:
-                checkpoint = (b, [tuple(t.clone() for t in st) for st in states])
+                checkpoint = _kept(states, b)
         return snapshot_of(keys, values, past, new, states, checkpoint), torch.cat(hidden_out)
 
     def _state_buffers(self, past: KvSnapshot | None, extend: bool) -> list[States]:
@@ -741,6 +741,7 @@ class LlamaModel:
         positions = [s.positions for s in steps]
         ids = [flat_tokens]
         riders: list[SequenceAttention] = []
+        kept: list[tuple[int, list[States]] | None] = []  # states kept at a chunk's start
         for chunk in chunks:
             new = list(chunk.token_ids)
             start = chunk.past.length if chunk.past is not None else 0
@@ -749,6 +750,8 @@ class LlamaModel:
                 raise ValueError(f"a prefill chunk of {len(new)} tokens after {start} does not fit")
             keys, values = self._kv_buffers(chunk.past, total, chunk.reserve, chunk.extend)
             states = self._state_buffers(chunk.past, chunk.extend)
+            at_start = chunk.capture == start and self.has_states
+            kept.append(_kept(states, start) if at_start else None)
             positions.append(torch.arange(start, total, device=self.device))
             ids.append(torch.tensor(new, dtype=torch.long, device=self.device))
             riders.append(
@@ -778,9 +781,9 @@ class LlamaModel:
                 chunk.past,
                 list(chunk.token_ids),
                 r.states,
-                r.capture if r.capture is not None else self._at_end(chunk, r),
+                r.capture or before or self._at_end(chunk, r),
             )
-            for chunk, r in zip(chunks, riders, strict=True)
+            for chunk, r, before in zip(chunks, riders, kept, strict=True)
         )
         return StepOutput(hidden[:n_dec], snapshots, tuple(last))
 
@@ -790,7 +793,7 @@ class LlamaModel:
         """The checkpoint of a chunk asked to keep its states at its own end."""
         if chunk.capture != rider.total or not self.has_states:
             return None
-        return rider.total, [tuple(t.clone() for t in st) for st in rider.states]
+        return _kept(rider.states, rider.total)
 
     def _group_step(self, group: KvGroup, counts: Sequence[int], first: int) -> GroupStep:
         """What one step does in one group, whose rows' tokens start at `first` of the
@@ -842,3 +845,8 @@ class LlamaModel:
         rows = self.embed.rows(top.reshape(-1), torch.float32)  # type: ignore[union-attr]
         exact = (rows.reshape(*top.shape, -1) * flat[:, None, :]).sum(-1)
         return out.scatter(1, top, exact).reshape(logits.shape)
+
+
+def _kept(states: list[States], at: int) -> tuple[int, list[States]]:
+    """A copy of a sequence's fixed-size states after its first `at` tokens (a checkpoint)."""
+    return at, [tuple(t.clone() for t in st) for st in states]

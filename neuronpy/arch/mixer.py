@@ -80,3 +80,35 @@ def causal_conv(
     if k > 1:
         window.copy_(full[:, t:].transpose(1, 2))
     return out
+
+
+class ShortConv:
+    """LFM2's gated short convolution: in_proj gives B, C and x; the depthwise causal
+    convolution runs over B * x; C gates its output; out_proj. Its state is the convolution's
+    window, the last K - 1 values of B * x."""
+
+    def __init__(
+        self, in_proj: Any, out_proj: Any, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> None:
+        self.in_proj = in_proj  # hidden -> 3 * hidden: B, C, x
+        self.out_proj = out_proj  # hidden -> hidden
+        self.weight = weight  # [hidden, K]
+        self.bias = bias  # [hidden] or None
+        self.hidden = weight.shape[0]
+
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        return (StateSpec((self.hidden, self.weight.shape[1] - 1), self.weight.dtype),)
+
+    def _mix(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        b, c, h = self.in_proj(x).chunk(3, dim=-1)  # x [R, T, hidden]
+        conv = causal_conv(b * h, window, self.weight, self.bias)
+        return self.out_proj(c * conv)
+
+    def prefill(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], start: int) -> torch.Tensor:
+        return self._mix(x[None], state[0])[0]
+
+    def step(self, x: torch.Tensor, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self._mix(x[:, None], state[0])[:, 0]
+
+    def linears(self) -> list[Any]:
+        return [self.in_proj, self.out_proj]

@@ -30,7 +30,7 @@ from neuronpy.arch.linear import (
     make_embedding,
     make_linear,
 )
-from neuronpy.arch.mixer import Mixer
+from neuronpy.arch.mixer import Mixer, ShortConv
 from neuronpy.arch.moe import MoeBlock, take_moe_block
 from neuronpy.arch.quant import AnyWeight, QuantEmbedding, cat_weights, dequantized
 from neuronpy.errors import NeuronError
@@ -105,6 +105,44 @@ class HFCheckpoint:
 
     def __contains__(self, name: str) -> bool:
         return name in self._params
+
+
+# model_type -> (transformers' Llama name, the family's own) for the parts named otherwise
+RENAMED = {
+    "lfm2": (
+        (".self_attn.o_proj.", ".self_attn.out_proj."),
+        (".self_attn.q_norm.", ".self_attn.q_layernorm."),
+        (".self_attn.k_norm.", ".self_attn.k_layernorm."),
+        (".input_layernorm.", ".operator_norm."),
+        (".post_attention_layernorm.", ".ffn_norm."),
+        (".mlp.gate_proj.", ".feed_forward.w1."),
+        (".mlp.up_proj.", ".feed_forward.w3."),
+        (".mlp.down_proj.", ".feed_forward.w2."),
+        ("model.norm.", "model.embedding_norm."),
+    ),
+}
+
+
+class Renamed:
+    """A checkpoint read under Llama's names where the family names a part otherwise."""
+
+    def __init__(self, ckpt: Checkpoint, pairs: Sequence[tuple[str, str]]) -> None:
+        self.ckpt = ckpt
+        self.config = ckpt.config
+        self.dtype = ckpt.dtype
+        self.model = getattr(ckpt, "model", ckpt)
+        self._pairs = pairs
+
+    def _name(self, name: str) -> str:
+        for ours, theirs in self._pairs:
+            name = name.replace(ours, theirs)
+        return name
+
+    def get(self, name: str) -> AnyWeight | None:
+        return self.ckpt.get(self._name(name))
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) in self.ckpt
 
 
 def as_checkpoint(source: Any) -> Checkpoint:
@@ -188,6 +226,41 @@ class _NoLogits:
         return x.new_empty(*x.shape[:-1], 0)
 
 
+def take_mixer(
+    kind: str,
+    tensor: Callable[[str], AnyWeight],
+    block: str,
+    hf_config: Any,
+    quantize: str,
+    dtype: torch.dtype,
+) -> Mixer:
+    """Layer `block`'s fixed-size-state mixer of `kind` (arch/mixer.py), from the checkpoint."""
+    if kind == "conv":
+        conv = f"{block}.conv"
+        bias = hf_config.conv_bias
+
+        def linear(name: str) -> AnyLinear:
+            b = dequantized(tensor(f"{name}.bias"), dtype) if bias else None
+            return make_linear(tensor(f"{name}.weight"), b, quantize, dtype=dtype)
+
+        weight = dequantized(tensor(f"{conv}.conv.weight"), dtype)
+        return ShortConv(
+            linear(f"{conv}.in_proj"),
+            linear(f"{conv}.out_proj"),
+            weight.reshape(weight.shape[0], -1),
+            dequantized(tensor(f"{conv}.conv.bias"), dtype) if bias else None,
+        )
+    if kind == "gdn":
+        from neuronpy.arch.gdn import take_gdn
+
+        return take_gdn(tensor, f"{block}.linear_attn", hf_config, quantize, dtype)
+    if kind == "mamba2":
+        from neuronpy.arch.mamba2 import take_mamba2
+
+        return take_mamba2(tensor, f"{block}.mamba", hf_config, quantize, dtype)
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
 def _rows(t: AnyWeight | None, lo: int, hi: int) -> AnyWeight | None:
     if t is None or (lo, hi) == (0, t.shape[0]):
         return t
@@ -229,6 +302,14 @@ def take_weights(
     hf_config = ckpt.config
     dtype = ckpt.dtype
     config = ArchConfig.from_hf(hf_config, type(getattr(ckpt, "model", ckpt)).__name__)
+    if config.model_type in RENAMED:
+        ckpt = Renamed(ckpt, RENAMED[config.model_type])
+    mixers = any(t != "attention" for t in config.layer_types)
+    if mixers and world_size > 1:
+        raise TensorParallelError(
+            f"{config.model_type}: tensor parallelism over layers with fixed-size states "
+            "(linear attention, Mamba2, short convolutions) is not supported"
+        )
     local = shard_config(config, world_size)
     if not 0 <= rank < world_size:
         raise TensorParallelError(f"rank {rank} is not in [0, {world_size})")
@@ -299,7 +380,8 @@ def take_weights(
 
     def qkv(attn: str) -> list[tuple[str, int, int]]:
         modules = [f"{attn}.{p}_proj" for p in "qkv"]
-        spans = [(q_lo, q_hi, hd), (kv_lo, kv_hi, kvd), (kv_lo, kv_hi, kvd)]
+        q = 2 if config.attn_gate else 1  # Qwen3-Next: each head's query, then its gate
+        spans = [(q * q_lo, q * q_hi, q * hd), (kv_lo, kv_hi, kvd), (kv_lo, kv_hi, kvd)]
         return parts(f"{attn}.qkv_proj", modules, spans)
 
     def gate_up(mlp: str) -> list[tuple[str, int, int]]:
@@ -312,24 +394,44 @@ def take_weights(
     # Gemma's norms: input, then post_attention on the attention's output, pre_feedforward
     # before the MLP and post_feedforward on its output; Llama's post_attention is the MLP's
     pre_mlp = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
+    granite_moe = config.model_type == "granitemoehybrid"
+
+    def moe_block(block: str, moe: Any) -> MoeBlock:
+        if granite_moe:  # routed experts beside a shared MLP, under their own names
+            return take_moe_block(
+                tensor,
+                f"{block}.block_sparse_moe",
+                moe,
+                rank,
+                world_size,
+                quantize,
+                dtype,
+                shared_prefix=f"{block}.shared_mlp",
+            )
+        return take_moe_block(tensor, f"{block}.mlp", moe, rank, world_size, quantize, dtype)
+
     layers = []
     for i in range(config.num_layers):
         block = f"model.layers.{i}"
         attn, mlp = f"{block}.self_attn", f"{block}.mlp"
         moe = config.moe if config.moe and i in config.moe.sparse_layers else None  # experts
+        kind = config.layer_types[i] if config.layer_types else "attention"
+        mixer = None
+        if kind != "attention":
+            mixer = take_mixer(kind, tensor, block, hf_config, quantize, dtype)
+        attends = mixer is None
         layers.append(
             LayerWeights(
                 input_norm=norm(f"{block}.input_layernorm.weight"),
-                qkv=column(qkv(attn)),
-                q_norm=norm(f"{attn}.q_norm.weight") if config.qk_norm else None,
-                k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm else None,
-                o_proj=row(f"{attn}.o_proj", q_lo, q_hi),
+                qkv=column(qkv(attn)) if attends else None,
+                q_norm=norm(f"{attn}.q_norm.weight") if config.qk_norm and attends else None,
+                k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm and attends else None,
+                o_proj=row(f"{attn}.o_proj", q_lo, q_hi) if attends else None,
+                mixer=mixer,
                 post_norm=norm(f"{block}.{pre_mlp}.weight"),
                 gate_up=None if moe else column(gate_up(mlp)),
                 down=None if moe else row(f"{mlp}.down_proj", i_lo, i_hi),
-                moe=None
-                if moe is None
-                else take_moe_block(tensor, mlp, moe, rank, world_size, quantize, dtype),
+                moe=None if moe is None else moe_block(block, moe),
                 attn_out_norm=sandwich(f"{block}.post_attention_layernorm.weight"),
                 mlp_out_norm=sandwich(f"{block}.post_feedforward_layernorm.weight"),
             )

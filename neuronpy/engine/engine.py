@@ -16,6 +16,7 @@ from anyio.abc import ObjectSendStream, TaskGroup
 from transformers import PreTrainedTokenizerBase
 
 from neuronpy.arch.llama import LlamaModel
+from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.config import EngineConfig
 from neuronpy.engine.compiles import Compiles
 from neuronpy.engine.counters import EngineStats, StepProfile
@@ -50,9 +51,17 @@ MAX_INPUTS_PER_SLOT = 16
 
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
-    """K and V, every layer: what one token of a sequence's context takes."""
+    """K and V, every attention layer: what one token of a sequence's context takes (a
+    hybrid's fixed-size states are per sequence, not per token: see `state_bytes`)."""
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    return 2 * model.num_kv_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+
+
+# what a model whose layers keep fixed-size states cannot do, and why
+STATE_REFUSALS = {
+    "session": "saved sessions hold KV alone; this model's layers also keep fixed-size states",
+    "speculative": "a verify step would advance its fixed-size states through rejected drafts",
+}
 
 
 # A reranker's answer tokens, in the order its scores read them: P(yes) = softmax(no, yes)[1]
@@ -112,6 +121,11 @@ class Engine:
             model.identity(), extra=(config.quantize,)
         )
         self._worker = worker or DeviceWorker(model, name, config.prefill_chunk)
+        if model.has_states and config.speculative != "off":
+            raise ValueError(
+                f"model {name!r} ({model.config.model_type}): speculative decoding is not "
+                f"supported: {STATE_REFUSALS['speculative']}"
+            )
         if config.speculative == "draft" and self._worker.drafts is None:
             raise ValueError(f'model {name!r}: speculative = "draft" needs its draft model loaded')
         drafts = self._worker.drafts
@@ -136,6 +150,7 @@ class Engine:
             chunk_steps=config.chunk_steps,
             prefill_chunk=config.prefill_chunk,
             speculative=speculative,
+            state_block=STATE_BLOCK if model.has_states else 0,
         )
         self._runner = Runner(
             self._worker,
@@ -217,7 +232,7 @@ class Engine:
     def supports_sessions(self) -> bool:
         """Whether requests may continue from and save into session files (not across
         tensor-parallel ranks)."""
-        return self._worker.supports_sessions
+        return self._worker.supports_sessions and not self.model.has_states
 
     @property
     def healthy(self) -> bool:
@@ -272,6 +287,11 @@ class Engine:
             self.grammars.compile(params.constraint, reasoning)
         if session is not None and n != 1:
             raise InvalidRequestError("a request with a 'session' returns one choice (n = 1)", "n")
+        if session is not None and self.model.has_states:
+            raise InvalidRequestError(
+                f"model {self.name!r} cannot save or restore sessions: {STATE_REFUSALS['session']}",
+                "session",
+            )
         if session is not None and not self._worker.supports_sessions:
             raise InvalidRequestError(
                 f"model {self.name!r} cannot save or restore sessions (tensor parallel)", "session"

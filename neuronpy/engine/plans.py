@@ -130,6 +130,8 @@ class PrefillOutcome:
     tokens: tuple[Sampled, ...]  # one per PrefillPlan.sampled
     cached_bytes: int = 0  # what the prefix-cache entry (cache_id) holds
     seconds: float = 0.0  # the job's time, sampling aside (run on its own)
+    # the prompt's tokens the entry holds (fewer than all where states are kept at a boundary)
+    cached_length: int | None = None
     sampling_seconds: float = 0.0
 
 

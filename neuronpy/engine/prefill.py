@@ -33,8 +33,14 @@ class Prefills:
         queue: Callable[[Op], None],
         kv_ids: Iterator[int],
         finish: Callable[[Request], None],
+        state_block: int = 0,
     ) -> None:
+        """`state_block`: the model's layers keep fixed-size states besides KV, advanced by
+        prefill chunks cut at multiples of this many tokens (0: none do): chunks end at such
+        multiples, and the prefix cache keeps a prompt up to its last one (its states hold
+        there alone)."""
         self.prefix = prefix
+        self.state_block = state_block
         self._counters = counters
         self._queue = queue  # the scheduler's housekeeping jobs
         self._kv_ids = kv_ids  # the scheduler's: snapshots, cache entries and clones share it
@@ -111,11 +117,16 @@ class Prefills:
             request.snapshot_id = next(self._kv_ids)
         prompt = request.prompt_ids
         end = len(prompt) if budget is None else min(len(prompt), start + budget)
+        if self.state_block and end < len(prompt):
+            # (a mixer cuts its chunks at these multiples: a chunk ending elsewhere would give
+            # other bits than a prompt prefilled whole; at least one block, past the budget)
+            block = self.state_block
+            end = min(len(prompt), max((end // block) * block, (start // block + 1) * block))
         last = end == len(prompt)
         cache_id = None
         clones: tuple[Request, ...] = ()
         if last:
-            cache_id = self._entry_id_for(prompt)
+            cache_id = self._entry_id_for(self._cacheable(prompt))
             clones = tuple(
                 r
                 for r in request.group
@@ -142,7 +153,10 @@ class Prefills:
         if plan.session_id is not None:
             self._queue(DropCached((plan.session_id,)))
         if plan.cache_id is not None:
-            self.index_entry(plan.cache_id, request.prompt_ids, outcome.cached_bytes)
+            length = outcome.cached_length
+            tokens = request.prompt_ids if length is None else request.prompt_ids[:length]
+            if tokens:
+                self.index_entry(plan.cache_id, tokens, outcome.cached_bytes)
         request.prefilled += len(plan.tokens)
         c.prefill_chunks += 1
         if not plan.last:
@@ -171,6 +185,13 @@ class Prefills:
             self._counters.prefix_cache_hits += 1
             self._counters.prefix_cache_reused_tokens += hit[1]
 
+    def _cacheable(self, prompt: Sequence[int]) -> Sequence[int]:
+        """What of a prompt the prefix cache can keep: all of it, or up to its last
+        `state_block` boundary."""
+        if not self.state_block:
+            return prompt
+        return prompt[: len(prompt) // self.state_block * self.state_block]
+
     def _entry_id_for(self, tokens: Sequence[int]) -> int | None:
         """An id to keep a finished prompt's KV under in the prefix cache, or None when it
         would add nothing (too short, or a stored sequence starts with it)."""
@@ -184,8 +205,8 @@ class Prefills:
         a prefill computes a token's keys and values as every other prefill does, however the
         prompt was cut into chunks, but a decode step computes them otherwise (in the last
         bits), so a later prompt that holds this reply gets what a fresh prefill gives it."""
-        if self.prefix is None:
-            return []
+        if self.prefix is None or self.state_block:
+            return []  # (a leaving row's states are past its prompt: kept at its prefill)
         return [
             r
             for r in leaving

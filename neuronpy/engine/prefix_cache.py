@@ -6,6 +6,10 @@ Lookups hash block-aligned prefixes (a chain hash per BLOCK tokens), so finding 
 stored prefix of a P-token prompt costs P / BLOCK dictionary lookups plus one token comparison
 per candidate; the match is then extended token by token within the last block. A match
 shorter than one block is not worth a restore and is never reported.
+
+An exact index (a model whose layers keep fixed-size states, arch/mixer.py) reports only
+entries whose every token starts the prompt: a state holds after its entry's last token alone,
+so an entry cannot be cut shorter, and an entry that is a prefix of another is kept.
 """
 
 from __future__ import annotations
@@ -37,11 +41,12 @@ def _boundaries(tokens: Sequence[int], block: int) -> Iterator[tuple[int, int]]:
 class PrefixIndex:
     """Token sequences with a KV snapshot on the worker, most recently used last."""
 
-    def __init__(self, budget_bytes: int, block: int = BLOCK) -> None:
+    def __init__(self, budget_bytes: int, block: int = BLOCK, *, exact: bool = False) -> None:
         if budget_bytes < 0 or block < 1:
             raise ValueError("the budget must be >= 0 and the block >= 1")
         self.budget_bytes = budget_bytes
         self.block = block
+        self.exact = exact
         self.bytes = 0
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
         self._by_prefix: dict[int, set[int]] = {}  # chain hash -> entries holding that prefix
@@ -67,6 +72,8 @@ class PrefixIndex:
         return found is not None and found[1] == len(tokens)
 
     def _longest(self, tokens: Sequence[int], limit: int | None) -> tuple[int, int] | None:
+        if self.exact:
+            return self._longest_whole(tokens, limit)
         limit = len(tokens) if limit is None else min(limit, len(tokens))
         depth, candidates = 0, None
         for end, h in _boundaries(tokens, self.block):
@@ -91,6 +98,19 @@ class PrefixIndex:
             return None
         return best[0], min(best[1], limit)
 
+    def _longest_whole(self, tokens: Sequence[int], limit: int | None) -> tuple[int, int] | None:
+        """The longest entry all of whose tokens start `tokens` (and number at most `limit`)."""
+        limit = len(tokens) if limit is None else min(limit, len(tokens))
+        best = None
+        for end, h in _boundaries(tokens, self.block):
+            if end > limit or not self._by_prefix.get(h):
+                break
+            for entry_id in self._by_end.get(h, ()):
+                stored = self._entries[entry_id].tokens
+                if len(stored) == end and tuple(tokens[:end]) == stored:
+                    best = (entry_id, end)
+        return best
+
     def insert(self, entry_id: int, tokens: Sequence[int], nbytes: int) -> list[int]:
         """Records a snapshot the worker now caches under `entry_id`. Returns the ids the
         worker should drop: entries that are prefixes of this one (it holds them all), the
@@ -103,7 +123,7 @@ class PrefixIndex:
             return [entry_id]
         dropped = []
         boundaries = list(_boundaries(tokens, self.block))
-        for end, h in boundaries:  # stored sequences that end within this one's blocks
+        for end, h in [] if self.exact else boundaries:  # stored ones ending within this one
             for other in list(self._by_end.get(h, ())):
                 stored = self._entries[other].tokens
                 if len(stored) < end + self.block and tokens[: len(stored)] == stored:

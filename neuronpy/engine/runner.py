@@ -292,7 +292,11 @@ class Runner:
 
     def _prefill_outcome(self, plan: PrefillPlan, result: PrefillResult) -> PrefillOutcome:
         tokens = (result.token, *result.clone_tokens) if plan.last else ()
-        return PrefillOutcome(self._sampled(plan.sampled, tokens), result.cached_bytes)
+        return PrefillOutcome(
+            self._sampled(plan.sampled, tokens),
+            result.cached_bytes,
+            cached_length=result.cached_length,
+        )
 
     async def prefill(self, plan: PrefillPlan) -> PrefillOutcome:
         """A chunk in a forward of its own."""

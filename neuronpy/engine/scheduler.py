@@ -68,9 +68,11 @@ class Scheduler(Lifecycle):
         chunk_steps: float = 0.5,
         prefill_chunk: int = 512,
         speculative: SpeculativeConfig | None = None,
+        state_block: int = 0,
     ) -> None:
         """`queue_timeout` 0: no deadline; `kv_budget_tokens` 0: no budget;
-        `prefix_cache_bytes` 0: no prefix cache."""
+        `prefix_cache_bytes` 0: no prefix cache; `state_block`: the model keeps fixed-size
+        states, advanced in chunks cut at multiples of it (see Prefills; 0: KV alone)."""
         super().__init__(
             name=name,
             max_running=max_running,
@@ -83,8 +85,11 @@ class Scheduler(Lifecycle):
         )
         self.costs = StepCosts(chunk_steps, prefill_chunk)
         self._kv_ids = itertools.count()  # snapshots, cache entries, clones, sessions read
-        self.prefix = PrefixIndex(prefix_cache_bytes) if prefix_cache_bytes else None
-        self.prefills = Prefills(self.prefix, self.counters, self.queue, self._kv_ids, self.finish)
+        exact = bool(state_block)
+        self.prefix = PrefixIndex(prefix_cache_bytes, exact=exact) if prefix_cache_bytes else None
+        self.prefills = Prefills(
+            self.prefix, self.counters, self.queue, self._kv_ids, self.finish, state_block
+        )
         self.batch = LiveBatch(self, self.prefills, self.costs, self._kv_ids, self.book_prefill)
         self._preempting: list[Request] = []  # rows leaving the live batch at the next rebatch
         self._riding: list[Request] = []  # joiners whose next chunks ride this turn's step

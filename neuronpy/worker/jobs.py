@@ -54,6 +54,9 @@ class PrefillResult:
     token: int | None = None  # the sampled token, when the job had `sample`
     clone_tokens: tuple[int | None, ...] = ()  # the clones' sampled tokens, in clone_ids order
     cached_bytes: int = 0  # what the prefix-cache entry (cache_id) holds: its whole buffers
+    # the tokens the entry holds: the whole prompt, or (a model with fixed-size states) up to
+    # the last STATE_BLOCK boundary its states were kept at; 0: no entry was kept
+    cached_length: int = 0
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from neuronpy.arch.attention import PrefillChunk
-from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, assemble_batch
+from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, States, assemble_batch
 from neuronpy.arch.llama import LlamaModel
+from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.errors import WorkerError
 from neuronpy.threads import start_in_own_thread
@@ -74,6 +75,8 @@ class DeviceWorker:
         """`draft_model`: a smaller model of the same tokenizer, drafting for speculative
         decoding (DraftTokens) in a lockstep batch of its own on this thread."""
         self.model = model
+        if model.has_states:  # a mixer's chunks are cut at STATE_BLOCK multiples: so are these
+            prefill_chunk = -(-prefill_chunk // STATE_BLOCK) * STATE_BLOCK
         self.prefill_chunk = prefill_chunk
         self.drafts = DraftBatch(draft_model, prefill_chunk) if draft_model is not None else None
         # a snapshot, or a row of the last live batch not copied out yet (see BatchRow)
@@ -219,9 +222,22 @@ class DeviceWorker:
     def _prefill(self, job: Prefill) -> PrefillResult:
         parent, extend = self._prefill_parent(job)
         snapshot, hidden = self.model.prefill(
-            job.token_ids, parent, self.prefill_chunk, reserve=job.reserve, extend=extend
+            job.token_ids,
+            parent,
+            self.prefill_chunk,
+            reserve=job.reserve,
+            extend=extend,
+            capture=self._capture(job, parent),
         )
         return self._prefilled(job, snapshot, hidden[-1])
+
+    def _capture(self, job: Prefill, parent: KvSnapshot | None) -> int | None:
+        """Where a prefill keeps its fixed-size states for the prefix cache: the last
+        STATE_BLOCK boundary of the finished prompt (a state cannot be cut shorter later)."""
+        if job.cache_id is None or not self.model.has_states:
+            return None
+        total = (parent.length if parent is not None else 0) + len(job.token_ids)
+        return total // STATE_BLOCK * STATE_BLOCK or None
 
     def _prefill_parent(self, job: Prefill) -> tuple[KvSnapshot | None, bool]:
         """The snapshot a prefill continues (None: from the start), and whether it may be grown
@@ -247,26 +263,34 @@ class DeviceWorker:
         """Stores a prefill's snapshot (and its prefix-cache entry and clones); answers the
         logits of its last token `last` ([hidden], final-normed), or the sampled tokens."""
         self._snapshots[job.snapshot_id] = snapshot
-        cached_bytes = 0
-        if job.cache_id is not None:
+        cached_bytes = cached_length = 0
+        if job.cache_id is not None and self.model.has_states:
+            # the prompt's KV up to the boundary its states were kept at (views: written once)
+            if snapshot.checkpoint is not None:
+                at, states = snapshot.checkpoint
+                cached = self._cache[job.cache_id] = _prefix_of(snapshot, at, states)
+                cached_bytes, cached_length = cached.nbytes, at
+        elif job.cache_id is not None:
             # the same columns, not a copy: a sequence's KV columns are written once, and its
             # decode steps write past them (in place, when it joins without a copy); the entry
             # pins the buffers, and counts them (KvSnapshot.nbytes)
             cached = self._cache[job.cache_id] = KvSnapshot(
                 snapshot.keys, snapshot.values, list(snapshot.token_ids), snapshot.buffers
             )
-            cached_bytes = cached.nbytes
+            cached_bytes, cached_length = cached.nbytes, cached.length
+        snapshot.checkpoint = None
         for sid in job.clone_ids:
             self._snapshots[sid] = _compact(snapshot)
+        cached = {"cached_bytes": cached_bytes, "cached_length": cached_length}
         if job.sample is None and not job.logits:
-            return PrefillResult(job.snapshot_id, snapshot.length, None, cached_bytes=cached_bytes)
+            return PrefillResult(job.snapshot_id, snapshot.length, None, **cached)
         logits = self.model.logits(last).to("cpu")
         if job.sample is not None:
             token, *clone_tokens = job.sample(logits[None].expand(1 + len(job.clone_ids), -1))
             return PrefillResult(
-                job.snapshot_id, snapshot.length, None, token, tuple(clone_tokens), cached_bytes
+                job.snapshot_id, snapshot.length, None, token, tuple(clone_tokens), **cached
             )
-        return PrefillResult(job.snapshot_id, snapshot.length, logits, cached_bytes=cached_bytes)
+        return PrefillResult(job.snapshot_id, snapshot.length, logits, **cached)
 
     def _cache_snapshots(self, job: CacheKvSnapshots) -> CacheResult:
         self._require(job.snapshot_ids)
@@ -344,7 +368,9 @@ class DeviceWorker:
             kept = self._snapshots.pop(i)
             if job.keep_snapshots and isinstance(kept, KvSnapshot):
                 # the batch may decode into its spare columns: it keeps them to itself
-                self._snapshots[i] = KvSnapshot(kept.keys, kept.values, kept.token_ids)
+                self._snapshots[i] = KvSnapshot(
+                    kept.keys, kept.values, kept.token_ids, states=kept.states
+                )
         self._materialize_rows()
         return AssembleResult(
             self._batch.batch_size, self._batch.padded_len, self._batch.padding_columns
@@ -376,7 +402,8 @@ class DeviceWorker:
             chunks = []
             for p in job.prefills:
                 parent, extend = self._prefill_parent(p)
-                chunks.append(PrefillChunk(p.token_ids, parent, reserve=p.reserve, extend=extend))
+                capture = self._capture(p, parent)
+                chunks.append(PrefillChunk(p.token_ids, parent, p.reserve, extend, capture))
             out = self.model.forward_step(self._batch, tokens, chunks, counts=counts)
             hidden = out.hidden
             prefilled = tuple(
@@ -471,14 +498,24 @@ def op_class(name: str, within: Sequence[str] = ()) -> str:
     return "other ops"
 
 
-def _prefix_of(snapshot: KvSnapshot, length: int) -> KvSnapshot:
-    """Views of a snapshot's first `length` tokens (no copy)."""
+def _prefix_of(snapshot: KvSnapshot, length: int, states: list[States] | None = None) -> KvSnapshot:
+    """Views of a snapshot's first `length` tokens (no copy), with the fixed-size `states`
+    after them when the model has any: a snapshot's own are after its last token, so a
+    shorter prefix needs states taken there (a prefill's checkpoint)."""
     if not 0 < length <= snapshot.length:
         raise WorkerError(f"a prefix of {length} tokens of a snapshot of {snapshot.length}")
+    if states is None:
+        if snapshot.states and length != snapshot.length:
+            raise WorkerError(
+                f"a prefix of {length} tokens of a snapshot of {snapshot.length} with fixed-size "
+                "states (they hold after its last token only)"
+            )
+        states = snapshot.states
     return KvSnapshot(
         keys=[k[:, :, :length] for k in snapshot.keys],
         values=[v[:, :, :length] for v in snapshot.values],
         token_ids=list(snapshot.token_ids[:length]),
+        states=states,
     )
 
 
@@ -495,4 +532,5 @@ def _compact(snapshot: KvSnapshot, device: torch.device | None = None) -> KvSnap
         keys=[copy(k) for k in snapshot.keys],
         values=[copy(v) for v in snapshot.values],
         token_ids=list(snapshot.token_ids),
+        states=[tuple(copy(t) for t in st) for st in snapshot.states],
     )
