@@ -183,3 +183,23 @@ def test_interleaved_layout_is_undone_at_load() -> None:
     order = interleaved_qkvz_order(2, 4, 1, 1)  # per key head: q, k, v v, z z
     assert order.tolist() == [0, 6, 1, 7, 2, 3, 8, 9, 4, 5, 10, 11]
     assert interleaved_ba_order(2, 4).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+
+
+@pytest.mark.parametrize(("quantize", "tol"), [("int8-weight", 0.05), ("int4", 0.5)])
+def test_quantized_projections(quantize: str, tol: float) -> None:
+    """Every projection through make_linear: a weight-only mode stays near the float layer, and
+    a step's rows keep their bits among others."""
+    module, config = reference("qwen3_next")
+    weights = {f"{PREFIX}.{k}": v.detach().clone() for k, v in module.state_dict().items()}
+    plain = take_gdn(weights.__getitem__, PREFIX, config, "none", torch.float32)
+    gdn = take_gdn(weights.__getitem__, PREFIX, config, quantize, torch.float32)
+    x = inputs(T)
+    torch.testing.assert_close(
+        prefill_in(gdn, x, [0, T])[0], prefill_in(plain, x, [0, T])[0], atol=tol, rtol=0
+    )
+    gen = torch.Generator().manual_seed(3)
+    state = tuple(torch.randn(5, *s.shape, generator=gen).to(s.dtype) for s in gdn.state_specs())
+    alone = [gdn.step(x[r : r + 1], tuple(s[r : r + 1].clone() for s in state)) for r in range(5)]
+    batched = gdn.step(x[:5], state)
+    for r in range(5):
+        assert torch.equal(batched[r], alone[r][0])

@@ -176,11 +176,17 @@ class GatedDeltaNet:
         window, s = state
         q, k, v, z, g, beta = self._inputs(x, x.shape[0], window)
         q, k, v, z, g, beta = q[:, 0], k[:, 0], v[:, 0], z[:, 0], g[:, 0], beta[:, 0]
-        s.mul_(torch.exp(g)[..., None, None])
-        kv_mem = torch.matmul(k[..., None, :], s)  # [B, nv, 1, dv]
-        delta = (v[..., None, :] - kv_mem) * beta[..., None, None]
-        s.add_(k[..., :, None] * delta)
-        o = torch.matmul(q[..., None, :], s)[..., 0, :]  # [B, nv, dv]
+        rows = x.shape[0] * self.nv
+        flat = s.view(rows, self.dk, self.dv)
+        # S's one read: q and k against the old state together; the decay applied after
+        # (exp(g) S)^T k = exp(g) S^T k, and o = S_new^T q = exp(g) S^T q + (k . q) delta
+        read = torch.bmm(torch.stack((q, k), dim=2).view(rows, 2, self.dk), flat)
+        read = read.view(*q.shape[:2], 2, self.dv)
+        decay = torch.exp(g)[..., None]  # [B, nv, 1]
+        delta = (v - decay * read[:, :, 1]) * beta[..., None]
+        o = decay * read[:, :, 0] + (q * k).sum(dim=-1, keepdim=True) * delta
+        flat.mul_(decay.view(rows, 1, 1))
+        flat.baddbmm_(k.reshape(rows, self.dk, 1), delta.reshape(rows, 1, self.dv))
         return self._finish(o, z)
 
     def prefill(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], start: int) -> torch.Tensor:
