@@ -310,8 +310,9 @@ class Mamba2Mixer:
         bh = bm[:, :, None].expand(heads).reshape(rows, s.num_heads, 1, s.state_size)
         ch = cm[:, :, None].expand(heads).reshape(rows, s.num_heads, 1, s.state_size)
         decay = torch.exp(dt * self.A)[..., None, None]  # [B, heads, 1, 1]
-        # in place: the state is the step's largest tensor ([B, heads, P, N] float32)
-        ssm.mul_(decay).add_((dt[..., None, None] * bh) * xs[..., None])
+        # in place, the input's outer product added without a temporary: the state is the
+        # step's largest tensor ([B, heads, P, N] float32)
+        ssm.mul_(decay).addcmul_(dt[..., None, None] * bh, xs[..., None])
         # S C as products summed along N (6x faster here than the batched product, B = 8)
         y = (ssm * ch).sum(-1) + xs * self.D[:, None]  # [B, heads, head_dim]
         return self._finish(y.reshape(rows, s.inner), z[:, 0])
