@@ -33,8 +33,11 @@ def test_parity_prefill_matches_transformers(name: str) -> None:
     ids = PROMPTS[2] + PROMPTS[0]
     snapshot, hidden = model.prefill(ids, chunk_size=5)  # chunked on purpose
     assert snapshot.length == len(ids) and snapshot.token_ids == ids
+    # (the delta rule's chunks of 5 sum their products in other groups than transformers' one
+    # chunk of all 18 tokens: a few 1e-4 on logits of std ~8)
+    atol = 5e-4 if name in ("tiny-qwen3-next", "tiny-qwen3.5") else 2e-4
     torch.testing.assert_close(
-        model.logits(hidden), reference_logits(name, ids), atol=2e-4, rtol=1e-4
+        model.logits(hidden), reference_logits(name, ids), atol=atol, rtol=1e-4
     )
 
 

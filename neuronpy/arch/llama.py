@@ -33,7 +33,7 @@ from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.exact import chunk_attention, soft_cap, step_attention
 from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch, States
 from neuronpy.arch.linear import Linear
-from neuronpy.arch.mixer import STATE_BLOCK, Mixer
+from neuronpy.arch.mixer import Mixer
 from neuronpy.arch.moe import MoeBlock
 from neuronpy.arch.quant import QuantEmbedding
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
@@ -561,7 +561,8 @@ class LlamaModel:
         calls with `extend` grow the snapshot in place. `extend`: `past` is consumed, and when
         its buffers have room the new columns are written into them rather than into a copy.
         `capture`: a token count at which the fixed-size states are kept too (the snapshot's
-        `checkpoint`), for the prefix cache.
+        `checkpoint`), for the prefix cache. (With fixed-size states, chunks of a multiple of
+        STATE_BLOCK give the same bits as one chunk; others differ in the last bits.)
         """
         c = self.config
         new = list(token_ids)
@@ -574,8 +575,6 @@ class LlamaModel:
         dev = self.device
         keys, values = self._kv_buffers(past, total, reserve, extend)
         states = self._state_buffers(past, extend)
-        if self.has_states and chunk_size % STATE_BLOCK:
-            raise ValueError(f"a prefill chunk must be a multiple of {STATE_BLOCK} tokens here")
         ids = torch.tensor(new, dtype=torch.long, device=dev)
         hidden_out = []
         checkpoint = _kept(states, start) if capture == start and self.has_states else None

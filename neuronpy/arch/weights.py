@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from neuronpy.arch.config import ArchConfig, layer_ropes, rope_inv_freq
+from neuronpy.arch.gdn import take_gdn
 from neuronpy.arch.linear import (
     AnyLinear,
     FusedLinear,
@@ -30,6 +31,7 @@ from neuronpy.arch.linear import (
     make_embedding,
     make_linear,
 )
+from neuronpy.arch.mamba2 import take_mamba2
 from neuronpy.arch.mixer import Mixer, ShortConv
 from neuronpy.arch.moe import MoeBlock, take_moe_block
 from neuronpy.arch.quant import AnyWeight, QuantEmbedding, cat_weights, dequantized
@@ -251,12 +253,8 @@ def take_mixer(
             dequantized(tensor(f"{conv}.conv.bias"), dtype) if bias else None,
         )
     if kind == "gdn":
-        from neuronpy.arch.gdn import take_gdn
-
         return take_gdn(tensor, f"{block}.linear_attn", hf_config, quantize, dtype)
     if kind == "mamba2":
-        from neuronpy.arch.mamba2 import take_mamba2
-
         return take_mamba2(tensor, f"{block}.mamba", hf_config, quantize, dtype)
     raise ValueError(f"unknown layer kind {kind!r}")
 

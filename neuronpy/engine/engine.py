@@ -296,6 +296,11 @@ class Engine:
             raise InvalidRequestError(
                 f"model {self.name!r} cannot save or restore sessions (tensor parallel)", "session"
             )
+        if params.speculative not in (None, "off") and self.model.has_states:
+            raise InvalidRequestError(
+                f"model {self.name!r} cannot decode speculatively: {STATE_REFUSALS['speculative']}",
+                "speculative",
+            )
         if params.speculative == "draft" and not self.drafts_with_model:
             raise InvalidRequestError(
                 f"model {self.name!r} has no draft model: 'speculative' may be off or ngram",
