@@ -259,3 +259,29 @@ def test_served_as_a_user_would_four_at_once() -> None:
         ids = tok.encode(prompt, add_special_tokens=False)
         reference = transformers_greedy(family, ids, 16)
         assert reply == tok.decode(reference, skip_special_tokens=True)
+
+
+def test_a_qwen3_5_checkpoint_with_its_vision_tower_serves_its_language_model(
+    tmp_path: Path,
+) -> None:
+    """Qwen3.5's checkpoints are image-text models (`qwen3_5`, the text model under
+    `model.language_model`): loaded as a user's directory would be, the language model is
+    what runs, with transformers' logits."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from neuronpy.loading import load_pretrained
+
+    text = hf_model("tiny-qwen3.5").config.to_dict()
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
+    torch.manual_seed(0)
+    full = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    full.eval().save_pretrained(tmp_path)
+    tokenizer("tiny-qwen3.5").save_pretrained(tmp_path)
+    loaded = load_pretrained(str(tmp_path), dtype="float32")
+    model = LlamaModel.from_hf(loaded.hf_model)
+    assert model.config.model_type == "qwen3_5_text" and model.has_states
+    ids = [5, 17, 42, 99, 3, 250, 71]
+    with torch.no_grad():
+        reference = full(torch.tensor([ids])).logits[0]
+    _, hidden = model.prefill(ids)
+    torch.testing.assert_close(model.logits(hidden), reference, atol=2e-4, rtol=1e-4)

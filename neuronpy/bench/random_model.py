@@ -3,6 +3,7 @@ weights themselves are not at hand: decode speed depends on the shapes, not the 
 
     python -m neuronpy.bench.random_model gemma3-270m /tmp/gemma3-270m
     python -m neuronpy.bench.random_model qwen3-moe-small /tmp/qwen3-moe-small
+    python -m neuronpy.bench.random_model qwen3.5-0.8b /tmp/qwen3.5-0.8b
     neuronpy bench --model /tmp/gemma3-270m --k 1,8 --peers none
 
 The tokenizer is the default model's (SmolLM2's, 49,152 entries); the model keeps its own
@@ -68,7 +69,42 @@ def _qwen3_moe_small() -> Any:
     )
 
 
-SHAPES = {"gemma3-270m": _gemma3_270m, "qwen3-moe-small": _qwen3_moe_small}
+def _qwen3_5_0_8b() -> Any:
+    """Qwen3.5-0.8B's shape: 24 layers, three Gated DeltaNet layers (16 heads of 128) to one
+    gated attention layer (8 query heads, 2 KV heads of 256, a quarter of each rotated),
+    hidden 1024, MLP 3584, its 248,320-token vocabulary, tied."""
+    from transformers import Qwen3_5TextConfig
+
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)]
+    return Qwen3_5TextConfig(
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=types,
+        max_position_embeddings=32768,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        tie_word_embeddings=True,
+    )
+
+
+SHAPES = {
+    "gemma3-270m": _gemma3_270m,
+    "qwen3-moe-small": _qwen3_moe_small,
+    "qwen3.5-0.8b": _qwen3_5_0_8b,
+}
 
 
 def build(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
