@@ -102,7 +102,11 @@ def test_compiled_forwards_round_as_eager_in_bfloat16(name: str) -> None:
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.bfloat16
         size = max(1.0, float(w.float().pow(2).mean().sqrt()))  # (as in float32, above)
-        torch.testing.assert_close(g, w, atol=1e-2 * size, rtol=1e-2)
+        # LFM2's gated convolution multiplies three bf16 projections of a token: a lone
+        # token's (one row eager, two in the graph) lands one bf16 step (1/64) apart on a
+        # couple of its logits
+        atol = (2e-2 if name == "tiny-lfm2" else 1e-2) * size
+        torch.testing.assert_close(g, w, atol=atol, rtol=1e-2)
 
 
 def test_one_graph_serves_every_forward() -> None:

@@ -198,16 +198,12 @@ async def test_n_copies_and_preemption_keep_each_rows_states() -> None:
 
 async def test_what_these_models_refuse_by_name(tmp_path: Path) -> None:
     family = "tiny-granite-hybrid"
-    with pytest.raises(ValueError, match="speculative decoding is not supported"):
-        make_engine(family, speculative="ngram", num_speculative_tokens=3)
     with pytest.raises(TensorParallelError, match="tensor parallelism"):
         take_weights(hf_model(family), rank=0, world_size=2)
     async with make_engine(family, compile="off") as engine:
         assert not engine.supports_sessions
         with pytest.raises(InvalidRequestError, match="fixed-size states"):
             engine.submit_many([5, 6, 7], greedy(2), 1, SessionRequest("chat", tmp_path / "s"))
-        with pytest.raises(InvalidRequestError, match="fixed-size states"):
-            await engine.complete([5, 6, 7], greedy(2, speculative="ngram"))
 
 
 def test_a_snapshot_prefix_shorter_than_its_states_is_refused() -> None:
@@ -285,3 +281,26 @@ def test_a_qwen3_5_checkpoint_with_its_vision_tower_serves_its_language_model(
         reference = full(torch.tensor([ids])).logits[0]
     _, hidden = model.prefill(ids)
     torch.testing.assert_close(model.logits(hidden), reference, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("draft", ["tiny-qwen3-next", "tiny-granite-hybrid"])
+async def test_speculative_decoding_gives_the_replies_without_it(draft: str) -> None:
+    """A verify step advances the fixed-size states through every draft, and the rows'
+    states return to their last accepted token's: greedy replies are byte-identical with and
+    without speculation. The target drafting for itself has every draft stand; another model
+    drafting has most rejected (the draft model's own states are trimmed the same way)."""
+    family = "tiny-qwen3-next"
+    tok = tokenizer(family)
+    jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
+    async with make_engine(family, max_in_flight=1, compile="off") as plain:
+        expected = await one_at_a_time(plain, jobs)
+    config = dict(speculative="draft", num_speculative_tokens=3, compile="off")
+    async with make_engine(family, draft=draft, max_in_flight=8, **config) as engine:
+        got = await concurrently(engine, jobs)
+        stats = engine.stats()
+    assert [summary(c) for c in got] == [summary(c) for c in expected]
+    assert stats.spec_draft_tokens > 0
+    if draft == family:
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    else:
+        assert 0 <= stats.spec_accepted_tokens < stats.spec_draft_tokens

@@ -81,7 +81,20 @@ def drafts_for(row: int, step: int, truth: list[int], at: int, left: int) -> lis
     return guess
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-mistral", "tiny-qwen3-moe"])
+@pytest.mark.parametrize(
+    # (and the hybrids, whose fixed-size states a verify step advances token by token and
+    # `trim` returns to the last accepted token's)
+    "name",
+    [
+        "tiny-llama",
+        "tiny-qwen3",
+        "tiny-mistral",
+        "tiny-qwen3-moe",
+        "tiny-qwen3-next",
+        "tiny-granite-hybrid",
+        "tiny-lfm2",
+    ],
+)
 def test_parity_verify_steps_equal_one_token_steps(name: str) -> None:
     model = native(name)
     refs = [reference(model, list(p), STEPS * 5 + 2) for p in PROMPTS]

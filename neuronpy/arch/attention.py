@@ -144,9 +144,15 @@ class UniformStep:
 
     def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """This group's rows, one token each, through their own states: [B_g, hidden]."""
-        lo = self.first
-        state = self.group.states[model.state_index[layer]]
-        return model.mixer(layer).step(x[lo : lo + self.group.batch_size], state)
+        group, lo = self.group, self.first
+        index = model.state_index[layer]
+        state = group.states[index]
+        before = [tuple(t.clone() for t in state)] if group.record else []
+        out = model.mixer(layer).step(x[lo : lo + group.batch_size], state)
+        if group.record:  # (a draft model's: its drafts may be taken back, steps later)
+            before.append(tuple(t.clone() for t in state))
+            group.keep_states([1] * group.batch_size, index, before)
+        return out
 
 
 @dataclass(frozen=True)
@@ -241,9 +247,29 @@ class RaggedStep:
         return out if even else out[self.keep]
 
     def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError(
-            "a verify step (speculative decoding) over fixed-size-state layers"
-        )
+        """Each row's tokens one after another through its states, as decode steps would
+        run them (a step's rows give each row's own bits): token j of every row that has one,
+        in one step. The states after each j are kept (KvGroup.history) for `trim` to return a
+        row to the token it keeps."""
+        group, lo = self.group, self.first
+        state = group.states[model.state_index[layer]]
+        mixer = model.mixer(layer)
+        out = x.new_empty(self.tokens, x.shape[1])
+        kept = [tuple(t.clone() for t in state)]
+        for j in range(self.take.shape[1]):
+            rows = [b for b, n in enumerate(self.counts) if n > j]
+            at = self.take[rows, j]
+            if len(rows) == group.batch_size:
+                out[at - lo] = mixer.step(x[at], state)
+            else:
+                index = torch.tensor(rows, device=x.device)
+                part = tuple(t.index_select(0, index) for t in state)
+                out[at - lo] = mixer.step(x[at], part)
+                for t, p in zip(state, part, strict=True):
+                    t.index_copy_(0, index, p)
+            kept.append(tuple(t.clone() for t in state))
+        group.keep_states(self.counts, model.state_index[layer], kept)
+        return out
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,12 @@ class KvGroup:
     lags: list[int] | None = None
     # per fixed-size-state layer: its state tensors, [B_g, ...] each (see the module's docstring)
     states: list[States] = field(default_factory=list)
+    # the states of the steps `trim` may take back: per step, each row's token count and per
+    # such layer the states after 0, 1, ... of the step's tokens. A verify step keeps its
+    # own; a group that `record`s (a draft model's, whose drafts span steps) keeps every
+    # step's until a trim
+    history: list[tuple[list[int], list[list[States]]]] | None = field(default=None, repr=False)
+    record: bool = False
     _prefix_lens_t: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -191,7 +197,41 @@ class KvGroup:
         steps = self.row_steps
         if any(not 0 <= d <= s for d, s in zip(drops, steps, strict=True)):
             raise ValueError(f"cannot drop {list(drops)} of decode columns {steps}")
+        if self.states and any(drops):
+            self._restore_states(drops)
         self._set_steps([s - d for s, d in zip(steps, drops, strict=True)])
+
+    def _restore_states(self, drops: Sequence[int]) -> None:
+        """Each row's fixed-size states back to what they were after the tokens it keeps of
+        the last verify step (the states cannot be cut: they were kept per token)."""
+        steps = self.history or []
+        for row, drop in enumerate(drops):
+            if not drop:
+                continue
+            left = drop
+            for counts, layers in reversed(steps):  # the last step first
+                if left <= counts[row]:
+                    # (kept[n]: the states after n of that step's tokens)
+                    for states, kept in zip(self.states, layers, strict=True):
+                        for t, old in zip(states, kept[counts[row] - left], strict=True):
+                            t[row] = old[row]
+                    break
+                left -= counts[row]
+            else:
+                raise ValueError(
+                    f"row {row} cannot drop {drop} tokens: its fixed-size states are kept for "
+                    f"{drop - left} (the steps since a verify step or a trim)"
+                )
+        self.history = None
+
+    def keep_states(self, counts: Sequence[int], layer: int, kept: list[States]) -> None:
+        """Keeps fixed-size-state layer `layer`'s states after 0, 1, ... of this step's
+        tokens (counts[b] per row), for `trim`; the first layer of a step opens its entry."""
+        if self.history is None:
+            self.history = []
+        if layer == 0:
+            self.history.append((list(counts), []))
+        self.history[-1][1].append(kept)
 
     def _set_steps(self, steps: Sequence[int]) -> None:
         self.steps = max(steps, default=0)

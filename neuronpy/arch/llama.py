@@ -798,6 +798,8 @@ class LlamaModel:
         """What one step does in one group, whose rows' tokens start at `first` of the
         forward: one column per row in place when every row feeds one token and holds all the
         group's steps (the lockstep case), else a ragged write and mask (RaggedStep)."""
+        if not group.record:  # (a verify step's states: `trim` has used them, or never will)
+            group.history = None
         if group.uniform and all(n == 1 for n in counts):
             group.ensure_headroom(1)
             positions = group.positions()

@@ -60,7 +60,6 @@ def kv_bytes_per_token(model: LlamaModel) -> int:
 # what a model whose layers keep fixed-size states cannot do, and why
 STATE_REFUSALS = {
     "session": "saved sessions hold KV alone; this model's layers also keep fixed-size states",
-    "speculative": "a verify step would advance its fixed-size states through rejected drafts",
 }
 
 
@@ -121,11 +120,6 @@ class Engine:
             model.identity(), extra=(config.quantize,)
         )
         self._worker = worker or DeviceWorker(model, name, config.prefill_chunk)
-        if model.has_states and config.speculative != "off":
-            raise ValueError(
-                f"model {name!r} ({model.config.model_type}): speculative decoding is not "
-                f"supported: {STATE_REFUSALS['speculative']}"
-            )
         if config.speculative == "draft" and self._worker.drafts is None:
             raise ValueError(f'model {name!r}: speculative = "draft" needs its draft model loaded')
         drafts = self._worker.drafts
@@ -295,11 +289,6 @@ class Engine:
         if session is not None and not self._worker.supports_sessions:
             raise InvalidRequestError(
                 f"model {self.name!r} cannot save or restore sessions (tensor parallel)", "session"
-            )
-        if params.speculative not in (None, "off") and self.model.has_states:
-            raise InvalidRequestError(
-                f"model {self.name!r} cannot decode speculatively: {STATE_REFUSALS['speculative']}",
-                "speculative",
             )
         if params.speculative == "draft" and not self.drafts_with_model:
             raise InvalidRequestError(

@@ -53,6 +53,8 @@ class DraftBatch:
         if fresh or list(job.keys) != self.keys or self.batch is None:
             self.batch = assemble_batch(sources)
             self.keys = list(job.keys)
+            for group in self.batch.groups:  # its drafts span steps: all may be taken back
+                group.record = True
         counts = [len(f) for f in feeds]
         flat = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=model.device)
         hidden = model.forward_step(self.batch, flat, counts=counts).hidden
