@@ -5,20 +5,22 @@ prefilled in chunks that ride decode steps, and what these models refuse by name
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import anyio
 import openai
 import pytest
 import torch
+from safetensors import safe_open
 
 from neuronpy.arch.kv import KvSnapshot
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.arch.weights import TensorParallelError, take_weights
 from neuronpy.engine.engine import RequestStream
-from neuronpy.engine.types import FinishReason, SessionRequest
-from neuronpy.errors import InvalidRequestError
+from neuronpy.engine.types import FinishReason
 from tests.factories import fixture_builder, hf_model, make_engine, tokenizer
 from tests.servers import fixture_model, run_server
 from tests.test_engine_parity import (
@@ -196,14 +198,44 @@ async def test_n_copies_and_preemption_keep_each_rows_states() -> None:
     assert preempted >= 1
 
 
-async def test_what_these_models_refuse_by_name(tmp_path: Path) -> None:
-    family = "tiny-granite-hybrid"
+def test_tensor_parallelism_is_refused_by_name() -> None:
     with pytest.raises(TensorParallelError, match="tensor parallelism"):
-        take_weights(hf_model(family), rank=0, world_size=2)
-    async with make_engine(family, compile="off") as engine:
-        assert not engine.supports_sessions
-        with pytest.raises(InvalidRequestError, match="fixed-size states"):
-            engine.submit_many([5, 6, 7], greedy(2), 1, SessionRequest("chat", tmp_path / "s"))
+        take_weights(hf_model("tiny-granite-hybrid"), rank=0, world_size=2)
+
+
+def test_a_session_saves_the_states_and_continues_after_a_restart(tmp_path: Path) -> None:
+    """A session file holds the states beside the KV (after the conversation's last token):
+    a next turn that starts with all of its tokens, on a new server, restores them and
+    answers as a server without sessions does; one that starts with part of them is
+    prefilled whole (a state cannot be cut shorter)."""
+    family = "tiny-granite-hybrid"
+    prompt = tokenizer(family).encode(TEXTS[2])
+
+    def complete(url: str, ids: list[int], **extra: object) -> Any:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        return api.completions.create(
+            model=family, prompt=ids, max_tokens=12, temperature=0.0, extra_body=extra
+        )
+
+    with run_server(fixture_model(family), sessions_dir=tmp_path) as server:
+        complete(server.url, prompt, session="talk")
+    with safe_open(str(tmp_path / "talk.safetensors"), framework="pt") as f:
+        assert {"states.0.0", "states.0.1", "states.1.0", "states.1.1"} <= set(f.keys())
+        assert f.get_tensor("states.0.1").dtype == torch.float32  # the SSM state
+        saved = json.loads(f.metadata()["token_ids"])
+    assert saved[: len(prompt)] == prompt and len(saved) == len(prompt) + 11
+    turns = ([*saved, 5, 6, 7], [*saved[:-2], 5, 6, 7])  # all of it, and part of it
+    with run_server(fixture_model(family, prefix_cache=False)) as plain:
+        expected = [complete(plain.url, ids).choices[0].text for ids in turns]
+    for ids, want, restores in zip(turns, expected, (1, 0), strict=True):
+        with run_server(fixture_model(family), sessions_dir=tmp_path) as restarted:
+            before = restarted.stats()
+            got = complete(restarted.url, ids, session={"name": "talk", "save": False})
+            after = restarted.stats()
+        assert got.choices[0].text == want
+        assert after["sessions_restored"] - before["sessions_restored"] == restores
+        prefilled = after["prefill_tokens"] - before["prefill_tokens"]
+        assert prefilled == len(ids) - (len(saved) if restores else 0)
 
 
 def test_a_snapshot_prefix_shorter_than_its_states_is_refused() -> None:

@@ -63,7 +63,7 @@ def write_raw(path: Path, header: dict[str, Any] | str | bytes, data: bytes) -> 
     path.write_bytes(struct.pack("<Q", len(header)) + header + data)
 
 
-def read(path: Path) -> tuple[list, list, list[int]]:
+def read(path: Path) -> tuple[list, list, list[int], list]:
     return read_session(
         path, CPU, fingerprint=FP, dtype=torch.float32, layers=LAYERS, kv_heads=HEADS, head_dim=DIM
     )
@@ -104,6 +104,76 @@ def timed(call: Callable[[], Any]) -> tuple[BaseException | None, float]:
 # ---- the guarded reader ----------------------------------------------------------------------
 
 
+STATE_LAYOUT = [[((3, 2), torch.bfloat16), ((2, 4, 4), torch.float32)]]  # one layer's two
+
+
+def session_with_states(path: Path) -> list[tuple[torch.Tensor, ...]]:
+    """A good session of a hybrid model: KV, and one layer's fixed-size states (a conv window
+    in bf16 and a recurrent state in float32)."""
+    gen = torch.Generator().manual_seed(1)
+    keys = [torch.randn(1, HEADS, TOKENS, DIM, generator=gen) for _ in range(LAYERS)]
+    states = [tuple(torch.randn(1, *shape, generator=gen).to(dt) for shape, dt in STATE_LAYOUT[0])]
+    meta = session_metadata("m", FP, torch.float32)
+    values = [k.clone() for k in keys]
+    write_session(path, keys, values, [3, 1, 4, 1, 5], meta, states)
+    return states
+
+
+def read_hybrid(path: Path, layout: Any = STATE_LAYOUT) -> Any:
+    return read_session(
+        path,
+        CPU,
+        fingerprint=FP,
+        dtype=torch.float32,
+        layers=LAYERS,
+        kv_heads=HEADS,
+        head_dim=DIM,
+        states=layout,
+    )
+
+
+def test_fixed_size_states_read_back_exactly_and_must_be_the_models(tmp_path: Path) -> None:
+    path = tmp_path / "s.safetensors"
+    states = session_with_states(path)
+    assert read_header(path).states == ((((1, 3, 2), "BF16"), ((1, 2, 4, 4), "F32")),)
+    *_, got = read_hybrid(path)
+    assert len(got) == 1
+    assert all(torch.equal(a, b) for a, b in zip(got[0], states[0], strict=True))
+    assert got[0][0].dtype == torch.bfloat16 and got[0][1].dtype == torch.float32
+    for other in ([[((3, 2), torch.float32), STATE_LAYOUT[0][1]]], [], [STATE_LAYOUT[0][:1]]):
+        with pytest.raises(SessionFileError, match="fixed-size states"):
+            read_hybrid(path, other)
+    with pytest.raises(SessionFileError, match="fixed-size states"):
+        read(path)  # a model without them
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "match"),
+    [
+        ("states.0.x", [1, 3, 2], "not a state's name"),
+        ("states.01.1", [1, 3, 2], "not a state's name"),
+        ("states.0.2", [1, 3, 2], "numbered layer by layer"),
+        ("states.0.1", [2, 3, 2], "not a state's"),
+        ("states.0.1", [1], "not a state's"),
+        ("states.0.1", [1, 2, 2, 2, 2, 2], "not a state's"),
+    ],
+)
+def test_crafted_state_tensors_are_refused(
+    tmp_path: Path, name: str, shape: list[int], match: str
+) -> None:
+    path = tmp_path / "s.safetensors"
+    session_with_states(path)
+    header, data = split(path)
+    entry = header.pop("states.0.1")
+    nbytes = 4
+    for n in shape:
+        nbytes *= n
+    lo = entry["data_offsets"][0]
+    header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [lo, lo + nbytes]}
+    write_raw(path, header, data)
+    refused(path, match)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_good_session_reads_back_exactly(tmp_path: Path, dtype: torch.dtype) -> None:
     path = tmp_path / "s.safetensors"
@@ -111,7 +181,7 @@ def test_a_good_session_reads_back_exactly(tmp_path: Path, dtype: torch.dtype) -
     header = read_header(path)
     assert (header.layers, header.kv_heads, header.head_dim) == (LAYERS, HEADS, DIM)
     assert header.token_ids == (3, 1, 4, 1, 5) and header.size == path.stat().st_size
-    got_keys, got_values, ids = read_session(
+    got_keys, got_values, ids, _ = read_session(
         path, CPU, fingerprint=FP, dtype=dtype, layers=LAYERS, kv_heads=HEADS, head_dim=DIM
     )
     assert ids == [3, 1, 4, 1, 5]

@@ -127,6 +127,14 @@ class LlamaModel:
             for spec in self.mixer(layer).state_specs()
         )
 
+    def state_layout(self) -> list[list[tuple[tuple[int, ...], torch.dtype]]]:
+        """Per fixed-size-state layer, its state tensors' shapes (a row's) and dtypes."""
+        return [
+            [(spec.shape, spec.dtype) for spec in lw.mixer.state_specs()]
+            for lw in self.layers
+            if lw.mixer is not None
+        ]
+
     def state_bytes(self) -> int:
         """The bytes of one sequence's fixed-size states, all layers (0: attention only)."""
         return sum(

@@ -57,10 +57,6 @@ def kv_bytes_per_token(model: LlamaModel) -> int:
     return 2 * model.num_kv_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
-# what a model whose layers keep fixed-size states cannot do, and why
-STATE_REFUSALS = {
-    "session": "saved sessions hold KV alone; this model's layers also keep fixed-size states",
-}
 
 
 # A reranker's answer tokens, in the order its scores read them: P(yes) = softmax(no, yes)[1]
@@ -226,7 +222,7 @@ class Engine:
     def supports_sessions(self) -> bool:
         """Whether requests may continue from and save into session files (not across
         tensor-parallel ranks)."""
-        return self._worker.supports_sessions and not self.model.has_states
+        return self._worker.supports_sessions
 
     @property
     def healthy(self) -> bool:
@@ -281,11 +277,6 @@ class Engine:
             self.grammars.compile(params.constraint, reasoning)
         if session is not None and n != 1:
             raise InvalidRequestError("a request with a 'session' returns one choice (n = 1)", "n")
-        if session is not None and self.model.has_states:
-            raise InvalidRequestError(
-                f"model {self.name!r} cannot save or restore sessions: {STATE_REFUSALS['session']}",
-                "session",
-            )
         if session is not None and not self._worker.supports_sessions:
             raise InvalidRequestError(
                 f"model {self.name!r} cannot save or restore sessions (tensor parallel)", "session"

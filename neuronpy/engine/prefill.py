@@ -76,7 +76,9 @@ class Prefills:
             return
         limit = len(request.prompt_ids) - 1
         common = common_prefix(loaded.token_ids[:limit], request.prompt_ids)
-        if common <= (load.hit[1] if load.hit else 0) or request.done:
+        whole = not self.state_block or common == len(loaded.token_ids)
+        # (fixed-size states hold after the session's last token: all of it, or none)
+        if common <= (load.hit[1] if load.hit else 0) or request.done or not whole:
             self._queue(DropCached((load.cache_id,)))
             return
         self._counters.sessions_restored += 1

@@ -60,7 +60,7 @@ async def open_session(
                 engine.name,
                 engine.fingerprint,
                 dtype_name(engine.model.dtype),
-                layout=(c.num_layers, c.num_kv_heads, c.head_dim),
+                layout=(engine.model.num_kv_layers, c.num_kv_heads, c.head_dim),
                 context_len=engine.context_len,
             )
         path = store.path(name)

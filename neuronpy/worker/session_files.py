@@ -1,7 +1,9 @@
 """Session files on disk: a snapshot's KV and token ids in one safetensors file, written whole.
 
 A session is one safetensors file: per layer `layers.N.keys` and `layers.N.values`
-([1, kv_heads, tokens, head_dim]) and, as metadata, the format, the model's name and
+([1, kv_heads, tokens, head_dim]); for a model whose other layers keep fixed-size states
+(arch/mixer.py), per such layer its tensors `states.N.I` ([1, ...], each its own shape and
+dtype: the states after the last token); and, as metadata, the format, the model's name and
 fingerprint, the KV dtype and the token ids the KV holds. A session continues only on the model
 that saved it: the same weights (the fingerprint), the same dtype.
 
@@ -57,6 +59,10 @@ FINGERPRINT = re.compile(r"[0-9a-f]{32}")  # model_fingerprint's
 # a flat JSON list of non-negative integers, nothing else: no nesting, floats, NaN, strings
 _ID = r"(?:0|[1-9][0-9]{0,9})"
 TOKEN_IDS = re.compile(rf"\[\s*(?:{_ID}\s*(?:,\s*{_ID}\s*)*)?\]")
+# a fixed-size-state tensor's name: states.<layer>.<index>, and the bounds on them
+STATE_NAME = re.compile(r"states\.(0|[1-9][0-9]{0,3})\.(0|[1-9])")
+MAX_STATE_DIMS = 4  # a state tensor's dims after its leading 1
+MAX_STATE_VALUES = 2**31
 _TENSOR_FIELDS = {"dtype", "shape", "data_offsets"}
 
 
@@ -88,6 +94,8 @@ class SessionHeader:
     modified: float  # seconds since the epoch
     # (name, absolute offset of its data, its bytes), in file order
     tensors: tuple[tuple[str, int, int], ...]
+    # per fixed-size-state layer, its tensors' (shape, safetensors dtype code), in index order
+    states: tuple[tuple[tuple[tuple[int, ...], str], ...], ...] = ()
 
 
 def model_fingerprint(weights: Mapping[str, torch.Tensor], extra: Sequence[object] = ()) -> str:
@@ -122,6 +130,7 @@ def write_session(
     values: Sequence[torch.Tensor],
     token_ids: Sequence[int],
     metadata: Mapping[str, str],
+    states: Sequence[Sequence[torch.Tensor]] = (),
 ) -> None:
     """Writes a session file whole or not at all (a temporary file, then a rename: whatever
     was at `path`, a link or a FIFO included, is replaced, never written through)."""
@@ -129,6 +138,9 @@ def write_session(
     for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
         tensors[f"layers.{layer}.keys"] = k.contiguous()
         tensors[f"layers.{layer}.values"] = v.contiguous()
+    for layer, st in enumerate(states):
+        for i, t in enumerate(st):
+            tensors[f"states.{layer}.{i}"] = t.contiguous()
     meta = {**metadata, "token_ids": json.dumps(list(token_ids)), "tokens": str(len(token_ids))}
     replace_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
@@ -150,9 +162,12 @@ def read_session(
     layers: int,
     kv_heads: int,
     head_dim: int,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-    """A session's KV on `device` and its token ids, checked against the model that will use
-    it (the file may have changed since its header was read). Raises SESSION_ERRORS only."""
+    states: Sequence[Sequence[tuple[tuple[int, ...], torch.dtype]]] = (),
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[tuple[torch.Tensor, ...]]]:
+    """A session's KV on `device`, its token ids and its fixed-size states (per such layer,
+    each tensor's shape without the leading 1, and dtype: `states`, the model's), checked
+    against the model that will use it (the file may have changed since its header was
+    read). Raises SESSION_ERRORS only."""
     with _one_file(), _open_regular(path) as (fd, st):
         header = _parse_header(fd, st)  # one open file: the header, then the tensors
         if header.fingerprint != fingerprint:
@@ -164,17 +179,35 @@ def read_session(
                 f"it holds {got[0]} layers x {got[1]} KV heads x {got[2]} dims in {got[3]}, "
                 f"the model {expected[0]} x {expected[1]} x {expected[2]} in {expected[3]}"
             )
-        shape = (1, kv_heads, len(header.token_ids), head_dim)
-        tensors = {
-            name: _read_into(fd, offset, nbytes).view(dtype).reshape(shape).to(device)
-            for name, offset, nbytes in header.tensors
+        want = tuple(
+            tuple(((1, *shape), DTYPE_CODES[str(dt).removeprefix("torch.")]) for shape, dt in st)
+            for st in states
+        )
+        if header.states != want:
+            raise SessionFileError(
+                f"its fixed-size states {_short(header.states)} are not the model's "
+                f"{_short(want)}"
+            )
+        shapes = {
+            f"states.{layer}.{i}": (shape, DTYPES[code])
+            for layer, st in enumerate(want)
+            for i, (shape, code) in enumerate(st)
         }
+        shape = (1, kv_heads, len(header.token_ids), head_dim)
+        tensors = {}
+        for name, offset, nbytes in header.tensors:
+            shaped, typed = shapes.get(name, (shape, dtype))
+            tensors[name] = _read_into(fd, offset, nbytes).view(typed).reshape(shaped).to(device)
         after = os.fstat(fd)
         if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
             raise SessionFileError("it changed while it was read")
     keys = [tensors[f"layers.{i}.keys"] for i in range(layers)]
     values = [tensors[f"layers.{i}.values"] for i in range(layers)]
-    return keys, values, list(header.token_ids)
+    kept = [
+        tuple(tensors[f"states.{layer}.{i}"] for i in range(len(st)))
+        for layer, st in enumerate(want)
+    ]
+    return keys, values, list(header.token_ids), kept
 
 
 # ---- the guarded reader ----------------------------------------------------------------------
@@ -266,7 +299,9 @@ def _parse_header(fd: int, st: os.stat_result) -> SessionHeader:
         raise SessionFileError(f"it says {_short(meta['tokens'])} tokens, holds {len(token_ids)}")
     if len(meta.get("created", "")) > MAX_CREATED:
         raise SessionFileError("its creation time is not a time")
+    states, state_tensors = _state_layout(header)
     layers, kv_heads, head_dim, tensors = _layout(header, DTYPE_CODES[dtype], len(token_ids))
+    tensors = sorted(tensors + state_tensors, key=lambda t: t[1])
     data_start = 8 + length
     end = data_start
     for _name, offset, nbytes in tensors:
@@ -286,7 +321,47 @@ def _parse_header(fd: int, st: os.stat_result) -> SessionHeader:
         size=size,
         modified=st.st_mtime,
         tensors=tuple((name, data_start + offset, nbytes) for name, offset, nbytes in tensors),
+        states=states,
     )
+
+
+def _state_layout(
+    header: dict[str, Any],
+) -> tuple[tuple[tuple[tuple[tuple[int, ...], str], ...], ...], list[tuple[str, int, int]]]:
+    """Takes the fixed-size-state tensors out of `header`: per layer its tensors' (shape,
+    dtype code), index by index, and the tensors (name, offset in the data, bytes). Their
+    names must be states.N.I for layers 0..n-1, each with indices 0..k-1."""
+    found: dict[int, dict[int, tuple[tuple[int, ...], str]]] = {}
+    tensors = []
+    for name in [n for n in header if n.startswith("states.")]:
+        match = STATE_NAME.fullmatch(name)
+        entry = header.pop(name)
+        if match is None or int(match[1]) >= MAX_LAYERS:
+            raise SessionFileError(f"its tensor {_short(name)} is not a state's name")
+        if not isinstance(entry, dict) or set(entry) != _TENSOR_FIELDS:
+            raise SessionFileError(f"its tensor {name} is not described as safetensors does")
+        code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        dims = len(shape) if isinstance(shape, list) else 0
+        if code not in DTYPES or not (
+            2 <= dims <= 1 + MAX_STATE_DIMS
+            and _ints(shape, dims, MAX_DIM)
+            and shape[0] == 1
+            and math.prod(shape) < MAX_STATE_VALUES
+        ):
+            raise SessionFileError(
+                f"its tensor {name} is {_short(code)} {_short(shape)}, not a state's"
+            )
+        nbytes = math.prod(shape) * DTYPES[code].itemsize
+        if not _ints(offsets, 2, 2**63) or offsets[1] - offsets[0] != nbytes:
+            raise SessionFileError(f"its tensor {name} has offsets {_short(offsets)}")
+        found.setdefault(int(match[1]), {})[int(match[2])] = (tuple(shape), code)
+        tensors.append((name, offsets[0], nbytes))
+    if set(found) != set(range(len(found))) or any(
+        set(st) != set(range(len(st))) for st in found.values()
+    ):
+        raise SessionFileError("its states are not numbered layer by layer from 0")
+    layout = tuple(tuple(found[i][j] for j in range(len(found[i]))) for i in range(len(found)))
+    return layout, tensors
 
 
 def _layout(

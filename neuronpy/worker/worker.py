@@ -327,9 +327,11 @@ class DeviceWorker:
         # never written again once it has left the batch, so its own storage is kept as it is
         keys = [k.to(cpu).contiguous() for k in snapshot.keys]
         values = [v.to(cpu).contiguous() for v in snapshot.values]
+        # (copies: the states of a snapshot still in a batch's storage are advanced in place)
+        states = [tuple(t.to(cpu, copy=True).contiguous() for t in st) for st in snapshot.states]
         tokens = list(snapshot.token_ids)
         written, _ = start_in_own_thread(
-            lambda: write_session(job.path, keys, values, tokens, job.metadata),
+            lambda: write_session(job.path, keys, values, tokens, job.metadata, states),
             "neuronpy-session-write",
         )
         return SaveResult(len(tokens), written)
@@ -339,14 +341,15 @@ class DeviceWorker:
             raise WorkerError(f"snapshot {job.cache_id} already exists")
         c = self.model.config
         try:
-            keys, values, tokens = read_session(
+            keys, values, tokens, states = read_session(
                 job.path,
                 self.model.device,
                 fingerprint=job.fingerprint,
                 dtype=self.model.dtype,
-                layers=c.num_layers,
+                layers=self.model.num_kv_layers,
                 kv_heads=c.num_kv_heads,
                 head_dim=c.head_dim,
+                states=self.model.state_layout(),
             )
         except SESSION_ERRORS as exc:  # (their messages never name the path; nor does this)
             if isinstance(exc, FileNotFoundError):
@@ -354,7 +357,7 @@ class DeviceWorker:
                 # prefills the whole prompt, as for a new session (its common prefix with () is 0)
                 return LoadResult((), 0)
             raise WorkerError(f"{job.path.name} cannot be restored: {exc}") from exc
-        snapshot = self._cache[job.cache_id] = KvSnapshot(keys, values, tokens)
+        snapshot = self._cache[job.cache_id] = KvSnapshot(keys, values, tokens, states=states)
         return LoadResult(tuple(tokens), snapshot.nbytes)
 
     def _assemble(self, job: AssembleKvBatch) -> AssembleResult:
