@@ -104,7 +104,24 @@ def gguf_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[st
         tokens = fields.get("tokenizer.ggml.tokens")
         if isinstance(tokens, SkippedArray):
             config["vocab_size"] = tokens.count
+    if architecture == "lfm2":
+        _lfm2_config(config)
     return config
+
+
+def _lfm2_config(config: dict[str, Any]) -> None:
+    """transformers' LFM2 steps after the renames: llama.cpp writes head_count_kv per layer (0
+    for a convolution layer), which gives the attention layers (full_attn_idxs) and the KV
+    head count; feed_forward_length is the MLP's size as built, so nothing is derived from it.
+    And the one field transformers' table misses: Lfm2Config's norm_eps, which it reads as
+    rms_norm_eps (neuronpy reads either)."""
+    heads = config["num_key_value_heads"]
+    heads = heads if isinstance(heads, list) else [heads] * config["num_hidden_layers"]
+    config["num_key_value_heads"] = max(heads)
+    config["block_auto_adjust_ff_dim"] = False
+    config["full_attn_idxs"] = [i for i, n in enumerate(heads) if n > 0]
+    if "rms_norm_eps" in config:
+        config["norm_eps"] = config["rms_norm_eps"]
 
 
 def _tokenizer_class(path: Path, config: Any) -> type | None:

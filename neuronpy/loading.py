@@ -193,6 +193,7 @@ def load_gguf_checkpoint(
         dtype=torch_dtype,
         fingerprint=gguf_cache_key(path),
         permute=permute,
+        arch=arch,
     )
     log(
         f"reading {path.name} as it is stored ({checkpoint.describe()}; computing in "

@@ -209,7 +209,6 @@ def add_fixture_metadata(
     `neuronpy serve` serves alone."""
     if config is None:
         config = transformers.AutoConfig.from_pretrained(tokenizer_dir)
-    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     writer.add_name(tokenizer_dir.name)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
@@ -221,6 +220,13 @@ def add_fixture_metadata(
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
+    add_fixture_tokenizer(writer, tokenizer_dir)
+
+
+def add_fixture_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> None:
+    """A fixture's byte-level BPE tokenizer, its special ids and chat template, as llama.cpp's
+    converter writes them."""
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
     for added in tok["added_tokens"]:
         tokens[added["id"]] = added["content"]

@@ -308,29 +308,68 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# LFM2 (llama.cpp's "lfm2"): its converter's names for transformers' Lfm2 modules. The final
+# norm (transformers' embedding_norm, applied after the last layer) is token_embd_norm in
+# llama.cpp's tensor map, output_norm in files of other converters (ollama's).
+_LFM2_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "token_embd_norm": "model.embedding_norm",
+    "output_norm": "model.embedding_norm",
+    "output": "lm_head",
+}
+_LFM2_LAYER_NAMES = {
+    "attn_norm": "operator_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+}
+# GGUF architecture -> (its global names, its per-layer names)
+_NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES)}
+NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "lfm2")
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
-def hf_name(name: str) -> str | None:
-    """The transformers parameter a GGUF tensor is (None: one the layers do not read, e.g.
-    llama.cpp's precomputed RoPE factors)."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """The transformers parameter a GGUF tensor of architecture `arch` is (None: one the layers
+    do not read, e.g. llama.cpp's precomputed RoPE factors)."""
+    global_names, layer_names = _NAMES.get(arch, (_GLOBAL_NAMES, _LAYER_NAMES))
     stem, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if stem in global_names:
+        return f"{global_names[stem]}.{suffix}"
+    parts = stem.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     return None
+
+
+def _restore(arch: str, name: str, weight: AnyWeight) -> AnyWeight:
+    """Tensor `name` (transformers') as transformers holds it, from the file's: undoes what
+    llama.cpp's converter did to it beyond the name (LFM2: its convolution's [C, 1, K] weight
+    squeezed to [C, K])."""
+    if arch == "lfm2" and name.endswith(".conv.conv.weight") and isinstance(weight, torch.Tensor):
+        return weight.unsqueeze(1)
+    return weight
 
 
 class GGUFCheckpoint:
     """The tensors of one GGUF file under transformers' parameter names, read on demand.
 
     `permute`: (query heads, KV heads) where the file holds q and k with llama.cpp's RoPE
-    row order (its Llama converter's), which is undone here row by row. `config` and
+    row order (its Llama converter's), which is undone here row by row. `arch`: the file's
+    general.architecture, which names its tensors (hf_name) and says what the converter did
+    to them (_restore). `config` and
     `generation_config` are transformers' for the file; `dtype` the model's."""
 
     def __init__(
@@ -342,6 +381,7 @@ class GGUFCheckpoint:
         dtype: torch.dtype,
         fingerprint: str,
         permute: tuple[int, int] | None = None,
+        arch: str = "llama",
     ) -> None:
         self.path = path
         self.config = config
@@ -349,8 +389,9 @@ class GGUFCheckpoint:
         self.dtype = dtype
         self.fingerprint = fingerprint
         self._permute = permute
+        self.arch = arch
         _, tensors = read_index(path)
-        self._tensors = {n: t for t in tensors if (n := hf_name(t.name)) is not None}
+        self._tensors = {n: t for t in tensors if (n := hf_name(t.name, arch)) is not None}
         unknown = sorted({t.kind for t in self._tensors.values()} - set(SUPPORTED_TYPES))
         if unknown:
             raise ModelLoadError(
@@ -381,7 +422,7 @@ class GGUFCheckpoint:
         if self._permute is not None and (".q_proj." in name or ".k_proj." in name):
             heads = self._permute[0] if ".q_proj." in name else self._permute[1]
             weight = _take_rows(weight, _rope_rows(weight.shape[0], heads))
-        return weight
+        return _restore(self.arch, name, weight)
 
 
 def _rope_rows(rows: int, heads: int) -> torch.Tensor:
