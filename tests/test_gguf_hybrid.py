@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from neuronpy.arch.config import ArchConfig
-from neuronpy.arch.gguf import read_index
+from neuronpy.arch.gguf import hf_name, read_index
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.loading import load_gguf_checkpoint
 from tests.factories import fixture_dir, hf_model, tokenizer
@@ -170,3 +170,12 @@ def test_a_q8_0_file_stays_quantized_and_runs_close(family: str, tmp_path: Path)
     assert float(agree) >= 0.9
     tokens = greedy_ids(model, ids, 4)
     assert len(tokens) == 4 and all(0 <= t < hf_model(family).config.vocab_size for t in tokens)
+
+
+def test_lfm2_names_read_under_either_final_norm_name() -> None:
+    """llama.cpp's converter names LFM2's final norm token_embd_norm; other converters
+    (ollama's) output_norm: both are transformers' embedding_norm."""
+    for name in ("token_embd_norm.weight", "output_norm.weight"):
+        assert hf_name(name, "lfm2") == "model.embedding_norm.weight"
+    assert hf_name("blk.2.shortconv.in_proj.weight", "lfm2") == "model.layers.2.conv.in_proj.weight"
+    assert hf_name("output_norm.weight") == "model.norm.weight"  # (the Llama family's)
