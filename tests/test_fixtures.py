@@ -31,6 +31,8 @@ TIED = {
     "tiny-gemma3",
     "tiny-smollm3",
     "tiny-granite",
+    "tiny-granite-hybrid",
+    "tiny-lfm2",
 }
 
 
@@ -63,10 +65,13 @@ def test_fixture_loads_and_is_consistent(name: str) -> None:
     cfg = model.config
     assert cfg.vocab_size == len(tok) == bf.VOCAB_SIZE
     # (Mixtral's and OLMoE's intermediate_size is each expert's; Qwen3-MoE's its dense layer's)
-    moe_only = name in bf.MOE_FIXTURES and name != "tiny-qwen3-moe"
+    # (and Granite 4's the experts'); the hybrids have a layer of each kind on either side
+    moe_only = name in (*bf.MOE_FIXTURES, "tiny-granite-hybrid") and name != "tiny-qwen3-moe"
     inter = bf.MOE_INTERMEDIATE_SIZE if moe_only else 128
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, 2, inter)
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
+    layers = bf.HYBRID_LAYERS if name in bf.HYBRID_FIXTURES else 2
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, layers, inter)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, head_dim) == (4, 2, 16)
     assert cfg.max_position_embeddings == 512
     assert cfg.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>") == 0
