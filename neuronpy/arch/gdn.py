@@ -120,7 +120,11 @@ class GatedDeltaNet:
         self.out_proj = out_proj  # value_dim -> hidden
         self.conv_weight = conv_weight  # [conv_dim, K], model dtype
         self.kernel = conv_weight.shape[1]
-        self.neg_a = -a_log.float().exp()  # [nv] float32: -exp(A_log), as the reference
+        # [nv] float32: -exp(A_log), as the reference; from a float64 A_log (a GGUF file's,
+        # log of its stored -exp(A_log)) taken in float64, so that it rounds to the stored value
+        self.neg_a = (
+            (-a_log.exp()).float() if a_log.dtype == torch.float64 else -a_log.float().exp()
+        )
         self.dt_bias = dt_bias.float()  # [nv]
         self.norm_weight = norm_weight  # [head_v_dim], model dtype
         self.eps = eps
@@ -283,11 +287,14 @@ def take_gdn(
     else:
         in_proj = make_linear(fused, None, quantize, None, dtype=dtype)
     conv = plain("conv1d.weight", dtype)
+    a_log = tensor(f"{prefix}.A_log")  # float64 kept (see GatedDeltaNet), else float32
+    if not (isinstance(a_log, torch.Tensor) and a_log.dtype == torch.float64):
+        a_log = dequantized(a_log, torch.float32)
     return GatedDeltaNet(
         in_proj,
         make_linear(weight("out_proj"), None, quantize, None, dtype=dtype),
         conv.reshape(conv.shape[0], -1),  # [conv_dim, 1, K] -> [conv_dim, K]
-        plain("A_log", torch.float32),
+        a_log,
         plain("dt_bias", torch.float32),
         plain("norm.weight", dtype),
         num_k_heads=nk,
