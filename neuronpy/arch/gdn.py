@@ -258,7 +258,8 @@ def take_gdn(
 ) -> GatedDeltaNet:
     """The layer under `prefix` (e.g. "model.layers.0.linear_attn") from a checkpoint's tensors
     by transformers' names: Qwen3-Next's in_proj_qkvz / in_proj_ba (rows permuted out of their
-    per-key-head layout) or Qwen3.5's in_proj_qkv / _z / _b / _a, fused into one projection
+    per-key-head layout) or Qwen3.5's in_proj_qkv / _z / _b / _a (or _qkv / _z / _ba, as
+    llama.cpp's Qwen3-Next converter writes them), fused into one projection
     (side by side where the parts' layouts differ), every projection as `quantize` makes it."""
     nk, nv = hf_config.linear_num_key_heads, hf_config.linear_num_value_heads
     dk, dv = hf_config.linear_key_head_dim, hf_config.linear_value_head_dim
@@ -272,7 +273,11 @@ def take_gdn(
     try:
         qkvz, ba = weight("in_proj_qkvz"), weight("in_proj_ba")
     except KeyError:
-        parts = [weight(n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+        parts = [weight("in_proj_qkv"), weight("in_proj_z")]
+        try:
+            parts += [weight("in_proj_b"), weight("in_proj_a")]
+        except KeyError:  # Qwen3-Next's GGUF files: q/k/v/z apart, b and a interleaved
+            parts.append(_take_rows(weight("in_proj_ba"), interleaved_ba_order(nk, nv)))
     else:
         parts = [
             _take_rows(qkvz, interleaved_qkvz_order(nk, nv, dk, dv)),
