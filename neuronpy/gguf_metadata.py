@@ -72,8 +72,8 @@ def gguf_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[st
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     architecture = fields.get("general.architecture")
-    if architecture == "qwen35":
-        return qwen35_config_dict(fields, tensor_names)
+    if architecture in ("qwen35", "qwen3next"):
+        return qwen_next_config_dict(fields, tensor_names, architecture)
     if architecture not in NATIVE_ARCHITECTURES or architecture not in GGUF_CONFIG_MAPPING:
         return None
     # transformers tests `"mistral" in model_name` on the list of general.name's values: an
@@ -126,16 +126,20 @@ def _lfm2_config(config: dict[str, Any]) -> None:
         config["norm_eps"] = config["rms_norm_eps"]
 
 
-def qwen35_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
-    """transformers' Qwen3_5TextConfig dict of a llama.cpp "qwen35" file (transformers reads
-    none: its fields as llama.cpp's Qwen3_5TextModel converter writes them). The block count
-    includes the multi-token-prediction layers (nextn_predict_layers), which are not read; the
-    layer types follow from full_attention_interval as transformers lays them out by default;
-    the rotary share is rope.dimension_count of a head. The MRoPE sections are left out: a text
-    prompt's three position streams are equal, so they rotate as one RoPE."""
+def qwen_next_config_dict(
+    fields: dict[str, Any], tensor_names: list[str], architecture: str
+) -> dict[str, Any]:
+    """transformers' Qwen3_5TextConfig dict of a llama.cpp "qwen35" file, Qwen3NextConfig's of
+    a "qwen3next" one (transformers reads neither: their fields as llama.cpp's Qwen3_5TextModel
+    and Qwen3NextModel converters write them; Qwen3-Next's every layer a mixture of experts,
+    the only layout llama.cpp names, its top-k weights normalized as it computes them). The
+    block count includes the multi-token-prediction layers (nextn_predict_layers), which are
+    not read; the layer types follow from full_attention_interval as transformers lays them out
+    by default; the rotary share is rope.dimension_count of a head. The MRoPE sections are left
+    out: a text prompt's three position streams are equal, so they rotate as one RoPE."""
 
     def field(key: str, default: Any = None) -> Any:
-        value = fields.get(f"qwen35.{key}", default)
+        value = fields.get(f"{architecture}.{key}", default)
         if isinstance(value, np.ndarray):
             value = value.tolist()
         return value
@@ -150,9 +154,10 @@ def qwen35_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[
     if vocab is None:
         tokens = fields.get("tokenizer.ggml.tokens")
         vocab = tokens.count if isinstance(tokens, SkippedArray) else None
+    next_ = architecture == "qwen3next"
     config: dict[str, Any] = {
-        "model_type": "qwen3_5_text",
-        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_next" if next_ else "qwen3_5_text",
+        "architectures": ["Qwen3NextForCausalLM" if next_ else "Qwen3_5ForCausalLM"],
         "vocab_size": vocab,
         "hidden_size": hidden,
         "num_hidden_layers": layers,
@@ -178,6 +183,16 @@ def qwen35_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[
         "linear_value_head_dim": int(field("ssm.inner_size")) // value_heads,
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
+    if next_:
+        config.update(
+            num_experts=int(field("expert_count")),
+            num_experts_per_tok=int(field("expert_used_count")),
+            moe_intermediate_size=int(field("expert_feed_forward_length")),
+            shared_expert_intermediate_size=int(field("expert_shared_feed_forward_length")),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
     for key in ("eos_token_id", "pad_token_id"):
         token = fields.get(f"tokenizer.ggml.{key}")
         if token is not None:

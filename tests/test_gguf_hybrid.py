@@ -30,7 +30,11 @@ from neuronpy.loading import load_gguf_checkpoint, load_pretrained
 from tests.factories import fixture_builder, fixture_dir
 from tests.gguf_files import add_fixture_tokenizer, encode
 
-ARCHS = {"tiny-lfm2": gguf.MODEL_ARCH.LFM2, "qwen3.5-kv": gguf.MODEL_ARCH.QWEN35}
+ARCHS = {
+    "tiny-lfm2": gguf.MODEL_ARCH.LFM2,
+    "qwen3.5-kv": gguf.MODEL_ARCH.QWEN35,
+    "qwen3-next-kv": gguf.MODEL_ARCH.QWEN3NEXT,
+}
 # and the files written only to be refused: tiny-qwen3.5 has 2 key heads, 4 value heads
 WRITERS = {**ARCHS, "tiny-qwen3.5": gguf.MODEL_ARCH.QWEN35}
 TEXT = "The quick brown fox jumps over the lazy dog. " * 20
@@ -68,9 +72,11 @@ def _built_models(tmp_path_factory: pytest.TempPathFactory) -> None:
 @functools.cache
 def source_dir(family: str) -> Path:
     """The transformers directory of `family`: a fixture's, or one built here (once a run)."""
-    if family != "qwen3.5-kv":
-        return fixture_dir(family)
-    return build_qwen35(BUILT["root"] / family)
+    if family == "qwen3.5-kv":
+        return build_qwen35(BUILT["root"] / family)
+    if family == "qwen3-next-kv":
+        return build_qwen3_next(BUILT["root"] / family)
+    return fixture_dir(family)
 
 
 @functools.cache
@@ -134,7 +140,13 @@ def _qwen35_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
     writer.add_full_attention_interval(interval)
     partial = config.rope_parameters["partial_rotary_factor"]
     writer.add_rope_dimension_count(int(config.head_dim * partial))
-    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if config.model_type == "qwen3_5_text":
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
+    else:  # Qwen2MoeModel's
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 def _tiled(w: torch.Tensor, dim: int, nk: int, head_dim: int) -> torch.Tensor:
@@ -179,8 +191,44 @@ def _qwen35_tensors(name: str, w: torch.Tensor, config: Any) -> list[tuple[str, 
     return [(name, w)]
 
 
-METADATA = {gguf.MODEL_ARCH.LFM2: _lfm2_metadata, gguf.MODEL_ARCH.QWEN35: _qwen35_metadata}
-TENSORS = {gguf.MODEL_ARCH.LFM2: _lfm2_tensors, gguf.MODEL_ARCH.QWEN35: _qwen35_tensors}
+def _qwen3_next_tensors(name: str, w: torch.Tensor, config: Any) -> list[tuple[str, torch.Tensor]]:
+    """Qwen3NextModel.modify_tensors: in_proj_qkvz ([q, k, v, z] a key head) split into all of
+    q, k, v (attn_qkv) and z (attn_gate); then Qwen3.5's steps but the reorder, which
+    Qwen3NextModel does not do; Qwen2MoeModel's experts stacked [E, rows, columns] (from the
+    separate experts of a checkpoint; transformers holds gate and up fused)."""
+    if name.endswith(".in_proj_qkvz.weight"):
+        nk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+        dv = config.linear_num_value_heads // nk * config.linear_value_head_dim
+        q, k, v, z = w.reshape(nk, 2 * dk + 2 * dv, -1).split([dk, dk, dv, dv], dim=1)
+        stem = name.removesuffix(".in_proj_qkvz.weight")
+        hidden = w.shape[1]
+        qkv = torch.cat([t.reshape(-1, hidden) for t in (q, k, v)])
+        return [
+            (f"{stem}.in_proj_qkv.weight", qkv),
+            (f"{stem}.in_proj_z.weight", z.reshape(-1, hidden)),
+        ]
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    if name.endswith(".experts.gate_up_proj"):
+        gate, up = w.chunk(2, dim=1)
+        return [
+            (f"blk.{layer}.ffn_gate_exps.weight", gate),
+            (f"blk.{layer}.ffn_up_exps.weight", up),
+        ]
+    if name.endswith(".experts.down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", w)]
+    return _qwen35_tensors(name, w, config)
+
+
+METADATA = {
+    gguf.MODEL_ARCH.LFM2: _lfm2_metadata,
+    gguf.MODEL_ARCH.QWEN35: _qwen35_metadata,
+    gguf.MODEL_ARCH.QWEN3NEXT: _qwen35_metadata,
+}
+TENSORS = {
+    gguf.MODEL_ARCH.LFM2: _lfm2_tensors,
+    gguf.MODEL_ARCH.QWEN35: _qwen35_tensors,
+    gguf.MODEL_ARCH.QWEN3NEXT: _qwen3_next_tensors,
+}
 
 
 def write_hybrid_gguf(path: Path, family: str, kind: str = "F32", *, mtp: bool = False) -> Path:
@@ -207,11 +255,13 @@ def write_hybrid_gguf(path: Path, family: str, kind: str = "F32", *, mtp: bool =
         if hf == "lm_head.weight" and config.tie_word_embeddings:
             continue
         for name, w in TENSORS[arch](hf, tensor.detach().float(), config):
-            target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            target = name if name.startswith("blk.") else None  # (the experts: named above)
+            target = target or names.get_name(name, try_suffixes=(".weight", ".bias"))
             assert target is not None, name
-            data = w.numpy()
+            data = w.contiguous().numpy()
             kernel = target.endswith((".shortconv.conv.weight", ".ssm_conv1d.weight"))
-            quantized = data.ndim == 2 and data.shape[1] % 32 == 0 and not kernel
+            quantized = data.ndim in (2, 3) and data.shape[-1] % 32 == 0 and not kernel
+            quantized &= not target.endswith(".ffn_gate_inp.weight")  # (llama-quantize's rule)
             data, qtype = encode(data, kind if quantized else "F32")
             writer.add_tensor(target, data, raw_dtype=qtype)
     if mtp:
@@ -290,7 +340,8 @@ def test_an_f32_file_computes_the_fixtures_logits(family: str, tmp_path: Path) -
     torch.testing.assert_close(logits_of(model, ids), want, atol=5e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", list(ARCHS))
+# (Qwen3-Next's experts quantized: the MoE block reads experts in float only, so far)
+@pytest.mark.parametrize("family", [f for f in ARCHS if f != "qwen3-next-kv"])
 def test_a_q8_0_file_stays_quantized_and_runs_close(family: str, tmp_path: Path) -> None:
     """The projections in Q8_0, kept so (8-bit groups); the logits near those of the file's
     dequantized model, its next tokens mostly the same, and greedy decoding runs."""
@@ -372,3 +423,23 @@ def test_a_qwen35_file_with_more_value_heads_than_key_heads_is_refused(tmp_path:
     path = write_hybrid_gguf(tmp_path / "nv4.gguf", "tiny-qwen3.5")
     with pytest.raises(ModelLoadError, match=r"2 key heads and 4 value heads.*reordered"):
         load_gguf_checkpoint(str(path), cache_dir=tmp_path / "cache", log=lambda _: None)
+
+
+def build_qwen3_next(path: Path, seed: int = 36) -> Path:
+    """tiny-qwen3-next's config with every layer sparse (llama.cpp names no dense one) and as
+    many value heads as key heads, drawn as the fixtures are, saved with its tokenizer."""
+    fields = json.loads((fixture_dir("tiny-qwen3-next") / "config.json").read_text())
+    for key in ("architectures", "model_type", "transformers_version", "dtype"):
+        fields.pop(key)
+    fields.update(mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True)
+    fields["linear_num_value_heads"] = fields["linear_num_key_heads"]
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**fields))
+    model = model.to(torch.float32).eval()
+    fixture_builder().init_weights(model, seed=seed)
+    model.generation_config = transformers.GenerationConfig.from_pretrained(
+        fixture_dir("tiny-qwen3-next")
+    )
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(fixture_dir("tiny-qwen3-next") / name, path / name)
+    return path

@@ -349,21 +349,39 @@ _QWEN35_LAYER_NAMES = {
     "ssm_conv1d": "linear_attn.conv1d",
 }
 _QWEN35_TENSORS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+# Qwen3-Next (llama.cpp's "qwen3next"): Qwen3.5's names, in_proj_qkvz split by the converter
+# into attn_qkv (Qwen3.5's in_proj_qkv layout) and attn_gate (in_proj_z), in_proj_ba kept as
+# transformers has it (ssm_ba); the mixture of experts' router, its shared expert and its gate,
+# and its experts stacked [E, rows, columns], read expert by expert ("{}": the expert's index)
+_QWEN3NEXT_LAYER_NAMES = {
+    **{k: v for k, v in _QWEN35_LAYER_NAMES.items() if k not in ("ssm_beta", "ssm_alpha")},
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+}
 # GGUF architecture -> (its global names, its per-layer names, its per-layer whole names)
 _NAMES = {
     "lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES, {}),
     "qwen35": (_GLOBAL_NAMES, _QWEN35_LAYER_NAMES, _QWEN35_TENSORS),
+    "qwen3next": (_GLOBAL_NAMES, _QWEN3NEXT_LAYER_NAMES, _QWEN35_TENSORS),
 }
-NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "lfm2", "qwen35")
+NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "lfm2", "qwen35", "qwen3next")
 # the (1 + w) norms: llama.cpp's Qwen3-Next converter stores each as 1 + w, but the Gated
 # DeltaNet's own (a plain w)
-_OFFSET_NORM_ARCHITECTURES = ("qwen35",)
+_OFFSET_NORM_ARCHITECTURES = ("qwen35", "qwen3next")
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
     """The transformers parameter a GGUF tensor of architecture `arch` is (None: one the layers
-    do not read, e.g. llama.cpp's precomputed RoPE factors)."""
+    do not read, e.g. llama.cpp's precomputed RoPE factors). A stack of experts' weights is a
+    pattern, "{}" standing for the expert's index."""
     global_names, layer_names, whole_names = _NAMES.get(arch, (_GLOBAL_NAMES, _LAYER_NAMES, {}))
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in whole_names:
@@ -414,7 +432,7 @@ def check_layout(path: Path, arch: str, config: Any) -> None:
     heads from grouped by key head to tiled (rows of in_proj_qkv's V, in_proj_z, in_proj_b/_a,
     A_log, dt_bias and the convolution's V channels, columns of out_proj), for ggml's
     broadcast; neuronpy computes them grouped, as transformers does."""
-    if arch != "qwen35":
+    if arch != "qwen35":  # (qwen3next's converter keeps transformers' grouped order)
         return
     nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
     if nk != nv:
@@ -457,9 +475,20 @@ class GGUFCheckpoint:
         check_layout(path, arch, config)
         _, tensors = read_index(path)
         layers = int(config.num_hidden_layers)
-        self._tensors = {
-            n: t for t in tensors if (n := hf_name(t.name, arch)) is not None and _layer(n) < layers
-        }
+        self._tensors = {}
+        for t in tensors:
+            n = hf_name(t.name, arch)
+            if n is None or _layer(n) >= layers:
+                continue
+            if "{}" in n:  # experts stacked [E, rows, columns]: each its own [rows, columns]
+                rows = t.shape[1]
+                for e in range(t.shape[0]):
+                    data = t.data[e * rows : (e + 1) * rows]
+                    self._tensors[n.format(e)] = TensorInfo(
+                        t.name, t.kind, t.qtype, t.shape[1:], data
+                    )
+            else:
+                self._tensors[n] = t
         unknown = sorted({t.kind for t in self._tensors.values()} - set(SUPPORTED_TYPES))
         if unknown:
             raise ModelLoadError(
