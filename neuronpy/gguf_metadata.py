@@ -72,6 +72,8 @@ def gguf_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[st
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     architecture = fields.get("general.architecture")
+    if architecture in ("qwen35", "qwen3next"):
+        return qwen_next_config_dict(fields, tensor_names, architecture)
     if architecture not in NATIVE_ARCHITECTURES or architecture not in GGUF_CONFIG_MAPPING:
         return None
     # transformers tests `"mistral" in model_name` on the list of general.name's values: an
@@ -122,6 +124,80 @@ def _lfm2_config(config: dict[str, Any]) -> None:
     config["full_attn_idxs"] = [i for i, n in enumerate(heads) if n > 0]
     if "rms_norm_eps" in config:
         config["norm_eps"] = config["rms_norm_eps"]
+
+
+def qwen_next_config_dict(
+    fields: dict[str, Any], tensor_names: list[str], architecture: str
+) -> dict[str, Any]:
+    """transformers' Qwen3_5TextConfig dict of a llama.cpp "qwen35" file, Qwen3NextConfig's of
+    a "qwen3next" one (transformers reads neither: their fields as llama.cpp's Qwen3_5TextModel
+    and Qwen3NextModel converters write them; Qwen3-Next's every layer a mixture of experts,
+    the only layout llama.cpp names, its top-k weights normalized as it computes them). The
+    block count includes the multi-token-prediction layers (nextn_predict_layers), which are
+    not read; the layer types follow from full_attention_interval as transformers lays them out
+    by default; the rotary share is rope.dimension_count of a head. The MRoPE sections are left
+    out: a text prompt's three position streams are equal, so they rotate as one RoPE."""
+
+    def field(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{architecture}.{key}", default)
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        return value
+
+    heads = int(field("attention.head_count"))
+    hidden = int(field("embedding_length"))
+    head_dim = int(field("attention.key_length", hidden // heads))
+    layers = int(field("block_count")) - int(field("nextn_predict_layers", 0))
+    interval = int(field("full_attention_interval", 4))
+    value_heads = int(field("ssm.time_step_rank"))
+    vocab = field("vocab_size")
+    if vocab is None:
+        tokens = fields.get("tokenizer.ggml.tokens")
+        vocab = tokens.count if isinstance(tokens, SkippedArray) else None
+    next_ = architecture == "qwen3next"
+    config: dict[str, Any] = {
+        "model_type": "qwen3_next" if next_ else "qwen3_5_text",
+        "architectures": ["Qwen3NextForCausalLM" if next_ else "Qwen3_5ForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(field("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "intermediate_size": int(field("feed_forward_length")),
+        "max_position_embeddings": int(field("context_length")),
+        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(field("rope.freq_base", 10000.0)),
+            "partial_rotary_factor": int(field("rope.dimension_count", head_dim)) / head_dim,
+        },
+        "layer_types": [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(layers)
+        ],
+        "linear_conv_kernel_dim": int(field("ssm.conv_kernel")),
+        "linear_key_head_dim": int(field("ssm.state_size")),
+        "linear_num_key_heads": int(field("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": int(field("ssm.inner_size")) // value_heads,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if next_:
+        config.update(
+            num_experts=int(field("expert_count")),
+            num_experts_per_tok=int(field("expert_used_count")),
+            moe_intermediate_size=int(field("expert_feed_forward_length")),
+            shared_expert_intermediate_size=int(field("expert_shared_feed_forward_length")),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    for key in ("eos_token_id", "pad_token_id"):
+        token = fields.get(f"tokenizer.ggml.{key}")
+        if token is not None:
+            config[key] = int(token)
+    return config
 
 
 def _tokenizer_class(path: Path, config: Any) -> type | None:

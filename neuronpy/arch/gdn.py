@@ -120,7 +120,11 @@ class GatedDeltaNet:
         self.out_proj = out_proj  # value_dim -> hidden
         self.conv_weight = conv_weight  # [conv_dim, K], model dtype
         self.kernel = conv_weight.shape[1]
-        self.neg_a = -a_log.float().exp()  # [nv] float32: -exp(A_log), as the reference
+        # [nv] float32: -exp(A_log), as the reference; from a float64 A_log (a GGUF file's,
+        # log of its stored -exp(A_log)) taken in float64, so that it rounds to the stored value
+        self.neg_a = (
+            (-a_log.exp()).float() if a_log.dtype == torch.float64 else -a_log.float().exp()
+        )
         self.dt_bias = dt_bias.float()  # [nv]
         self.norm_weight = norm_weight  # [head_v_dim], model dtype
         self.eps = eps
@@ -254,7 +258,8 @@ def take_gdn(
 ) -> GatedDeltaNet:
     """The layer under `prefix` (e.g. "model.layers.0.linear_attn") from a checkpoint's tensors
     by transformers' names: Qwen3-Next's in_proj_qkvz / in_proj_ba (rows permuted out of their
-    per-key-head layout) or Qwen3.5's in_proj_qkv / _z / _b / _a, fused into one projection
+    per-key-head layout) or Qwen3.5's in_proj_qkv / _z / _b / _a (or _qkv / _z / _ba, as
+    llama.cpp's Qwen3-Next converter writes them), fused into one projection
     (side by side where the parts' layouts differ), every projection as `quantize` makes it."""
     nk, nv = hf_config.linear_num_key_heads, hf_config.linear_num_value_heads
     dk, dv = hf_config.linear_key_head_dim, hf_config.linear_value_head_dim
@@ -268,7 +273,11 @@ def take_gdn(
     try:
         qkvz, ba = weight("in_proj_qkvz"), weight("in_proj_ba")
     except KeyError:
-        parts = [weight(n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+        parts = [weight("in_proj_qkv"), weight("in_proj_z")]
+        try:
+            parts += [weight("in_proj_b"), weight("in_proj_a")]
+        except KeyError:  # Qwen3-Next's GGUF files: q/k/v/z apart, b and a interleaved
+            parts.append(_take_rows(weight("in_proj_ba"), interleaved_ba_order(nk, nv)))
     else:
         parts = [
             _take_rows(qkvz, interleaved_qkvz_order(nk, nv, dk, dv)),
@@ -283,11 +292,14 @@ def take_gdn(
     else:
         in_proj = make_linear(fused, None, quantize, None, dtype=dtype)
     conv = plain("conv1d.weight", dtype)
+    a_log = tensor(f"{prefix}.A_log")  # float64 kept (see GatedDeltaNet), else float32
+    if not (isinstance(a_log, torch.Tensor) and a_log.dtype == torch.float64):
+        a_log = dequantized(a_log, torch.float32)
     return GatedDeltaNet(
         in_proj,
         make_linear(weight("out_proj"), None, quantize, None, dtype=dtype),
         conv.reshape(conv.shape[0], -1),  # [conv_dim, 1, K] -> [conv_dim, K]
-        plain("A_log", torch.float32),
+        a_log,
         plain("dt_bias", torch.float32),
         plain("norm.weight", dtype),
         num_k_heads=nk,

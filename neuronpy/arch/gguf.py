@@ -333,16 +333,59 @@ _LFM2_LAYER_NAMES = {
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
 }
-# GGUF architecture -> (its global names, its per-layer names)
-_NAMES = {"lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES)}
-NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "lfm2")
+# Qwen3.5 (llama.cpp's "qwen35"): the Llama names, the norm after attention named
+# post_attention_norm, and the Gated DeltaNet's (linear_attn) parts. Two of its tensors carry
+# no .weight suffix in one scheme or the other: A_log is ssm_a, dt_bias ssm_dt.bias
+# (_QWEN35_TENSORS).
+_QWEN35_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm"},
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_conv1d": "linear_attn.conv1d",
+}
+_QWEN35_TENSORS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+# Qwen3-Next (llama.cpp's "qwen3next"): Qwen3.5's names, in_proj_qkvz split by the converter
+# into attn_qkv (Qwen3.5's in_proj_qkv layout) and attn_gate (in_proj_z), in_proj_ba kept as
+# transformers has it (ssm_ba); the mixture of experts' router, its shared expert and its gate,
+# and its experts stacked [E, rows, columns], read expert by expert ("{}": the expert's index)
+_QWEN3NEXT_LAYER_NAMES = {
+    **{k: v for k, v in _QWEN35_LAYER_NAMES.items() if k not in ("ssm_beta", "ssm_alpha")},
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_exps": "mlp.experts.{}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{}.up_proj",
+    "ffn_down_exps": "mlp.experts.{}.down_proj",
+}
+# GGUF architecture -> (its global names, its per-layer names, its per-layer whole names)
+_NAMES = {
+    "lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES, {}),
+    "qwen35": (_GLOBAL_NAMES, _QWEN35_LAYER_NAMES, _QWEN35_TENSORS),
+    "qwen3next": (_GLOBAL_NAMES, _QWEN3NEXT_LAYER_NAMES, _QWEN35_TENSORS),
+}
+NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "lfm2", "qwen35", "qwen3next")
+# the (1 + w) norms: llama.cpp's Qwen3-Next converter stores each as 1 + w, but the Gated
+# DeltaNet's own (a plain w)
+_OFFSET_NORM_ARCHITECTURES = ("qwen35", "qwen3next")
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
     """The transformers parameter a GGUF tensor of architecture `arch` is (None: one the layers
-    do not read, e.g. llama.cpp's precomputed RoPE factors)."""
-    global_names, layer_names = _NAMES.get(arch, (_GLOBAL_NAMES, _LAYER_NAMES))
+    do not read, e.g. llama.cpp's precomputed RoPE factors). A stack of experts' weights is a
+    pattern, "{}" standing for the expert's index."""
+    global_names, layer_names, whole_names = _NAMES.get(arch, (_GLOBAL_NAMES, _LAYER_NAMES, {}))
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in whole_names:
+        return f"model.layers.{parts[1]}.{whole_names[parts[2]]}"
     stem, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -356,11 +399,50 @@ def hf_name(name: str, arch: str = "llama") -> str | None:
 
 def _restore(arch: str, name: str, weight: AnyWeight) -> AnyWeight:
     """Tensor `name` (transformers') as transformers holds it, from the file's: undoes what
-    llama.cpp's converter did to it beyond the name (LFM2: its convolution's [C, 1, K] weight
-    squeezed to [C, K])."""
-    if arch == "lfm2" and name.endswith(".conv.conv.weight") and isinstance(weight, torch.Tensor):
+    llama.cpp's converter did to it beyond the name. LFM2: its convolution's [C, 1, K] weight
+    squeezed to [C, K]. Qwen3.5: the same of its Gated DeltaNet's convolution; A_log stored as
+    -exp(A_log), read back as log(-x) in float64 (GatedDeltaNet's -exp of it, rounded to float32,
+    is the stored value exactly); each (1 + w) norm stored as 1 + w, read back as x - 1 (exact in
+    float32 for x >= 0.5, so that the model's 1 + (x - 1) is x again)."""
+    if not isinstance(weight, torch.Tensor):
+        return weight
+    if arch == "lfm2" and name.endswith(".conv.conv.weight"):
         return weight.unsqueeze(1)
+    if arch in _OFFSET_NORM_ARCHITECTURES:
+        if name.endswith(".linear_attn.conv1d.weight") and weight.dim() == 2:
+            return weight.unsqueeze(1)
+        if name.endswith(".linear_attn.A_log"):
+            return torch.log(-weight.double())
+        if name.endswith("norm.weight") and not name.endswith(".linear_attn.norm.weight"):
+            return weight.float() - 1
     return weight
+
+
+def _layer(name: str) -> int:
+    """The layer a transformers parameter belongs to (-1: none, a global tensor)."""
+    parts = name.split(".", 3)
+    if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return -1
+
+
+def check_layout(path: Path, arch: str, config: Any) -> None:
+    """Refuses a file whose tensors' layout neuronpy does not undo. Qwen3.5 with fewer key
+    heads than value heads in its Gated DeltaNet: llama.cpp's converter reorders the value
+    heads from grouped by key head to tiled (rows of in_proj_qkv's V, in_proj_z, in_proj_b/_a,
+    A_log, dt_bias and the convolution's V channels, columns of out_proj), for ggml's
+    broadcast; neuronpy computes them grouped, as transformers does."""
+    if arch != "qwen35":  # (qwen3next's converter keeps transformers' grouped order)
+        return
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    if nk != nv:
+        raise ModelLoadError(
+            f"{path.name}: a qwen35 GGUF file with {nk} key heads and {nv} value heads in its "
+            "linear attention is not read as it is stored: llama.cpp's converter reordered "
+            "its value heads (grouped by key head -> tiled), which neuronpy does not undo "
+            "(transformers does not read qwen35 files either); serve the original checkpoint's "
+            "directory instead"
+        )
 
 
 class GGUFCheckpoint:
@@ -390,8 +472,23 @@ class GGUFCheckpoint:
         self.fingerprint = fingerprint
         self._permute = permute
         self.arch = arch
+        check_layout(path, arch, config)
         _, tensors = read_index(path)
-        self._tensors = {n: t for t in tensors if (n := hf_name(t.name, arch)) is not None}
+        layers = int(config.num_hidden_layers)
+        self._tensors = {}
+        for t in tensors:
+            n = hf_name(t.name, arch)
+            if n is None or _layer(n) >= layers:
+                continue
+            if "{}" in n:  # experts stacked [E, rows, columns]: each its own [rows, columns]
+                rows = t.shape[1]
+                for e in range(t.shape[0]):
+                    data = t.data[e * rows : (e + 1) * rows]
+                    self._tensors[n.format(e)] = TensorInfo(
+                        t.name, t.kind, t.qtype, t.shape[1:], data
+                    )
+            else:
+                self._tensors[n] = t
         unknown = sorted({t.kind for t in self._tensors.values()} - set(SUPPORTED_TYPES))
         if unknown:
             raise ModelLoadError(

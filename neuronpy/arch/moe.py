@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronpy.arch.linear import AnyLinear, Linear, make_linear
+from neuronpy.arch.quant import dequantized
 
 # model_type -> (the config's field for the experts' intermediate size, whether the top-k
 # probabilities are always renormalized, whether they scale the experts in the model's dtype)
@@ -274,6 +275,12 @@ def _first(tensor: Callable[[str], Any], names: Sequence[str]) -> tuple[str, Any
     raise KeyError(f"the checkpoint has none of {', '.join(repr(n) for n in names)}")
 
 
+def _gate_tensor(t: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A router's or a shared expert's gate weight in `dtype`: a quantized one (a GGUF file's)
+    dequantized, its values the file's."""
+    return dequantized(t, dtype)
+
+
 def _plain_tensor(name: str, t: Any) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: a MoE tensor stored in a layout not supported")
@@ -354,7 +361,7 @@ def take_moe_block(
         name, w = _first(
             tensor, [f"{prefix}.{r}.weight" for r in ("gate", "router", "router.layer")]
         )
-        router = Linear(_plain_tensor(name, w).to(dtype))
+        router = Linear(_gate_tensor(w, dtype))
         ups, downs = _routed_experts(tensor, prefix, config, rank, world_size, quantize, dtype)
     shared_gate_up = shared_down = shared_gate = None
     if config.shared_intermediate_size:
@@ -364,7 +371,7 @@ def take_moe_block(
         )
         if config.shared_gate:
             name = f"{prefix}.shared_expert_gate.weight"
-            shared_gate = Linear(_plain_tensor(name, tensor(name)).to(dtype))
+            shared_gate = Linear(_gate_tensor(tensor(name), dtype))
     return MoeBlock(
         config.shard(world_size), router, ups, downs, shared_gate_up, shared_down, shared_gate
     )
