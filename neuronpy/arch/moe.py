@@ -282,8 +282,10 @@ def _gate_tensor(t: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _plain_tensor(name: str, t: Any) -> torch.Tensor:
+    """An expert's weight as a tensor: a quantized one (a GGUF file's experts) dequantized to
+    float32 here, once, and made what `quantize` says by the expert's own linear layers."""
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: a MoE tensor stored in a layout not supported")
+        return dequantized(t, torch.float32)
     return t.detach()
 
 

@@ -57,8 +57,6 @@ def kv_bytes_per_token(model: LlamaModel) -> int:
     return 2 * model.num_kv_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
-
-
 # A reranker's answer tokens, in the order its scores read them: P(yes) = softmax(no, yes)[1]
 RERANK_TOKENS = ("no", "yes")
 

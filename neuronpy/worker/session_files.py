@@ -185,8 +185,7 @@ def read_session(
         )
         if header.states != want:
             raise SessionFileError(
-                f"its fixed-size states {_short(header.states)} are not the model's "
-                f"{_short(want)}"
+                f"its fixed-size states {_short(header.states)} are not the model's {_short(want)}"
             )
         shapes = {
             f"states.{layer}.{i}": (shape, DTYPES[code])
