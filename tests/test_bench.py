@@ -17,7 +17,7 @@ from neuronpy.bench.records import Divergence, RequestRecord, Run
 from neuronpy.bench.results import BenchResults
 from neuronpy.bench.runner import run_bench
 from neuronpy.bench.workloads import PromptSource, poisson_rate, w1, w2, w4
-from tests.factories import hf_model, tokenizer
+from tests.factories import fixture_dir, hf_model, tokenizer
 
 # ---- metrics on hand-made timings ---------------------------------------------------------------
 
@@ -407,3 +407,15 @@ def test_w6_and_speculation_beside_neuronpy() -> None:
     assert grounded_messages(0) != grounded_messages(1) and grounded_messages(
         0
     ) == grounded_messages(0)
+
+
+def test_versus_times_the_native_step_beside_transformers(capsys: pytest.CaptureFixture) -> None:
+    """`python -m neuronpy.bench.versus` on a hybrid fixture: a row per batch size, both
+    figures and their ratio (what they are is the benchmark's to say, not a test's)."""
+    from neuronpy.bench import versus
+
+    versus.main(["--model", str(fixture_dir("tiny-lfm2")), "--batch", "1,3", "--steps", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:]]
+    assert [r[0] for r in rows] == ["1", "3"]
+    assert all(r[-1].endswith("x") and float(r[-1][:-1]) > 0 for r in rows)
