@@ -202,8 +202,9 @@ class KvGroup:
         self._set_steps([s - d for s, d in zip(steps, drops, strict=True)])
 
     def _restore_states(self, drops: Sequence[int]) -> None:
-        """Each row's fixed-size states back to what they were after the tokens it keeps of
-        the last verify step (the states cannot be cut: they were kept per token)."""
+        """Each row's fixed-size states back to what they were after the tokens it keeps (the
+        states cannot be cut as KV is: `history` kept them after each token of the steps
+        since the last trim)."""
         steps = self.history or []
         for row, drop in enumerate(drops):
             if not drop:

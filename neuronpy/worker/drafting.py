@@ -96,6 +96,8 @@ class DraftBatch:
                 drops[old] = back
             if any(drops):
                 batch.trim(drops)
+            for group in batch.groups:  # (what a rollback could take back is now fed for good)
+                group.history = None
         sources: list[KvSource] = []
         feeds: list[list[int]] = []
         for key, tokens, fresh in zip(job.keys, job.tokens, job.fresh, strict=True):
