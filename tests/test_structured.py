@@ -150,7 +150,8 @@ async def test_json_object_regex_choice_and_grammar() -> None:
 
 
 @pytest.mark.anyio
-async def test_parity_constrained_alone_equals_in_a_mixed_batch() -> None:
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3.5"])  # (and a hybrid)
+async def test_parity_constrained_alone_equals_in_a_mixed_batch(family: str) -> None:
     """Greedy: a constrained request writes the same alone as beside unconstrained and
     differently constrained rows; the unconstrained rows write what they write without it."""
     free = SamplingParams(max_tokens=40, temperature=0.0)
@@ -174,11 +175,11 @@ async def test_parity_constrained_alone_equals_in_a_mixed_batch() -> None:
         ),
         (prompt(4), dataclasses.replace(free, max_tokens=25)),
     ]
-    async with make_engine() as engine:
+    async with make_engine(family) as engine:
         alone = [await engine.complete(*job) for job in jobs]
         together = await run_all(engine, jobs)
     assert [summary(c) for c in together] == [summary(c) for c in alone]
-    async with make_engine() as engine:  # a fresh engine: no constraint has been seen
+    async with make_engine(family) as engine:  # a fresh engine: no constraint has been seen
         plain = [await engine.complete(*jobs[i]) for i in (1, 4)]
     assert [summary(c) for c in plain] == [summary(together[1]), summary(together[4])]
 
