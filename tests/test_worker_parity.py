@@ -43,10 +43,12 @@ def reference(worker: DeviceWorker, ids: list[int]) -> torch.Tensor:
     return worker.model.logits(hidden[-1])
 
 
-@pytest.fixture(params=["tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-phi3"])
+@pytest.fixture(
+    params=["tiny-qwen2", "tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-qwen3-next", "tiny-lfm2"]
+)
 def family_worker(request: pytest.FixtureRequest) -> Iterator[DeviceWorker]:
     """A worker over one family's fixture (Gemma's sliding windows and soft-caps, Phi-3's
-    partial rotary embeddings, through the jobs)."""
+    partial rotary embeddings, the hybrids' fixed-size states, through the jobs)."""
     w = DeviceWorker(LlamaModel.from_hf(hf_model(request.param)), prefill_chunk=4).start()
     yield w
     w.shutdown(timeout=10)
