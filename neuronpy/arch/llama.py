@@ -138,10 +138,9 @@ class LlamaModel:
     def state_bytes(self) -> int:
         """The bytes of one sequence's fixed-size states, all layers (0: attention only)."""
         return sum(
-            torch.Size(spec.shape).numel() * spec.dtype.itemsize
-            for lw in self.layers
-            if lw.mixer is not None
-            for spec in lw.mixer.state_specs()
+            torch.Size(shape).numel() * dtype.itemsize
+            for layer in self.state_layout()
+            for shape, dtype in layer
         )
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -296,14 +295,10 @@ class LlamaModel:
         return [p for lw in self.layers for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
 
     def mix_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """The running forward's fixed-size-state layer `layer` over x (arch/ops)."""
-        attention = self._attention
-        assert attention is not None
-        n = attention.tokens
-        out = attention.mix(self, layer, x[:n])
-        if x.shape[0] > n:
-            out = torch.cat((out, out.new_zeros(x.shape[0] - n, out.shape[1])))
-        return out
+        """The running forward's fixed-size-state layer `layer` over x (arch/ops), as
+        `attend_at`."""
+        attention = self._running()
+        return _ride(attention.mix(self, layer, x[: attention.tokens]), x.shape[0])
 
     def moe_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s mixture-of-experts block over x (arch/ops)."""
@@ -316,13 +311,13 @@ class LlamaModel:
     ) -> torch.Tensor:
         """The running forward's attention in `layer`, for the compiled graph (arch/ops): its
         tokens, and zeros for the copy a lone token rides with."""
-        attention = self._attention
-        assert attention is not None
+        attention = self._running()
         n = attention.tokens
-        out = attention.attend(self, layer, q[:n], k[:n], v[:n])
-        if q.shape[0] > n:
-            out = torch.cat((out, out.new_zeros(q.shape[0] - n, out.shape[1])))
-        return out
+        return _ride(attention.attend(self, layer, q[:n], k[:n], v[:n]), q.shape[0])
+
+    def _running(self) -> Attention:
+        assert self._attention is not None, "no forward is running"
+        return self._attention
 
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -859,3 +854,10 @@ class LlamaModel:
 def _kept(states: list[States], at: int) -> tuple[int, list[States]]:
     """A copy of a sequence's fixed-size states after its first `at` tokens (a checkpoint)."""
     return at, [tuple(t.clone() for t in st) for st in states]
+
+
+def _ride(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """`out` with zero rows up to `rows`: the copy a lone token rides a compiled graph with."""
+    if rows == out.shape[0]:
+        return out
+    return torch.cat((out, out.new_zeros(rows - out.shape[0], out.shape[1])))
