@@ -19,7 +19,13 @@ from transformers import AutoTokenizer
 
 from neuronpy.config import EngineConfig, load_config
 from neuronpy.engine.constraint_grammar import grammar_of
-from neuronpy.engine.tools import TOOL_FORMATS, parse_function_gemma, resolve_tool_format
+from neuronpy.engine.tools import (
+    TOOL_FORMATS,
+    parameter_types,
+    parse_function_gemma,
+    parse_qwen3_coder,
+    resolve_tool_format,
+)
 from neuronpy.engine.types import Constraint, OutputFormat, SamplingParams
 from tests.scripted import Scripts
 from tests.servers import FIXTURES, RunningServer, engine_loader, run_server
@@ -66,6 +72,13 @@ REPLIES = {
         "<end_function_call><start_function_call>call:get_time{tz:<escape>CET<escape>}"
         "<end_function_call>"
     ),
+    "qwen3_coder": (
+        "Let me check.\n"
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n"
+        "</function>\n</tool_call>"
+    ),
 }
 CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
 # Lookalikes that stay text: a marker that opens no call, a call never closed.
@@ -75,11 +88,14 @@ TEXT = {
     "phi4_mini": 'import functools as ft; functools[{"name": "f"}',
     "mistral": 'See [TOOL_CALLS] docs. [TOOL_CALLS][{"name": "f", "arguments": {}}',
     "functiongemma": "<start_function_call>call:f{x:<escape>1",
+    "qwen3_coder": "I use <tool_call> tags: <tool_call>\n<function=f>\n<parameter=x>\n1",
 }
 
 
-def output(fmt: str, parallel: bool = True) -> OutputFormat:
-    return OutputFormat(tool_calls=True, tool_format=fmt, parallel_tool_calls=parallel)
+def output(fmt: str, parallel: bool = True, types: Any = ()) -> OutputFormat:
+    return OutputFormat(
+        tool_calls=True, tool_format=fmt, parallel_tool_calls=parallel, tool_types=types
+    )
 
 
 def calls_of(out: Any) -> list[tuple[str, Any]]:
@@ -148,6 +164,83 @@ def test_function_gemma_notation(body: str, expected: tuple[str, Any] | None) ->
     assert (call and (call.name, json.loads(call.arguments))) == expected
 
 
+XML_TYPES = (("f", "s", "string"), ("f", "ok", "boolean"), ("f", "n", "integer"))
+
+
+@pytest.mark.parametrize(
+    ("body", "types", "expected"),
+    [
+        ("<function=f>\n</function>", None, ("f", {})),
+        (
+            # a string with newlines and markup in it; JSON values: numbers, booleans, objects
+            "\n<function=f>\n<parameter=s>\nline 1\n<b>x</b> a < b\n\n</parameter>\n"
+            "<parameter=n>\n-2.5\n</parameter>\n<parameter=ok>\ntrue\n</parameter>\n"
+            '<parameter=o>\n{"a": [1, null]}\n</parameter>\n<parameter=w>\nParis\n</parameter>\n'
+            "</function>\n",
+            None,
+            (
+                "f",
+                {
+                    "s": "line 1\n<b>x</b> a < b\n",
+                    "n": -2.5,
+                    "ok": True,
+                    "o": {"a": [1, None]},
+                    "w": "Paris",
+                },
+            ),
+        ),
+        # the tools' types: a string stays text, Python's True is a boolean
+        (
+            "<function=f><parameter=s>42</parameter><parameter=ok>True</parameter>"
+            "<parameter=n>7</parameter></function>",
+            XML_TYPES,
+            ("f", {"s": "42", "ok": True, "n": 7}),
+        ),
+        ("<function=f><parameter=s>42</parameter></function>", None, ("f", {"s": 42})),
+        ("<function=g><parameter=s>42</parameter></function>", XML_TYPES, ("g", {"s": 42})),
+        ("<function=f><parameter=x>NaN</parameter></function>", None, ("f", {"x": "NaN"})),
+        ("<function=f>\n<parameter=x>\n1\n</function>", None, None),  # a value never closed
+        ("<function=f>\n<parameter=x>\n1\n</parameter>\n", None, None),  # no </function>
+        ("<function=f></function> more", None, None),
+        ("<function=f>text<parameter=x>1</parameter></function>", None, None),
+        ('{"name": "f", "arguments": {}}', None, None),  # Hermes' JSON
+        ("<function=>\n</function>", None, None),
+    ],
+)
+def test_qwen3_coder_notation(body: str, types: Any, expected: tuple[str, Any] | None) -> None:
+    call = parse_qwen3_coder(body, types)
+    assert (call and (call.name, json.loads(call.arguments))) == expected
+
+
+def test_qwen3_coder_values_are_typed_by_the_tools_schemas() -> None:
+    tools = [
+        {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "s": {"type": "string"},
+                    "ok": {"type": "boolean"},
+                    "n": {"type": "integer"},
+                    "e": {"enum": ["1", "2"]},
+                    "u": {"type": ["string", "null"]},
+                },
+            },
+        },
+        {"name": "g", "parameters": None},
+    ]
+    types = parameter_types(tools)
+    assert types == (*XML_TYPES, ("f", "e", "string"))
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=s>\n1\n</parameter>\n<parameter=e>\n2\n"
+        "</parameter>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert calls_of(parse([text], output("qwen3_coder", types=types))) == [
+        ("f", {"s": "1", "e": "2", "n": 3})
+    ]
+    assert calls_of(parse([text], output("qwen3_coder"))) == [("f", {"s": 1, "e": 2, "n": 3})]
+
+
 def test_the_format_is_detected_from_the_chat_template() -> None:
     def template(text: str | None) -> SimpleNamespace:
         return SimpleNamespace(chat_template=text)
@@ -158,6 +251,21 @@ def test_the_format_is_detected_from_the_chat_template() -> None:
         "{{ '[AVAILABLE_TOOLS]' }}" + tools + "{{ '[TOOL_CALLS][' }}": "mistral",
         "{{ '<|system|>' + m.content + '<|tool|>' }}" + tools + "{{ '<|/tool|>' }}": "phi4_mini",
         "{{ '<start_function_declaration>' }}{{ '<start_function_call>' }}": "functiongemma",
+        # Qwen3-Coder / Qwen3.5: the XML calls it shows, inside Hermes' <tool_call>
+        (
+            "{{ '<tools>' }}{% for t in tools %}{{ '<function>\\n<name>' ~ t.name ~ '</name>' }}"
+            "{% endfor %}{{ '</tools>\\n\\nIf you choose to call a function ONLY reply in the "
+            "following format:\\n<tool_call>\\n<function=example_function_name>\\n"
+            "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n"
+            "</tool_call>' }}"
+        ): "qwen3_coder",
+        # Qwen3's: JSON in <tool_call>
+        (
+            "{{- '<tools>' }}" + tools + "{{- '</tools>\\n\\nFor each function call, return a "
+            "json object with function name and arguments within <tool_call></tool_call> XML "
+            'tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+            "<args-json-object>}\\n</tool_call>' }}"
+        ): "hermes",
         "{{ '<tool_call>' }}" + tools: "hermes",
         tools: "hermes",  # a template that shows no format: the forced tool_choice's
     }
@@ -206,6 +314,7 @@ def test_a_forced_tool_choice_writes_calls_the_format_reads_back(fmt: str, token
     for parallel in (True, False):
         spec = {"tools": SCHEMA_TOOLS, "parallel": parallel, "format": fmt}
         grammar = compiler.compile_grammar(grammar_of(Constraint("tools", json.dumps(spec))))
+        types = parameter_types(SCHEMA_TOOLS)
         for seed in range(6):
             matcher, rng = xgr.GrammarMatcher(grammar), random.Random(seed)
             mask = xgr.allocate_token_bitmask(1, info.vocab_size)
@@ -224,7 +333,7 @@ def test_a_forced_tool_choice_writes_calls_the_format_reads_back(fmt: str, token
                 assert matcher.accept_token(token)
                 ids.append(token)
             text = tokenizer.decode([t for t in ids if t != eos])
-            out = parse([text], output(fmt, parallel))
+            out = parse([text], output(fmt, parallel, types))
             assert out.content == "" and out.tool_calls, text
             assert parallel or len(out.tool_calls) == 1
             for call in out.tool_calls:
@@ -237,6 +346,64 @@ def test_a_forced_tool_choice_writes_calls_the_format_reads_back(fmt: str, token
                     assert set(arguments) <= {"city", "days"}, text
                     assert len(arguments.get("city", "")) <= 8
                     assert isinstance(arguments.get("days", 0), int)
+
+
+def test_a_forced_qwen3_coder_call_is_held_to_the_xml_notation() -> None:
+    """The grammar of a forced call in the XML notation: the schema's parameters in its
+    order (the required ones present), a string's text without the markup that ends it, other
+    values JSON of their schema."""
+    tools = [
+        {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "unit": {"enum": ["c", "f"]},
+                },
+                "required": ["city"],
+            },
+        },
+        {"name": "get_time", "parameters": None},
+    ]
+    spec = {"tools": tools, "format": "qwen3_coder"}
+    grammar = grammar_of(Constraint("tools", json.dumps(spec)))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(grammar)
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    def weather(city: str, rest: str = "") -> str:
+        return (
+            f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+            f"{rest}</function>\n</tool_call>"
+        )
+
+    days = "<parameter=days>\n3\n</parameter>\n"
+    good = [
+        weather("Paris"),
+        weather("a <b>x</b>\nline 2 </tool", days + "<parameter=unit>\nc\n</parameter>\n"),
+        weather("P") + "\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+    ]
+    for text in good:
+        assert accepts(text), text
+        out = parse([text], output("qwen3_coder", types=parameter_types(tools)))
+        assert out.content == "" and out.tool_calls, text
+    bad = [
+        weather("P</parameter>"),  # a string holding what ends it
+        weather("P</tool_call>"),
+        weather("P", "<parameter=days>\nthree\n</parameter>\n"),  # not an integer
+        weather("P", "<parameter=unit>\nk\n</parameter>\n"),  # not in the enum
+        weather("P", "<parameter=zone>\n1\n</parameter>\n"),  # not in the schema
+        weather("P", "<parameter=unit>\nc\n</parameter>\n" + days),  # out of order
+        "<tool_call>\n<function=get_weather>\n</function>\n</tool_call>",  # city is required
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',  # Hermes' JSON
+        "<tool_call>\n<function=get_date>\n</function>\n</tool_call>",  # no such tool
+    ]
+    for text in bad:
+        assert not accepts(text), text
 
 
 @pytest.mark.anyio

@@ -358,26 +358,93 @@ def _gemma_arguments(params: dict[str, Any]) -> str:
     return body + _GEMMA_VALUES.replace("KEY", f"({_GEMMA_KEY})")
 
 
+# Qwen3-Coder / Qwen3.5's XML arguments (engine/tools.py): `<parameter=KEY>\n` VALUE
+# `\n</parameter>\n` for each property of the schema in its order, the required ones always; a
+# string's value is any text without the markup that would end it (its maxLength kept: then
+# without "<" at all, FunctionGemma's bound), an enum of strings one of them, any other value
+# JSON valid against the property's schema. A schema without "properties" takes any keys.
+_XML_ENDS = ("</parameter>", "</tool_call>")  # what a raw string value may not hold
+_XML_KEY = "[a-zA-Z_] [a-zA-Z0-9_.-]{0,63}"
+
+
+def _without(words: list[str], k: int = 0) -> str:
+    """The text after a `<` (up to the next one) that does not open one of `words` (the ends
+    after their `<`, sharing their first `k` characters)."""
+    nexts = sorted({w[k] for w in words})
+    options = ['""', f"[^{''.join(nexts)}<] [^<]*"]
+    for c in nexts:
+        sub = [w for w in words if w[k] == c]
+        if all(len(w) > k + 1 for w in sub):  # (a whole word is not allowed)
+            options.append(f"{_literal(c)} {_without(sub, k + 1)}")
+    return f"({' | '.join(options)})"
+
+
+_XML_TEXT = f'[^<]* ("<" {_without([w[1:] for w in _XML_ENDS])})*'
+
+
+def _xml_value(prop: Any, param: str) -> dict[str, Any]:
+    """The structural-tag format of one property's value."""
+    prop = prop if isinstance(prop, dict) else {}
+    enum = prop.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        rule = " | ".join(_literal(e) for e in enum)
+    elif prop.get("type") == "string" and isinstance(prop.get("maxLength"), int):
+        rule = f"[^<]{{0,{max(0, prop['maxLength'])}}}"
+    elif prop.get("type") == "string":
+        rule = _XML_TEXT
+    else:
+        return {"type": "grammar", "grammar": str(_json_grammar(_schema(json.dumps(prop), param)))}
+    return {"type": "grammar", "grammar": f"root ::= {rule}"}
+
+
+def _xml_arguments(params: dict[str, Any], param: str) -> dict[str, Any]:
+    """The structural-tag format of XML arguments for a tool's `params` schema."""
+    properties = params.get("properties")
+    if not isinstance(properties, dict):
+        free = f'("<parameter=" {_XML_KEY} ">\\n" {_XML_TEXT} "\\n</parameter>\\n"){{0,64}}'
+        return {"type": "grammar", "grammar": f"root ::= {free}"}
+    required = params.get("required")
+    required = set(required) if isinstance(required, list) else set()
+    elements: list[dict[str, Any]] = []
+    for key, prop in properties.items():
+        one: dict[str, Any] = {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": f"<parameter={key}>\n"},
+                _xml_value(prop, param),
+                {"type": "const_string", "value": "\n</parameter>\n"},
+            ],
+        }
+        elements.append(one if key in required else {"type": "optional", "content": one})
+    if not elements:
+        return {"type": "grammar", "grammar": 'root ::= ""'}
+    return {"type": "sequence", "elements": elements}
+
+
 def _tool_calls(c: Constraint) -> xgr.Grammar:
     """Well-formed calls in the tool format of the spec (Hermes when it names none): one or
     more (exactly one when parallel calls are off), each naming one of the tools, its
     arguments valid against that tool's parameters schema (FunctionGemma's, whose notation is
-    not JSON: keys of the schema and values of their types, see _gemma_arguments)."""
+    not JSON: keys of the schema and values of their types, see _gemma_arguments; the XML
+    notation's: see _xml_arguments)."""
     spec = json.loads(c.spec)
     fmt = TOOL_FORMATS[spec.get("format", "hermes")]
     tags = []
     for tool in spec["tools"]:
         params = tool.get("parameters") or {"type": "object", "properties": {}}
-        if fmt.json_arguments:
+        if fmt.notation == "json":
             arguments = str(_json_grammar(_schema(json.dumps(params), c.param)))
+            content = {"type": "grammar", "grammar": arguments}
+        elif fmt.notation == "gemma":
+            content = {"type": "grammar", "grammar": _gemma_arguments(params)}
         else:
-            arguments = _gemma_arguments(params)
+            content = _xml_arguments(params, c.param)
         name = json.dumps(tool["name"]) if fmt.quote_name else tool["name"]
         tags.append(
             {
                 "type": "tag",
                 "begin": f"{fmt.call_begin}{name}{fmt.name_end}",
-                "content": {"type": "grammar", "grammar": arguments},
+                "content": content,
                 "end": fmt.call_end,
             }
         )

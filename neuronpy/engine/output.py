@@ -57,6 +57,7 @@ class OutputParser:
         self._markers = REASONING_MARKERS[output.reasoning] if output.reasoning else None
         self._tools = output.tool_calls
         self._format = TOOL_FORMATS[output.tool_format]
+        self._types = output.tool_types
         self._parallel = output.parallel_tool_calls
         if self._markers is None:
             self._state = _State.CONTENT
@@ -162,7 +163,7 @@ class OutputParser:
 
     def _tool_call(self, final: bool) -> bool:
         buf = self._buf
-        settled = self._format.settle(buf, final)
+        settled = self._format.settle(buf, final, self._types)
         if settled is None:
             return False
         n = settled.consumed

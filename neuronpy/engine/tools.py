@@ -4,7 +4,9 @@ A format is the marker that opens a call and how the call's text after it ends:
 
 - "tagged" formats close each call with an end marker, one call per block: Hermes/Qwen's
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/3, SmolLM3, Hermes) and
-  FunctionGemma's `<start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>`;
+  FunctionGemma's `<start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>`
+  and Qwen3-Coder / Qwen3.5's XML `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
+  </parameter>\n</function>\n</tool_call>`;
 - "list" formats write one JSON array of `{"name", "arguments"}` objects after the marker:
   Granite 3's `<|tool_call|>[...]`, Phi-4-mini's `functools[...]`, Mistral's `[TOOL_CALLS][...]`.
 
@@ -64,8 +66,9 @@ class ToolFormat:
     name_end: str = ', "arguments": '
     call_end: str = "}"
     separator: str = ", "  # between a list's calls (tagged blocks: between blocks)
-    quote_name: bool = True  # the name as a JSON string (FunctionGemma's is bare)
-    json_arguments: bool = True  # arguments as JSON (FunctionGemma's are its own notation)
+    quote_name: bool = True  # the name as a JSON string (FunctionGemma's and the XML's are bare)
+    # how the arguments are written: JSON, or FunctionGemma's or Qwen3-Coder's own notation
+    notation: Literal["json", "gemma", "xml"] = "json"
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -73,21 +76,24 @@ class ToolFormat:
         special tokens)."""
         return (self.start, self.end) if self.end else (self.start,)
 
-    def settle(self, text: str, final: bool) -> Settled | None:
+    def settle(self, text: str, final: bool, types: ParamTypes | None = None) -> Settled | None:
         """What `text`, everything after a start marker so far, settles into; None while more
-        text may still change it (`final`: the reply has ended, so it cannot)."""
+        text may still change it (`final`: the reply has ended, so it cannot). `types`: the
+        request's tools' parameter types, for a notation whose values are untyped text."""
         if self.kind == "tagged":
             i = text.find(self.end)
             if i < 0:
                 return Settled(len(text), None) if final else None
-            call = self.parse_call(text[:i])
+            call = self.parse_call(text[:i], types)
             return Settled(i + len(self.end), None if call is None else (call,))
         return self._settle_list(text, final)
 
-    def parse_call(self, body: str) -> ParsedCall | None:
+    def parse_call(self, body: str, types: ParamTypes | None = None) -> ParsedCall | None:
         """The call in a tagged block's text (between its markers), or None."""
-        if self.name == "functiongemma":
+        if self.notation == "gemma":
             return parse_function_gemma(body)
+        if self.notation == "xml":
+            return parse_qwen3_coder(body, types)
         return parse_tool_call(body)
 
     def _settle_list(self, text: str, final: bool) -> Settled | None:
@@ -130,7 +136,19 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
         call_end="}<end_function_call>",
         separator="",
         quote_name=False,
-        json_arguments=False,
+        notation="gemma",
+    ),
+    "qwen3_coder": ToolFormat(
+        "qwen3_coder",
+        "<tool_call>",
+        "tagged",
+        end="</tool_call>",
+        call_begin="<tool_call>\n<function=",
+        name_end=">\n",
+        call_end="</function>\n</tool_call>",
+        separator="\n",
+        quote_name=False,
+        notation="xml",
     ),
 }
 assert set(TOOL_FORMATS) == set(TOOL_CALL_PARSERS) - {"auto"}
@@ -142,6 +160,8 @@ TOOL_CALL_START, TOOL_CALL_END = HERMES.start, HERMES.end
 # writes, so that it is read back).
 _TEMPLATE_SIGNS = (
     ("<start_function_call>", "functiongemma"),
+    # Qwen3-Coder / Qwen3.5's XML calls, inside the Hermes-like <tool_call> (so before it)
+    ("<parameter=", "qwen3_coder"),
     ("<|tool_call|>", "granite"),
     ("[TOOL_CALLS]", "mistral"),
     ("functools", "phi4_mini"),
@@ -333,6 +353,93 @@ def _gemma_value(text: str, i: int) -> tuple[Any, int]:
     if isinstance(value, (dict, list)) or (isinstance(value, float) and not math.isfinite(value)):
         value = word  # (NaN, Infinity and quoted JSON are words too)
     return value, bare.end()
+
+
+# ---- Qwen3-Coder / Qwen3.5's XML notation: <function=NAME> <parameter=KEY>VALUE</parameter> -----
+
+# (tool name, parameter name, the type its JSON Schema gives it: "string", "boolean", ...), for
+# every parameter of the request's tools whose schema names one type
+ParamTypes = tuple[tuple[str, str, str], ...]
+_FUNCTION = re.compile(r"<function=([^<>\n]+)>")
+_PARAMETER = re.compile(r"<parameter=([^<>\n]+)>")
+_PARAMETER_END = "</parameter>"
+_FUNCTION_END = "</function>"
+
+
+def parameter_types(tools: list[dict[str, Any]]) -> ParamTypes:
+    """The parameter types of `tools` ({"name", "parameters"}: OpenAI's function objects) that
+    the XML notation needs to read a value back: each property's "type" when it is one name
+    ("string" also for a property that only lists string choices in "enum")."""
+    found: list[tuple[str, str, str]] = []
+    for tool in tools:
+        params = tool.get("parameters")
+        properties = params.get("properties") if isinstance(params, dict) else None
+        if not isinstance(properties, dict):
+            continue
+        for key, prop in properties.items():
+            if not isinstance(prop, dict):
+                continue
+            kind = prop.get("type")
+            enum = prop.get("enum")
+            if kind is None and isinstance(enum, list) and enum:
+                kind = "string" if all(isinstance(e, str) for e in enum) else None
+            if isinstance(kind, str):
+                found.append((str(tool.get("name")), str(key), kind))
+    return tuple(found)
+
+
+def parse_qwen3_coder(body: str, types: ParamTypes | None = None) -> ParsedCall | None:
+    """The call in a Qwen3-Coder / Qwen3.5 block (`<function=NAME>`, then `<parameter=KEY>`
+    VALUE `</parameter>` for each argument, then `</function>`, whitespace between them), its
+    arguments as JSON; None when the block is not one.
+
+    A value is the text between its tags, less one newline at each end (the template writes
+    them). Values are untyped text (the template writes strings raw, other values as JSON), so
+    a value is kept as that text when `types` (parameter_types of the request's tools) says
+    its parameter is a "string"; "True"/"False" of a "boolean" are read as JSON's booleans
+    (the template renders Python's with `| string`); any other value is read as JSON when it
+    is JSON (a number, true, an object...), and kept as text when it is not. Without `types`
+    (or for a parameter they do not name), then, a string that is JSON text ("42") comes back
+    as that JSON value."""
+    text = body.strip()
+    m = _FUNCTION.match(text)
+    if m is None or not m.group(1).strip():
+        return None
+    name = m.group(1).strip()
+    known = {key: kind for tool, key, kind in types or () if tool == name}
+    arguments: dict[str, Any] = {}
+    i = _skip(text, m.end())
+    while not text.startswith(_FUNCTION_END, i):
+        p = _PARAMETER.match(text, i)
+        if p is None:
+            return None
+        end = text.find(_PARAMETER_END, p.end())
+        if end < 0:
+            return None
+        value = text[p.end() : end]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        key = p.group(1).strip()
+        arguments[key] = _xml_value(value, known.get(key))
+        i = _skip(text, end + len(_PARAMETER_END))
+    if text[i + len(_FUNCTION_END) :].strip():
+        return None
+    return ParsedCall(name, json.dumps(arguments, ensure_ascii=False), None)
+
+
+def _xml_value(text: str, kind: str | None) -> Any:
+    """A parameter's value text as its schema's `kind` reads it (see parse_qwen3_coder)."""
+    if kind == "string":
+        return text
+    if kind == "boolean" and text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    if isinstance(value, float) and not math.isfinite(value):
+        return text  # (NaN and Infinity are not JSON)
+    return value
 
 
 def new_call_id() -> str:

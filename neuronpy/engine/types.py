@@ -57,6 +57,9 @@ class OutputFormat:
     tool_calls: bool = False  # tool-call markup (in `tool_format`) -> ToolCalls
     parallel_tool_calls: bool = True  # False: only the first tool call is returned
     tool_format: str = "hermes"  # the markup's format, a name of engine/tools.py's TOOL_FORMATS
+    # the request's tools' parameter types (engine/tools.py's parameter_types), for a format whose
+    # argument values are untyped text (qwen3_coder): a "string" parameter's value stays text
+    tool_types: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.reasoning is not None and self.reasoning not in REASONING_MARKERS:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import PrivateAttr, ValidationInfo, field_validator, model_validator
 from transformers import PreTrainedTokenizerBase
 
+from neuronpy.engine.tools import parameter_types
 from neuronpy.engine.types import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
@@ -336,7 +337,8 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
 
     def output_format(self, reasoning: str | None, tool_format: str = "hermes") -> OutputFormat:
         tools = self.chat_tools
-        return OutputFormat(reasoning, tools.parse, tools.parallel, tool_format)
+        types = parameter_types([t["function"] for t in tools.tools or ()])
+        return OutputFormat(reasoning, tools.parse, tools.parallel, tool_format, types)
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
         return render_chat(
