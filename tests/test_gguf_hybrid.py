@@ -34,6 +34,7 @@ ARCHS = {
     "tiny-lfm2": gguf.MODEL_ARCH.LFM2,
     "qwen3.5-kv": gguf.MODEL_ARCH.QWEN35,
     "qwen3-next-kv": gguf.MODEL_ARCH.QWEN3NEXT,
+    "tiny-granite-hybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
 }
 # and the files written only to be refused: tiny-qwen3.5 has 2 key heads, 4 value heads
 WRITERS = {**ARCHS, "tiny-qwen3.5": gguf.MODEL_ARCH.QWEN35}
@@ -219,16 +220,112 @@ def _qwen3_next_tensors(name: str, w: torch.Tensor, config: Any) -> list[tuple[s
     return _qwen35_tensors(name, w, config)
 
 
+def _granite_attention_layers(config: Any) -> list[int]:
+    """GraniteHybridModel.get_attn_layers, of a checkpoint's layer types as Granite 4's configs
+    name them ("attention" / "mamba"; transformers renames them full_attention /
+    linear_attention)."""
+    return [i for i, t in enumerate(config.layer_types) if t in ("attention", "full_attention")]
+
+
+def _granite_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    """GraniteHybridModel.set_gguf_parameters: TextModel's and LlamaModel's fields, Granite's
+    four multipliers as scales, the shared MLP's size (GraniteMoeModel's), the Mamba2 shape
+    (time_step_rank: its head count), head_count_kv per layer (0 for a Mamba2 layer), and, the
+    attention being without positions, rope.scaling.finetuned false and the context length
+    overwritten by 2**20."""
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    attention = _granite_attention_layers(config)
+    writer.add_head_count_kv(
+        [
+            config.num_key_value_heads if i in attention else 0
+            for i in range(len(config.layer_types))
+        ]
+    )
+    assert config.position_embedding_type != "rope"
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_context_length(2**20)
+
+
+def _granite_tensors(name: str, w: torch.Tensor, config: Any) -> list[tuple[str, torch.Tensor]]:
+    """GraniteHybridModel.modify_tensors on the checkpoint's tensors (its files' names): the
+    experts' and the shared MLP's input_linear split into gate (the first half) and up
+    (GraniteMoeModel's); a Mamba2 layer's as Mamba2Model's: dt_bias renamed dt_proj.bias, the
+    convolution squeezed, A and D [heads, 1], the norm [groups, inner / groups], A_log as
+    -exp(A_log); an attention layer's q and k rows permuted as LlamaModel's (undo_permute)."""
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    if name.endswith("block_sparse_moe.input_linear.weight"):
+        gate, up = w.split(config.intermediate_size, dim=-2)
+        return [
+            (f"blk.{layer}.ffn_gate_exps.weight", gate),
+            (f"blk.{layer}.ffn_up_exps.weight", up),
+        ]
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = w.split(config.shared_intermediate_size, dim=-2)
+        tail = "_shexp" if config.num_local_experts else ""
+        return [
+            (f"blk.{layer}.ffn_gate{tail}.weight", gate),
+            (f"blk.{layer}.ffn_up{tail}.weight", up),
+        ]
+    if not layer:
+        return [(name, w)]
+    if int(layer) in _granite_attention_layers(config):
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if "q_proj" in name else kv
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        return [(name, w)]
+    if name.endswith(".dt_bias"):
+        name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+    if "conv1d.weight" in name:
+        w = w.squeeze()
+    elif name.endswith((".A_log", ".D")):
+        w = w.reshape(*w.shape, 1)
+    elif name.endswith("mamba.norm.weight"):
+        groups = config.mamba_n_groups
+        w = w.reshape(groups, -1)
+    if name.endswith(".A_log"):
+        w = -torch.exp(w)
+    return [(name, w)]
+
+
 METADATA = {
     gguf.MODEL_ARCH.LFM2: _lfm2_metadata,
     gguf.MODEL_ARCH.QWEN35: _qwen35_metadata,
     gguf.MODEL_ARCH.QWEN3NEXT: _qwen35_metadata,
+    gguf.MODEL_ARCH.GRANITE_HYBRID: _granite_metadata,
 }
 TENSORS = {
     gguf.MODEL_ARCH.LFM2: _lfm2_tensors,
     gguf.MODEL_ARCH.QWEN35: _qwen35_tensors,
     gguf.MODEL_ARCH.QWEN3NEXT: _qwen3_next_tensors,
+    gguf.MODEL_ARCH.GRANITE_HYBRID: _granite_tensors,
 }
+
+
+def checkpoint_tensors(family: str) -> dict[str, torch.Tensor]:
+    """The tensors the converter reads: Granite's files' own (transformers renames its experts
+    and router in memory), the other families' transformers model's state dict."""
+    if WRITERS[family] == gguf.MODEL_ARCH.GRANITE_HYBRID:
+        from safetensors.torch import load_file
+
+        return load_file(source_dir(family) / "model.safetensors")
+    return hf_model(family).state_dict()
 
 
 def write_hybrid_gguf(path: Path, family: str, kind: str = "F32", *, mtp: bool = False) -> Path:
@@ -251,7 +348,7 @@ def write_hybrid_gguf(path: Path, family: str, kind: str = "F32", *, mtp: bool =
     METADATA[arch](writer, config)
     add_fixture_tokenizer(writer, source_dir(family))
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    for hf, tensor in model.state_dict().items():
+    for hf, tensor in checkpoint_tensors(family).items():
         if hf == "lm_head.weight" and config.tie_word_embeddings:
             continue
         for name, w in TENSORS[arch](hf, tensor.detach().float(), config):
@@ -261,7 +358,8 @@ def write_hybrid_gguf(path: Path, family: str, kind: str = "F32", *, mtp: bool =
             data = w.contiguous().numpy()
             kernel = target.endswith((".shortconv.conv.weight", ".ssm_conv1d.weight"))
             quantized = data.ndim in (2, 3) and data.shape[-1] % 32 == 0 and not kernel
-            quantized &= not target.endswith(".ffn_gate_inp.weight")  # (llama-quantize's rule)
+            # (llama-quantize's rules: the router and the norms stay F32)
+            quantized &= not target.endswith((".ffn_gate_inp.weight", "_norm.weight"))
             data, qtype = encode(data, kind if quantized else "F32")
             writer.add_tensor(target, data, raw_dtype=qtype)
     if mtp:
@@ -318,8 +416,14 @@ def test_the_config_is_the_fixtures(family: str, tmp_path: Path) -> None:
     want = hf_model(family).config
     assert checkpoint.config.model_type == want.model_type
     ours, theirs = ArchConfig.from_hf(checkpoint.config), ArchConfig.from_hf(want)
-    # (GGUF stores the epsilon as a float32: the value the norms add in float32 either way)
+    # (GGUF stores the epsilon as a float32: the value the norms add in float32 either way;
+    # Granite's reader gives the decimal it was written from)
     eps = float(np.float32(theirs.rms_norm_eps))
+    if family == "tiny-granite-hybrid":
+        eps = theirs.rms_norm_eps
+        # the converter writes a NoPE model's context length as 2**20, not the checkpoint's
+        assert ours.context_len == 2**20
+        theirs = dataclasses.replace(theirs, context_len=ours.context_len)
     assert ours == dataclasses.replace(theirs, rms_norm_eps=eps)
     assert tok.encode(TEXT) == tokenizer(family).encode(TEXT)
 
