@@ -446,10 +446,10 @@ def test_an_f32_file_computes_the_fixtures_logits(family: str, tmp_path: Path) -
 
 @pytest.mark.parametrize("family", list(ARCHS))
 def test_a_q8_0_file_stays_quantized_and_runs_close(family: str, tmp_path: Path) -> None:
-    """The projections in Q8_0, kept so (8-bit groups; Qwen3-Next's routed experts are
-    dequantized once at load, and quantized again as `quantize` says); the logits near those
-    of the file's dequantized model, its next tokens mostly the same, and greedy decoding
-    runs."""
+    """The projections in Q8_0, kept so (8-bit groups; Qwen3-Next's and Granite's routed
+    experts are dequantized once at load, and quantized again as `quantize` says); the logits
+    near those of the file's dequantized model, its next tokens mostly the same, and greedy
+    decoding runs."""
     path = write_hybrid_gguf(tmp_path / f"{family}.gguf", family, "Q8_0")
     kinds = {t.kind for t in read_index(path)[1]}
     assert kinds == {"Q8_0", "F32"}
@@ -460,7 +460,12 @@ def test_a_q8_0_file_stays_quantized_and_runs_close(family: str, tmp_path: Path)
     model = LlamaModel.from_hf(checkpoint, quantize="auto")
     projections = model.describe_weights().split(";")[0]
     assert "from Q8_0" in projections
-    if family != "qwen3-next-kv":  # (its routed experts: float, dequantized at load)
+    if family == "tiny-granite-hybrid":  # float: each layer's router and its routed experts'
+        # two linears each (dequantized at load); its shared MLP, attention and Mamba2 kept
+        config = hf_model(family).config
+        floats = config.num_hidden_layers * (1 + 2 * config.num_local_experts)
+        assert projections.startswith(f"projections: {floats} float32,")
+    elif family != "qwen3-next-kv":  # (its routed experts: float, dequantized at load)
         assert "float32" not in projections  # every projection
     ids = prompt(family)
     got = logits_of(model, ids)
