@@ -561,3 +561,60 @@ def build_qwen3_next(path: Path, seed: int = 36) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy(fixture_dir("tiny-qwen3-next") / name, path / name)
     return path
+
+
+def test_granite_hybrid_names() -> None:
+    """llama.cpp's granitehybrid names: the Mamba2 layer's parts (A_log, D and dt_bias without
+    a .weight), the router, the experts stacked (a pattern), the shared MLP's split gate and
+    up (ffn_*_shexp; ffn_gate / ffn_up / ffn_down in a model of no routed experts)."""
+    cases = {
+        "blk.0.ssm_a": "model.layers.0.mamba.A_log",
+        "blk.0.ssm_d": "model.layers.0.mamba.D",
+        "blk.0.ssm_dt.bias": "model.layers.0.mamba.dt_bias",
+        "blk.0.ssm_in.weight": "model.layers.0.mamba.in_proj.weight",
+        "blk.0.ssm_conv1d.weight": "model.layers.0.mamba.conv1d.weight",
+        "blk.0.ssm_conv1d.bias": "model.layers.0.mamba.conv1d.bias",
+        "blk.0.ssm_norm.weight": "model.layers.0.mamba.norm.weight",
+        "blk.0.ssm_out.weight": "model.layers.0.mamba.out_proj.weight",
+        "blk.1.attn_q.weight": "model.layers.1.self_attn.q_proj.weight",
+        "blk.1.attn_output.weight": "model.layers.1.self_attn.o_proj.weight",
+        "blk.1.ffn_norm.weight": "model.layers.1.post_attention_layernorm.weight",
+        "blk.1.ffn_gate_inp.weight": "model.layers.1.block_sparse_moe.router.layer.weight",
+        "blk.1.ffn_gate_exps.weight": "model.layers.1.block_sparse_moe.experts.{}.gate_proj.weight",
+        "blk.1.ffn_down_exps.weight": "model.layers.1.block_sparse_moe.experts.{}.down_proj.weight",
+        "blk.1.ffn_up_shexp.weight": "model.layers.1.shared_mlp.up_proj.weight",
+        "blk.1.ffn_gate.weight": "model.layers.1.shared_mlp.gate_proj.weight",
+        "blk.1.ffn_down.weight": "model.layers.1.shared_mlp.down_proj.weight",
+        "blk.0.ssm_a.weight": None,
+    }
+    for name, want in cases.items():
+        assert hf_name(name, "granitehybrid") == want, name
+
+
+def test_a_granite_hybrid_file_restores_its_mamba_tensors(tmp_path: Path) -> None:
+    """The file's Mamba2 tensors as the checkpoint holds them: D, the norm and the convolution
+    reshaped back exactly; A_log read back in float64 so that -exp of it, rounded to float32,
+    is the checkpoint's -exp(A_log) bit for bit (what Mamba2Mixer computes from it); q and k
+    rows in the checkpoint's order."""
+    from safetensors.torch import load_file
+
+    family = "tiny-granite-hybrid"
+    path = write_hybrid_gguf(tmp_path / "g.gguf", family)
+    checkpoint, _, _ = load_gguf_checkpoint(
+        str(path), cache_dir=tmp_path / "cache", log=lambda _: None
+    )
+    stored = load_file(source_dir(family) / "model.safetensors")
+    for name in ("D", "norm.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "in_proj.weight"):
+        got, want = (
+            checkpoint.get(f"model.layers.0.mamba.{name}"),
+            stored[f"model.layers.0.mamba.{name}"],
+        )
+        assert isinstance(got, torch.Tensor)
+        assert torch.equal(got, want), name
+    a_log = checkpoint.get("model.layers.2.mamba.A_log")
+    assert isinstance(a_log, torch.Tensor) and a_log.dtype == torch.float64
+    want = -torch.exp(stored["model.layers.2.mamba.A_log"].float())
+    assert torch.equal((-a_log.exp()).float(), want)
+    for name in ("q_proj", "k_proj"):
+        got = checkpoint.get(f"model.layers.1.self_attn.{name}.weight")
+        assert torch.equal(got, stored[f"model.layers.1.self_attn.{name}.weight"])  # type: ignore[arg-type]
