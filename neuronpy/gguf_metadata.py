@@ -74,6 +74,8 @@ def gguf_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[st
     architecture = fields.get("general.architecture")
     if architecture in ("qwen35", "qwen3next"):
         return qwen_next_config_dict(fields, tensor_names, architecture)
+    if architecture == "granitehybrid":
+        return granite_hybrid_config_dict(fields, tensor_names)
     if architecture not in NATIVE_ARCHITECTURES or architecture not in GGUF_CONFIG_MAPPING:
         return None
     # transformers tests `"mistral" in model_name` on the list of general.name's values: an
@@ -193,6 +195,89 @@ def qwen_next_config_dict(
             mlp_only_layers=[],
             norm_topk_prob=True,
         )
+    for key in ("eos_token_id", "pad_token_id"):
+        token = fields.get(f"tokenizer.ggml.{key}")
+        if token is not None:
+            config[key] = int(token)
+    return config
+
+
+def _float32(value: Any) -> float:
+    """A float32 field as the decimal it was written from: its shortest repr that rounds to
+    the same float32 (0.2, not 0.20000000298), as the checkpoint's config gave it."""
+    return float(str(np.float32(value)))
+
+
+def granite_hybrid_config_dict(fields: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
+    """transformers' GraniteMoeHybridConfig dict of a llama.cpp "granitehybrid" file (Granite
+    4; transformers does not read these), from the fields llama.cpp's GraniteHybridModel
+    converter writes: head_count_kv per layer (0 for a Mamba2 layer) gives the layer types and
+    the KV head count; the Mamba2 shape from ssm.* (time_step_rank is its head count, inner_size
+    its heads times head size, group_count, state_size, conv_kernel); Granite's four multipliers
+    from attention.scale, embedding_scale, residual_scale and logit_scale; the routed experts
+    (expert_count, expert_used_count; feed_forward_length their size) and the shared MLP's size
+    (expert_shared_feed_forward_length); rope.scaling.finetuned true where the attention
+    rotates (Bamba's, or a model of no Mamba2 layers), else no positions. A NoPE model's
+    context_length is the converter's 2**20 (the checkpoint's own is not written). The biases
+    follow from the tensors the file holds; the time-step limits are transformers' default (0,
+    inf): the converter writes none."""
+
+    def field(key: str, default: Any = None) -> Any:
+        value = fields.get(f"granitehybrid.{key}", default)
+        if isinstance(value, np.ndarray):
+            value = value.tolist()
+        return value
+
+    layers = int(field("block_count"))
+    hidden = int(field("embedding_length"))
+    kv = field("attention.head_count_kv", 0)
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    heads = int(field("attention.head_count"))
+    ssm_heads = int(field("ssm.time_step_rank"))
+    inner = int(field("ssm.inner_size"))
+    experts = int(field("expert_count", 0) or 0)
+    vocab = field("vocab_size")
+    if vocab is None:
+        tokens = fields.get("tokenizer.ggml.tokens")
+        vocab = tokens.count if isinstance(tokens, SkippedArray) else None
+    rope = bool(field("rope.scaling.finetuned", False))
+    ffn = field("expert_feed_forward_length") or field("feed_forward_length", 0)
+    config: dict[str, Any] = {
+        "model_type": "granitemoehybrid",
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(int(n) for n in kv) or heads,
+        "intermediate_size": int(ffn),
+        "shared_intermediate_size": int(field("expert_shared_feed_forward_length", 0) or 0),
+        "num_local_experts": experts,
+        "num_experts_per_tok": int(field("expert_used_count", 0) or 0),
+        "max_position_embeddings": int(field("context_length")),
+        "rms_norm_eps": _float32(field("attention.layer_norm_rms_epsilon", 1e-6)),
+        "attention_multiplier": _float32(field("attention.scale", 1.0)),
+        "embedding_multiplier": _float32(field("embedding_scale", 1.0)),
+        "residual_multiplier": _float32(field("residual_scale", 1.0)),
+        "logits_scaling": _float32(field("logit_scale", 1.0)),
+        "layer_types": ["attention" if int(n) > 0 else "mamba" for n in kv],
+        "position_embedding_type": "rope" if rope else None,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(field("rope.freq_base", 10000.0)),
+        },
+        "mamba_n_heads": ssm_heads,
+        "mamba_d_head": inner // ssm_heads,
+        "mamba_d_state": int(field("ssm.state_size")),
+        "mamba_n_groups": int(field("ssm.group_count", 1)),
+        "mamba_d_conv": int(field("ssm.conv_kernel")),
+        "mamba_expand": inner // hidden,
+        "mamba_conv_bias": any(n.endswith(".ssm_conv1d.bias") for n in tensor_names),
+        "mamba_proj_bias": any(n.endswith(".ssm_in.bias") for n in tensor_names),
+        "attention_bias": any(n.endswith(".attn_q.bias") for n in tensor_names),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
     for key in ("eos_token_id", "pad_token_id"):
         token = fields.get(f"tokenizer.ggml.{key}")
         if token is not None:

@@ -34,6 +34,7 @@ ARCHS = {
     "tiny-lfm2": gguf.MODEL_ARCH.LFM2,
     "qwen3.5-kv": gguf.MODEL_ARCH.QWEN35,
     "qwen3-next-kv": gguf.MODEL_ARCH.QWEN3NEXT,
+    "tiny-granite-hybrid": gguf.MODEL_ARCH.GRANITE_HYBRID,
 }
 # and the files written only to be refused: tiny-qwen3.5 has 2 key heads, 4 value heads
 WRITERS = {**ARCHS, "tiny-qwen3.5": gguf.MODEL_ARCH.QWEN35}
@@ -219,16 +220,112 @@ def _qwen3_next_tensors(name: str, w: torch.Tensor, config: Any) -> list[tuple[s
     return _qwen35_tensors(name, w, config)
 
 
+def _granite_attention_layers(config: Any) -> list[int]:
+    """GraniteHybridModel.get_attn_layers, of a checkpoint's layer types as Granite 4's configs
+    name them ("attention" / "mamba"; transformers renames them full_attention /
+    linear_attention)."""
+    return [i for i, t in enumerate(config.layer_types) if t in ("attention", "full_attention")]
+
+
+def _granite_metadata(writer: gguf.GGUFWriter, config: Any) -> None:
+    """GraniteHybridModel.set_gguf_parameters: TextModel's and LlamaModel's fields, Granite's
+    four multipliers as scales, the shared MLP's size (GraniteMoeModel's), the Mamba2 shape
+    (time_step_rank: its head count), head_count_kv per layer (0 for a Mamba2 layer), and, the
+    attention being without positions, rope.scaling.finetuned false and the context length
+    overwritten by 2**20."""
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_attention_scale(config.attention_multiplier)
+    writer.add_embedding_scale(config.embedding_multiplier)
+    writer.add_residual_scale(config.residual_multiplier)
+    writer.add_logit_scale(config.logits_scaling)
+    writer.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(config.mamba_d_state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_expand * config.hidden_size)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    attention = _granite_attention_layers(config)
+    writer.add_head_count_kv(
+        [
+            config.num_key_value_heads if i in attention else 0
+            for i in range(len(config.layer_types))
+        ]
+    )
+    assert config.position_embedding_type != "rope"
+    writer.add_rope_scaling_finetuned(False)
+    writer.add_context_length(2**20)
+
+
+def _granite_tensors(name: str, w: torch.Tensor, config: Any) -> list[tuple[str, torch.Tensor]]:
+    """GraniteHybridModel.modify_tensors on the checkpoint's tensors (its files' names): the
+    experts' and the shared MLP's input_linear split into gate (the first half) and up
+    (GraniteMoeModel's); a Mamba2 layer's as Mamba2Model's: dt_bias renamed dt_proj.bias, the
+    convolution squeezed, A and D [heads, 1], the norm [groups, inner / groups], A_log as
+    -exp(A_log); an attention layer's q and k rows permuted as LlamaModel's (undo_permute)."""
+    layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+    if name.endswith("block_sparse_moe.input_linear.weight"):
+        gate, up = w.split(config.intermediate_size, dim=-2)
+        return [
+            (f"blk.{layer}.ffn_gate_exps.weight", gate),
+            (f"blk.{layer}.ffn_up_exps.weight", up),
+        ]
+    if name.endswith("shared_mlp.input_linear.weight"):
+        gate, up = w.split(config.shared_intermediate_size, dim=-2)
+        tail = "_shexp" if config.num_local_experts else ""
+        return [
+            (f"blk.{layer}.ffn_gate{tail}.weight", gate),
+            (f"blk.{layer}.ffn_up{tail}.weight", up),
+        ]
+    if not layer:
+        return [(name, w)]
+    if int(layer) in _granite_attention_layers(config):
+        heads, kv = config.num_attention_heads, config.num_key_value_heads
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if "q_proj" in name else kv
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        return [(name, w)]
+    if name.endswith(".dt_bias"):
+        name = name.rpartition(".dt_bias")[0] + ".dt_proj.bias"
+    if "conv1d.weight" in name:
+        w = w.squeeze()
+    elif name.endswith((".A_log", ".D")):
+        w = w.reshape(*w.shape, 1)
+    elif name.endswith("mamba.norm.weight"):
+        groups = config.mamba_n_groups
+        w = w.reshape(groups, -1)
+    if name.endswith(".A_log"):
+        w = -torch.exp(w)
+    return [(name, w)]
+
+
 METADATA = {
     gguf.MODEL_ARCH.LFM2: _lfm2_metadata,
     gguf.MODEL_ARCH.QWEN35: _qwen35_metadata,
     gguf.MODEL_ARCH.QWEN3NEXT: _qwen35_metadata,
+    gguf.MODEL_ARCH.GRANITE_HYBRID: _granite_metadata,
 }
 TENSORS = {
     gguf.MODEL_ARCH.LFM2: _lfm2_tensors,
     gguf.MODEL_ARCH.QWEN35: _qwen35_tensors,
     gguf.MODEL_ARCH.QWEN3NEXT: _qwen3_next_tensors,
+    gguf.MODEL_ARCH.GRANITE_HYBRID: _granite_tensors,
 }
+
+
+def checkpoint_tensors(family: str) -> dict[str, torch.Tensor]:
+    """The tensors the converter reads: Granite's files' own (transformers renames its experts
+    and router in memory), the other families' transformers model's state dict."""
+    if WRITERS[family] == gguf.MODEL_ARCH.GRANITE_HYBRID:
+        from safetensors.torch import load_file
+
+        return load_file(source_dir(family) / "model.safetensors")
+    return hf_model(family).state_dict()
 
 
 def write_hybrid_gguf(path: Path, family: str, kind: str = "F32", *, mtp: bool = False) -> Path:
@@ -251,7 +348,7 @@ def write_hybrid_gguf(path: Path, family: str, kind: str = "F32", *, mtp: bool =
     METADATA[arch](writer, config)
     add_fixture_tokenizer(writer, source_dir(family))
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    for hf, tensor in model.state_dict().items():
+    for hf, tensor in checkpoint_tensors(family).items():
         if hf == "lm_head.weight" and config.tie_word_embeddings:
             continue
         for name, w in TENSORS[arch](hf, tensor.detach().float(), config):
@@ -261,7 +358,8 @@ def write_hybrid_gguf(path: Path, family: str, kind: str = "F32", *, mtp: bool =
             data = w.contiguous().numpy()
             kernel = target.endswith((".shortconv.conv.weight", ".ssm_conv1d.weight"))
             quantized = data.ndim in (2, 3) and data.shape[-1] % 32 == 0 and not kernel
-            quantized &= not target.endswith(".ffn_gate_inp.weight")  # (llama-quantize's rule)
+            # (llama-quantize's rules: the router and the norms stay F32)
+            quantized &= not target.endswith((".ffn_gate_inp.weight", "_norm.weight"))
             data, qtype = encode(data, kind if quantized else "F32")
             writer.add_tensor(target, data, raw_dtype=qtype)
     if mtp:
@@ -318,8 +416,14 @@ def test_the_config_is_the_fixtures(family: str, tmp_path: Path) -> None:
     want = hf_model(family).config
     assert checkpoint.config.model_type == want.model_type
     ours, theirs = ArchConfig.from_hf(checkpoint.config), ArchConfig.from_hf(want)
-    # (GGUF stores the epsilon as a float32: the value the norms add in float32 either way)
+    # (GGUF stores the epsilon as a float32: the value the norms add in float32 either way;
+    # Granite's reader gives the decimal it was written from)
     eps = float(np.float32(theirs.rms_norm_eps))
+    if family == "tiny-granite-hybrid":
+        eps = theirs.rms_norm_eps
+        # the converter writes a NoPE model's context length as 2**20, not the checkpoint's
+        assert ours.context_len == 2**20
+        theirs = dataclasses.replace(theirs, context_len=ours.context_len)
     assert ours == dataclasses.replace(theirs, rms_norm_eps=eps)
     assert tok.encode(TEXT) == tokenizer(family).encode(TEXT)
 
@@ -342,10 +446,10 @@ def test_an_f32_file_computes_the_fixtures_logits(family: str, tmp_path: Path) -
 
 @pytest.mark.parametrize("family", list(ARCHS))
 def test_a_q8_0_file_stays_quantized_and_runs_close(family: str, tmp_path: Path) -> None:
-    """The projections in Q8_0, kept so (8-bit groups; Qwen3-Next's routed experts are
-    dequantized once at load, and quantized again as `quantize` says); the logits near those
-    of the file's dequantized model, its next tokens mostly the same, and greedy decoding
-    runs."""
+    """The projections in Q8_0, kept so (8-bit groups; Qwen3-Next's and Granite's routed
+    experts are dequantized once at load, and quantized again as `quantize` says); the logits
+    near those of the file's dequantized model, its next tokens mostly the same, and greedy
+    decoding runs."""
     path = write_hybrid_gguf(tmp_path / f"{family}.gguf", family, "Q8_0")
     kinds = {t.kind for t in read_index(path)[1]}
     assert kinds == {"Q8_0", "F32"}
@@ -356,7 +460,12 @@ def test_a_q8_0_file_stays_quantized_and_runs_close(family: str, tmp_path: Path)
     model = LlamaModel.from_hf(checkpoint, quantize="auto")
     projections = model.describe_weights().split(";")[0]
     assert "from Q8_0" in projections
-    if family != "qwen3-next-kv":  # (its routed experts: float, dequantized at load)
+    if family == "tiny-granite-hybrid":  # float: each layer's router and its routed experts'
+        # two linears each (dequantized at load); its shared MLP, attention and Mamba2 kept
+        config = hf_model(family).config
+        floats = config.num_hidden_layers * (1 + 2 * config.num_local_experts)
+        assert projections.startswith(f"projections: {floats} float32,")
+    elif family != "qwen3-next-kv":  # (its routed experts: float, dequantized at load)
         assert "float32" not in projections  # every projection
     ids = prompt(family)
     got = logits_of(model, ids)
@@ -452,3 +561,60 @@ def build_qwen3_next(path: Path, seed: int = 36) -> Path:
     for name in TOKENIZER_FILES:
         shutil.copy(fixture_dir("tiny-qwen3-next") / name, path / name)
     return path
+
+
+def test_granite_hybrid_names() -> None:
+    """llama.cpp's granitehybrid names: the Mamba2 layer's parts (A_log, D and dt_bias without
+    a .weight), the router, the experts stacked (a pattern), the shared MLP's split gate and
+    up (ffn_*_shexp; ffn_gate / ffn_up / ffn_down in a model of no routed experts)."""
+    cases = {
+        "blk.0.ssm_a": "model.layers.0.mamba.A_log",
+        "blk.0.ssm_d": "model.layers.0.mamba.D",
+        "blk.0.ssm_dt.bias": "model.layers.0.mamba.dt_bias",
+        "blk.0.ssm_in.weight": "model.layers.0.mamba.in_proj.weight",
+        "blk.0.ssm_conv1d.weight": "model.layers.0.mamba.conv1d.weight",
+        "blk.0.ssm_conv1d.bias": "model.layers.0.mamba.conv1d.bias",
+        "blk.0.ssm_norm.weight": "model.layers.0.mamba.norm.weight",
+        "blk.0.ssm_out.weight": "model.layers.0.mamba.out_proj.weight",
+        "blk.1.attn_q.weight": "model.layers.1.self_attn.q_proj.weight",
+        "blk.1.attn_output.weight": "model.layers.1.self_attn.o_proj.weight",
+        "blk.1.ffn_norm.weight": "model.layers.1.post_attention_layernorm.weight",
+        "blk.1.ffn_gate_inp.weight": "model.layers.1.block_sparse_moe.router.layer.weight",
+        "blk.1.ffn_gate_exps.weight": "model.layers.1.block_sparse_moe.experts.{}.gate_proj.weight",
+        "blk.1.ffn_down_exps.weight": "model.layers.1.block_sparse_moe.experts.{}.down_proj.weight",
+        "blk.1.ffn_up_shexp.weight": "model.layers.1.shared_mlp.up_proj.weight",
+        "blk.1.ffn_gate.weight": "model.layers.1.shared_mlp.gate_proj.weight",
+        "blk.1.ffn_down.weight": "model.layers.1.shared_mlp.down_proj.weight",
+        "blk.0.ssm_a.weight": None,
+    }
+    for name, want in cases.items():
+        assert hf_name(name, "granitehybrid") == want, name
+
+
+def test_a_granite_hybrid_file_restores_its_mamba_tensors(tmp_path: Path) -> None:
+    """The file's Mamba2 tensors as the checkpoint holds them: D, the norm and the convolution
+    reshaped back exactly; A_log read back in float64 so that -exp of it, rounded to float32,
+    is the checkpoint's -exp(A_log) bit for bit (what Mamba2Mixer computes from it); q and k
+    rows in the checkpoint's order."""
+    from safetensors.torch import load_file
+
+    family = "tiny-granite-hybrid"
+    path = write_hybrid_gguf(tmp_path / "g.gguf", family)
+    checkpoint, _, _ = load_gguf_checkpoint(
+        str(path), cache_dir=tmp_path / "cache", log=lambda _: None
+    )
+    stored = load_file(source_dir(family) / "model.safetensors")
+    for name in ("D", "norm.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "in_proj.weight"):
+        got, want = (
+            checkpoint.get(f"model.layers.0.mamba.{name}"),
+            stored[f"model.layers.0.mamba.{name}"],
+        )
+        assert isinstance(got, torch.Tensor)
+        assert torch.equal(got, want), name
+    a_log = checkpoint.get("model.layers.2.mamba.A_log")
+    assert isinstance(a_log, torch.Tensor) and a_log.dtype == torch.float64
+    want = -torch.exp(stored["model.layers.2.mamba.A_log"].float())
+    assert torch.equal((-a_log.exp()).float(), want)
+    for name in ("q_proj", "k_proj"):
+        got = checkpoint.get(f"model.layers.1.self_attn.{name}.weight")
+        assert torch.equal(got, stored[f"model.layers.1.self_attn.{name}.weight"])  # type: ignore[arg-type]

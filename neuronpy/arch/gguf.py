@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from neuronpy.arch.quant import AnyWeight, GroupQuant, SubBlockQuant
+from neuronpy.arch.quant import AnyWeight, GroupQuant, SubBlockQuant, dequantized
 from neuronpy.errors import ModelLoadError
 
 GROUP_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -365,17 +365,59 @@ _QWEN3NEXT_LAYER_NAMES = {
     "ffn_up_exps": "mlp.experts.{}.up_proj",
     "ffn_down_exps": "mlp.experts.{}.down_proj",
 }
+# Granite 4 (llama.cpp's "granitehybrid", transformers' granitemoehybrid): the Llama names of
+# attention and its norms, the Mamba2 layers' parts, the router; the experts' stacked
+# input_linear split by the converter into gate (its first half) and up, stacked [E, rows,
+# columns] and read expert by expert; the shared MLP's input_linear split alike into
+# ffn_gate_shexp and ffn_up_shexp (ffn_gate and ffn_up in a model of no routed experts), all
+# read as the shared MLP's gate_proj / up_proj / down_proj, which take_moe_block reads apart
+_GRANITE_HYBRID_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k not in ("attn_q_norm", "attn_k_norm")},
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_norm": "mamba.norm",
+    "ssm_out": "mamba.out_proj",
+    "ffn_gate_inp": "block_sparse_moe.router.layer",
+    "ffn_gate_exps": "block_sparse_moe.experts.{}.gate_proj",
+    "ffn_up_exps": "block_sparse_moe.experts.{}.up_proj",
+    "ffn_down_exps": "block_sparse_moe.experts.{}.down_proj",
+    "ffn_gate_shexp": "shared_mlp.gate_proj",
+    "ffn_up_shexp": "shared_mlp.up_proj",
+    "ffn_down_shexp": "shared_mlp.down_proj",
+    "ffn_gate": "shared_mlp.gate_proj",
+    "ffn_up": "shared_mlp.up_proj",
+    "ffn_down": "shared_mlp.down_proj",
+}
+# (A_log, D and dt_bias carry no .weight: ssm_a, ssm_d, ssm_dt.bias)
+_GRANITE_HYBRID_TENSORS = {
+    "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D",
+    "ssm_dt.bias": "mamba.dt_bias",
+}
 # GGUF architecture -> (its global names, its per-layer names, its per-layer whole names)
 _NAMES = {
     "lfm2": (_LFM2_GLOBAL_NAMES, _LFM2_LAYER_NAMES, {}),
     "qwen35": (_GLOBAL_NAMES, _QWEN35_LAYER_NAMES, _QWEN35_TENSORS),
     "qwen3next": (_GLOBAL_NAMES, _QWEN3NEXT_LAYER_NAMES, _QWEN35_TENSORS),
+    "granitehybrid": (_GLOBAL_NAMES, _GRANITE_HYBRID_LAYER_NAMES, _GRANITE_HYBRID_TENSORS),
 }
-NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "lfm2", "qwen35", "qwen3next")
+NATIVE_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "lfm2",
+    "qwen35",
+    "qwen3next",
+    "granitehybrid",
+)
 # the (1 + w) norms: llama.cpp's Qwen3-Next converter stores each as 1 + w, but the Gated
 # DeltaNet's own (a plain w)
 _OFFSET_NORM_ARCHITECTURES = ("qwen35", "qwen3next")
-PERMUTED_ARCHITECTURES = ("llama", "mistral")
+# (granitehybrid's converter is Llama's: it permutes q and k whether or not the model rotates
+# them; Granite 4 attends without positions, but the rows are undone so that every product
+# sums in transformers' order)
+PERMUTED_ARCHITECTURES = ("llama", "mistral", "granitehybrid")
 
 
 def hf_name(name: str, arch: str = "llama") -> str | None:
@@ -403,7 +445,12 @@ def _restore(arch: str, name: str, weight: AnyWeight) -> AnyWeight:
     squeezed to [C, K]. Qwen3.5: the same of its Gated DeltaNet's convolution; A_log stored as
     -exp(A_log), read back as log(-x) in float64 (GatedDeltaNet's -exp of it, rounded to float32,
     is the stored value exactly); each (1 + w) norm stored as 1 + w, read back as x - 1 (exact in
-    float32 for x >= 0.5, so that the model's 1 + (x - 1) is x again)."""
+    float32 for x >= 0.5, so that the model's 1 + (x - 1) is x again). Granite 4
+    (granitehybrid): its Mamba2 convolution squeezed as Qwen3.5's; A_log stored as -exp(A_log)
+    [heads, 1], read back as Qwen3.5's; D stored [heads, 1]; the gated norm's weight stored
+    [groups, inner / groups]: each flattened back."""
+    if arch == "granitehybrid":
+        return _restore_granite_hybrid(name, weight)
     if not isinstance(weight, torch.Tensor):
         return weight
     if arch == "lfm2" and name.endswith(".conv.conv.weight"):
@@ -416,6 +463,21 @@ def _restore(arch: str, name: str, weight: AnyWeight) -> AnyWeight:
         if name.endswith("norm.weight") and not name.endswith(".linear_attn.norm.weight"):
             return weight.float() - 1
     return weight
+
+
+def _restore_granite_hybrid(name: str, weight: AnyWeight) -> AnyWeight:
+    """_restore's Granite 4 part (a quantized vector or norm, which llama-quantize leaves F32,
+    is dequantized first)."""
+    small = (".mamba.A_log", ".mamba.D", ".mamba.norm.weight", ".mamba.conv1d.weight")
+    if not name.endswith(small):
+        return weight
+    if not isinstance(weight, torch.Tensor):
+        weight = dequantized(weight, torch.float32)
+    if name.endswith(".mamba.conv1d.weight"):
+        return weight.unsqueeze(1) if weight.dim() == 2 else weight
+    if name.endswith(".mamba.A_log"):
+        return torch.log(-weight.double()).reshape(-1)
+    return weight.reshape(-1)
 
 
 def _layer(name: str) -> int:

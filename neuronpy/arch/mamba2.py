@@ -196,7 +196,9 @@ class Mamba2Mixer:
         self.out_proj = out_proj  # inner -> hidden
         self.conv_weight = conv_weight  # [conv_dim, K], compute dtype
         self.conv_bias = conv_bias  # [conv_dim] or None
-        self.A = -torch.exp(A_log.float())  # [heads]
+        # [heads] float32: -exp(A_log), as the reference; from a float64 A_log (a GGUF file's,
+        # log of its stored -exp(A_log)) taken in float64, so that it rounds to the stored value
+        self.A = (-A_log.exp()).float() if A_log.dtype == torch.float64 else -A_log.float().exp()
         self.D = D.float()  # [heads]
         self.dt_bias = dt_bias.float()  # [heads]
         self.norm_weight = norm_weight.float()  # [inner]
@@ -327,7 +329,8 @@ def take_mamba2(
 ) -> Mamba2Mixer:
     """The Mamba2 layer at `prefix` (e.g. "model.layers.0.mamba") from transformers' tensors:
     in_proj, out_proj (linears of `quantize`'s kind computing in `dtype`), conv1d [conv_dim,
-    1, K], A_log, D, dt_bias, norm.weight. `tensor` answers a tensor by name."""
+    1, K], A_log (float64 kept: a GGUF file's, see Mamba2Mixer), D, dt_bias, norm.weight.
+    `tensor` answers a tensor by name."""
     shape = Mamba2Shape.from_hf(hf_config)
 
     def small(name: str) -> torch.Tensor:
@@ -337,6 +340,9 @@ def take_mamba2(
         bias = small(f"{name}.bias").to(dtype) if shape.proj_bias else None
         return make_linear(tensor(f"{prefix}.{name}.weight"), bias, quantize, None, dtype=dtype)
 
+    a_log = tensor(f"{prefix}.A_log")  # float64 kept (see Mamba2Mixer), else float32
+    if not (isinstance(a_log, torch.Tensor) and a_log.dtype == torch.float64):
+        a_log = dequantized(a_log, torch.float32)
     conv = small("conv1d.weight")
     conv_bias = small("conv1d.bias").to(dtype) if shape.conv_bias else None
     return Mamba2Mixer(
@@ -345,7 +351,7 @@ def take_mamba2(
         linear("out_proj"),
         conv.reshape(conv.shape[0], -1).to(dtype),
         conv_bias,
-        small("A_log"),
+        a_log,
         small("D"),
         small("dt_bias"),
         small("norm.weight"),

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronpy.arch.linear import AnyLinear, Linear, make_linear
-from neuronpy.arch.quant import dequantized
+from neuronpy.arch.quant import AnyWeight, cat_weights, dequantized
 
 # model_type -> (the config's field for the experts' intermediate size, whether the top-k
 # probabilities are always renormalized, whether they scale the experts in the model's dtype)
@@ -352,8 +352,9 @@ def take_moe_block(
     `shared_prefix` (by default `{prefix}.shared_expert`, the Qwens'; Granite's is the layer's
     "model.layers.3.shared_mlp"), one of: `{shared_prefix}.gate_proj.weight`, `up_proj` and
     `down_proj` apart, or `{shared_prefix}.input_linear.weight` [2 * S, hidden] (gate rows,
-    then up) and `{shared_prefix}.output_linear.weight` [hidden, S]. Its gate (where
-    config.shared_gate says) is `{prefix}.shared_expert_gate.weight` [1, hidden].
+    then up) and `{shared_prefix}.output_linear.weight` [hidden, S]. Quantized ones apart (a
+    GGUF file's, gate and up of one layout) are kept so on one rank, gate and up fused. Its
+    gate (where config.shared_gate says) is `{prefix}.shared_expert_gate.weight` [1, hidden].
 
     A config of 0 routed experts (Granite's dense hybrids) reads the shared expert alone."""
     router: Linear | None = None
@@ -430,6 +431,18 @@ def _routed_experts(
     return ups, downs
 
 
+def _kept_quantized(gate: Any, up: Any, down: Any, inter: int) -> AnyWeight | None:
+    """A shared expert's gate and up fused as the file holds them (a GGUF file's quantized
+    ffn_gate_shexp and ffn_up_shexp, of one layout, and a quantized down), so that its linears
+    are `quantize`'s of the stored weights, as a dense MLP's are; None where any is a float
+    tensor or the layouts differ (then each is dequantized)."""
+    if any(isinstance(w, torch.Tensor) for w in (gate, up, down)):
+        return None
+    if gate.shape != up.shape or gate.shape[0] != inter or down.shape[1] != inter:
+        return None
+    return cat_weights([gate, up])
+
+
 def _shared_expert(
     tensor: Callable[[str], Any],
     at: str,
@@ -447,8 +460,14 @@ def _shared_expert(
         gate_up, down = _plain_tensor(name, first), _weight(tensor, f"{at}.output_linear.weight")
         rows = gate_up.shape[0] // 2
     else:
-        gate_up = (_plain_tensor(name, first), _weight(tensor, f"{at}.up_proj.weight"))
-        down = _weight(tensor, f"{at}.down_proj.weight")
+        up, down_w = tensor(f"{at}.up_proj.weight"), tensor(f"{at}.down_proj.weight")
+        kept = _kept_quantized(first, up, down_w, inter) if world_size == 1 else None
+        if kept is not None:
+            return make_linear(kept, None, quantize, dtype=dtype), make_linear(
+                down_w, None, quantize, dtype=dtype
+            )
+        gate_up = (_plain_tensor(name, first), _plain_tensor(name, up))
+        down = _plain_tensor(name, down_w)
         rows = gate_up[0].shape[0] if gate_up[1].shape == gate_up[0].shape else -1
     if rows != inter or down.shape[1] != inter:
         raise ValueError(f"{at}: shared expert weights do not match intermediate size {inter}")
