@@ -21,7 +21,7 @@ REASONING_PARSERS = ("auto", "none", "think")
 # What a model's `tool_call_parser` may be: "auto" (detected from the chat template) or the
 # markup of one family (neuronpy.engine.tools' TOOL_FORMATS: Hermes/Qwen's <tool_call>,
 # Granite's <|tool_call|>, Phi-4-mini's functools[...], Mistral's [TOOL_CALLS], FunctionGemma's
-# <start_function_call>).
+# <start_function_call>, LFM2's <|tool_call_start|>[NAME(key=value)]<|tool_call_end|>).
 # What a model serves: "generate" (chat and completions; embeddings too, pooling its hidden
 # states), "embed" (embeddings, scores and reranking by their cosine: an embedding
 # checkpoint), "rerank" (scores and reranking by the model's "yes" against "no" after a
@@ -31,7 +31,15 @@ TASKS = ("auto", "generate", "embed", "rerank")
 # How an embedding pools the hidden states: "auto" (the checkpoint's sentence-transformers
 # pooling config, else the last token's, as decoder embedding models pool) or one of these.
 POOLINGS = ("auto", "last", "mean", "cls")
-TOOL_CALL_PARSERS = ("auto", "hermes", "granite", "phi4_mini", "mistral", "functiongemma")
+TOOL_CALL_PARSERS = (
+    "auto",
+    "hermes",
+    "granite",
+    "phi4_mini",
+    "mistral",
+    "functiongemma",
+    "lfm2",
+)
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward
 DEFAULT_CHUNK_STEPS = 0.5  # decode steps' time a joiner's prompt chunk may add to a step
