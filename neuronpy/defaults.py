@@ -21,7 +21,8 @@ REASONING_PARSERS = ("auto", "none", "think")
 # What a model's `tool_call_parser` may be: "auto" (detected from the chat template) or the
 # markup of one family (neuronpy.engine.tools' TOOL_FORMATS: Hermes/Qwen's <tool_call>,
 # Granite's <|tool_call|>, Phi-4-mini's functools[...], Mistral's [TOOL_CALLS], FunctionGemma's
-# <start_function_call>, Qwen3-Coder / Qwen3.5's <tool_call><function=...> XML).
+# <start_function_call>, Qwen3-Coder / Qwen3.5's <tool_call><function=...> XML, LFM2's
+# <|tool_call_start|>[NAME(key=value)]<|tool_call_end|>).
 # What a model serves: "generate" (chat and completions; embeddings too, pooling its hidden
 # states), "embed" (embeddings, scores and reranking by their cosine: an embedding
 # checkpoint), "rerank" (scores and reranking by the model's "yes" against "no" after a
@@ -39,6 +40,7 @@ TOOL_CALL_PARSERS = (
     "mistral",
     "functiongemma",
     "qwen3_coder",
+    "lfm2",
 )
 
 DEFAULT_PREFILL_CHUNK = 512  # prompt tokens per prefill forward

@@ -20,13 +20,16 @@ from transformers import AutoTokenizer
 from neuronpy.config import EngineConfig, load_config
 from neuronpy.engine.constraint_grammar import grammar_of
 from neuronpy.engine.tools import (
+    MAX_PYTHONIC_CHARS,
     TOOL_FORMATS,
     parameter_types,
     parse_function_gemma,
+    parse_pythonic_calls,
     parse_qwen3_coder,
     resolve_tool_format,
 )
 from neuronpy.engine.types import Constraint, OutputFormat, SamplingParams
+from neuronpy.errors import InvalidRequestError
 from tests.scripted import Scripts
 from tests.servers import FIXTURES, RunningServer, engine_loader, run_server
 from tests.test_fixtures import bf
@@ -79,6 +82,10 @@ REPLIES = {
         "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n"
         "</function>\n</tool_call>"
     ),
+    "lfm2": (
+        "Let me check.\n<|tool_call_start|>"
+        '[get_weather(city="Paris"), get_time(tz="CET")]<|tool_call_end|>'
+    ),
 }
 CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
 # Lookalikes that stay text: a marker that opens no call, a call never closed.
@@ -89,6 +96,7 @@ TEXT = {
     "mistral": 'See [TOOL_CALLS] docs. [TOOL_CALLS][{"name": "f", "arguments": {}}',
     "functiongemma": "<start_function_call>call:f{x:<escape>1",
     "qwen3_coder": "I use <tool_call> tags: <tool_call>\n<function=f>\n<parameter=x>\n1",
+    "lfm2": "The <|tool_call_start|> token. <|tool_call_start|>[f(x=1)",
 }
 
 
@@ -241,6 +249,146 @@ def test_qwen3_coder_values_are_typed_by_the_tools_schemas() -> None:
     assert calls_of(parse([text], output("qwen3_coder"))) == [("f", {"s": 1, "e": 2, "n": 3})]
 
 
+# ---- LFM2: a Python list of calls between <|tool_call_start|> and <|tool_call_end|> ---------
+
+DEEP = "[f(a=" + "[" * 150 + "]" * 150 + ")]"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ('[get_weather(city="Paris", days=3)]', [("get_weather", {"city": "Paris", "days": 3})]),
+        ("[f(), g(x='y')]", [("f", {}), ("g", {"x": "y"})]),
+        # strings holding quotes, commas, brackets and the end of a call
+        (
+            r"""[f(a="say \"hi\", (1)]", b='it\'s', c="x)]<|tool_call_end|")]""",
+            [("f", {"a": 'say "hi", (1)]', "b": "it's", "c": "x)]<|tool_call_end|"})],
+        ),
+        (
+            '[f(ok=True, no=False, none=None, n=-2.5, xs=[1, "b", [], (2,)], d={"k": {"j": 1}})]',
+            [
+                (
+                    "f",
+                    {
+                        "ok": True,
+                        "no": False,
+                        "none": None,
+                        "n": -2.5,
+                        "xs": [1, "b", [], [2]],
+                        "d": {"k": {"j": 1}},
+                    },
+                )
+            ],
+        ),
+        ('[f(d={"on": true, "off": null})]', [("f", {"d": {"on": True, "off": None}})]),
+        ('[f(s="é\\n")]', [("f", {"s": "é\n"})]),
+        ("  f(a=1)\n", [("f", {"a": 1})]),  # a lone call, without the list
+        # JSON calls, as LFM2 writes them when asked to
+        ('[{"name": "f", "arguments": {"a": 1}}, {"name": "g"}]', [("f", {"a": 1}), ("g", {})]),
+        # not calls of names with literal keyword arguments: text
+        ("[]", None),
+        ("[f(1)]", None),
+        ("[f(a=b)]", None),
+        ("[f(a=1 + 1)]", None),
+        ("[f(a=open('x'))]", None),
+        ("[os.system(a='x')]", None),
+        ("[f(**kw)]", None),
+        ("[f(a={1: 2})]", None),
+        ("[f(a=b'x')]", None),
+        ("[f(a=1e999)]", None),
+        ("[f(a=1j)]", None),
+        ("[f(a=1), 2]", None),
+        ('[f(a="x")', None),
+        ("[f(a=1)] [g()]", None),
+        ("get weather", None),
+        # hostile: nesting past the parser's bounds and past ours, a huge list, a huge block
+        ("[f(a=" + "[" * 5000 + ")]", None),
+        ("[f(a=" + "-" * 100_000 + "1)]", None),
+        ("[f(a=" + "1+" * 100_000 + "1)]", None),
+        (DEEP, None),
+        ("[f(a=[" + "0, " * 20_000 + "0])]", None),
+        ('[f(a="' + "x" * MAX_PYTHONIC_CHARS + '")]', None),
+        ("[f(a=1" + "0" * 5000 + ")]", None),
+    ],
+)
+def test_lfm2_calls(body: str, expected: list[tuple[str, Any]] | None) -> None:
+    calls = parse_pythonic_calls(body)
+    got = calls and [(call.name, json.loads(call.arguments)) for call in calls]
+    assert got == expected
+
+
+def test_lfm2_replies_read_the_same_wherever_the_deltas_are_cut() -> None:
+    """Text before the calls; strings that hold the markup; a malformed list (text, markers
+    included), and a hostile one refused as text without an exception."""
+    calls = (
+        'Sure.\n<|tool_call_start|>[f(q="a, b)]", n=None), g(xs=[1, {"k": True}])]'
+        "<|tool_call_end|>\nDone."
+    )
+    malformed = "Hm <|tool_call_start|>[f(a=b)]<|tool_call_end|> then"
+    hostile = f"<|tool_call_start|>{DEEP}<|tool_call_end|>"
+    for text, content, expected in (
+        (calls, "Sure.Done.", [("f", {"q": "a, b)]", "n": None}), ("g", {"xs": [1, {"k": True}]})]),
+        (malformed, malformed, []),
+        (hostile, hostile, []),
+    ):
+        whole = summary(parse([text], output("lfm2")))
+        assert (whole[1], calls_of(parse([text], output("lfm2")))) == (content, expected)
+        for head, tail in splits(text):
+            assert summary(parse([head, tail], output("lfm2"))) == whole, (head, tail)
+
+
+def test_lfm2_forced_grammar_accepts_its_calls_and_nothing_else() -> None:
+    from xgrammar.testing import _is_grammar_accept_string
+
+    params = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 8},
+            "days": {"type": "integer"},
+            "units": {"enum": ["c", "f"]},
+            "opts": {"type": "object", "properties": {"a": {"type": ["boolean", "null"]}}},
+            "xs": {"type": "array", "items": {"type": "number"}},
+        },
+        "required": ["city", "days"],
+    }
+    tools = [{"name": "get_weather", "parameters": params}, {"name": "get_time"}]
+    spec = {"tools": tools, "parallel": True, "format": "lfm2"}
+    grammar = grammar_of(Constraint("tools", json.dumps(spec)))
+    start, end = "<|tool_call_start|>[", "]<|tool_call_end|>"
+    for calls in (
+        'get_weather(city="Paris", days=3)',
+        r'get_weather(city="P\"aris", days=-3, units="f", opts={"a": None}, xs=[1.5, 2]), '
+        "get_time()",
+        'get_time(), get_weather(city="", days=0, opts={})',
+    ):
+        assert _is_grammar_accept_string(grammar, start + calls + end), calls
+        assert parse_pythonic_calls(f"[{calls}]")
+    for calls in (
+        'get_weather(days=3, city="Paris")',  # not in the schema's order
+        'get_weather(city="Paris")',  # a required parameter left out
+        'get_weather(city="Paris", days=03)',  # not a Python literal
+        'get_weather(city="Paris", days="3")',  # not of its type
+        'get_weather(city="Paris Nord", days=3)',  # past maxLength
+        "get_weather(city='Paris', days=3)",  # single quotes
+        'get_weather(city="Paris", days=3, units="k")',
+        'get_weather(city="Paris", days=3, opts={"a": true})',
+        "get_time(x=1)",
+        "set_time()",
+        "",
+    ):
+        assert not _is_grammar_accept_string(grammar, start + calls + end), calls
+    assert not _is_grammar_accept_string(grammar, start + "get_time()]")  # no end marker
+    one = grammar_of(Constraint("tools", json.dumps({**spec, "parallel": False})))
+    assert not _is_grammar_accept_string(one, start + "get_time(), get_time()" + end)
+    # what a Python call cannot write is refused up front
+    for bad in (
+        [{"name": "get-weather"}],
+        [{"name": "f", "parameters": {"properties": {"a-b": {}}, "required": ["a-b"]}}],
+    ):
+        with pytest.raises(InvalidRequestError, match="LFM2"):
+            grammar_of(Constraint("tools", json.dumps({**spec, "tools": bad}), param="p"))
+
+
 def test_the_format_is_detected_from_the_chat_template() -> None:
     def template(text: str | None) -> SimpleNamespace:
         return SimpleNamespace(chat_template=text)
@@ -266,6 +414,11 @@ def test_the_format_is_detected_from_the_chat_template() -> None:
             'tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
             "<args-json-object>}\\n</tool_call>' }}"
         ): "hermes",
+        # LFM2's: the tools listed between its tags; LFM2.5's: the history's calls written
+        "{{ 'List of tools: <|tool_list_start|>[' }}"
+        + tools
+        + "{{ ']<|tool_list_end|>' }}": "lfm2",
+        "{{ 'List of tools: ' + (tools | tojson) }}{{ '<|tool_call_start|>[' }}": "lfm2",
         "{{ '<tool_call>' }}" + tools: "hermes",
         tools: "hermes",  # a template that shows no format: the forced tool_choice's
     }
@@ -408,14 +561,15 @@ def test_a_forced_qwen3_coder_call_is_held_to_the_xml_notation() -> None:
 
 @pytest.mark.anyio
 async def test_markers_that_are_special_tokens_stay_in_the_text(tokenizer: Any) -> None:
-    """Granite's <|tool_call|> and FunctionGemma's markers are special tokens of those
+    """Granite's <|tool_call|>, FunctionGemma's and LFM2's markers are special tokens of those
     models, which decoding skips: with tools on, the router keeps them (and skips the rest)."""
     special = AutoTokenizer.from_pretrained(FIXTURES / MODEL)
     markers = ["<|tool_call|>", "<start_function_call>", "<end_function_call>"]
+    markers += ["<|tool_call_start|>", "<|tool_call_end|>"]
     special.add_special_tokens({"additional_special_tokens": markers})
     eos = special.eos_token_id
     im_end = special.convert_tokens_to_ids("<|im_end|>")
-    for fmt in ("granite", "functiongemma"):
+    for fmt in ("granite", "functiongemma", "lfm2"):
         text = REPLIES[fmt]
         ids = [*special.encode(text), im_end, eos]
         assert all(special.convert_tokens_to_ids(m) in ids for m in TOOL_FORMATS[fmt].markers)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from keyword import iskeyword
 from typing import Any
 
 try:  # the regex parser of Python's re module (3.11+; sre_parse before)
@@ -421,12 +423,160 @@ def _xml_arguments(params: dict[str, Any], param: str) -> dict[str, Any]:
     return {"type": "sequence", "elements": elements}
 
 
+# LFM2's notation (engine/tools.py): keyword arguments whose values are Python literals. Their
+# keys are the schema's properties in its order, each once, the required ones present; a value
+# is a literal of its property's type (strings double-quoted, True/False/None, lists, dicts),
+# nested the same way (enum and const, anyOf and type lists kept; a string's minLength and
+# maxLength kept, its pattern and format not; array lengths and numeric bounds not enforced).
+_PY_VALUES = r"""
+value ::= string | number | "True" | "False" | "None" | "[" (value (", " value)*)? "]" | dict
+dict ::= "{" (string ": " value (", " string ": " value)*)? "}"
+string ::= "\"" char* "\""
+char ::= [^\0-\x1f\"\\] | "\\" ["\\bfnrt]
+integer ::= "-"? ("0" | [1-9] [0-9]{0,17})
+number ::= integer ("." [0-9]{1,18})?
+"""
+_PY_TYPES = {
+    "integer": "integer",
+    "number": "number",
+    "boolean": '("True" | "False")',
+    "null": '"None"',
+}
+_PY_KEY = '[a-zA-Z_] [a-zA-Z0-9_]{0,63} "="'
+
+
+def _py_literal(value: Any) -> str:
+    """A JSON value as a Python literal (strings in double quotes)."""
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_py_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        pairs = (f"{_py_literal(str(k))}: {_py_literal(v)}" for k, v in value.items())
+        return "{" + ", ".join(pairs) + "}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+class _PythonicRules:
+    """The rules of one tool's keyword arguments (see _pythonic_arguments)."""
+
+    def __init__(self) -> None:
+        self.rules: list[str] = []
+
+    def add(self, body: str) -> str:
+        name = f"p{len(self.rules)}"
+        self.rules.append(f"{name} ::= {body}")
+        return name
+
+    def ordered(self, pairs: list[tuple[str, bool]]) -> str:
+        """The rule of `pairs` (each a pair's rule and whether it is required) written in
+        their order, each at most once, the required ones present, ", " between."""
+        first, more = '""', '""'  # the pairs from the i-th on: none written yet / some were
+        for pair, required in reversed(pairs):
+            skip_more, skip_first = ("", "") if required else (f" | {more}", f" | {first}")
+            more, first = (
+                self.add(f'", " {pair} {more}{skip_more}'),
+                self.add(f"{pair} {more}{skip_first}"),
+            )
+        return first
+
+    def pairs(
+        self, schema: dict[str, Any], depth: int, key: Callable[[str], str | None]
+    ) -> str | None:
+        """The rule of an object's entries or a call's keyword arguments: its properties'
+        (`key(name)`: the text before a value, None to leave the property out); '""' when
+        there are none; None when it names none but allows any."""
+        properties = schema.get("properties")
+        if not isinstance(properties, dict) or not properties:
+            extra = schema.get("additionalProperties")
+            if extra is False or extra is None or isinstance(properties, dict):
+                return '""'
+            return None
+        required = schema.get("required")
+        required = set(required) if isinstance(required, list) else set()
+        pairs = []
+        for name, prop in properties.items():
+            before = key(name)
+            if before is not None:
+                pairs.append((f"{before} {self.value(prop, depth + 1)}", name in required))
+        return self.ordered(pairs)
+
+    def value(self, schema: Any, depth: int) -> str:
+        """The rule of a Python literal valid against `schema`."""
+        if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
+            return "value"
+        if "const" in schema:
+            return _literal(_py_literal(schema["const"]))
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum:
+            return "(" + " | ".join(_literal(_py_literal(e)) for e in enum) + ")"
+        for keyword in ("anyOf", "oneOf"):
+            options = schema.get(keyword)
+            if isinstance(options, list) and options:
+                return "(" + " | ".join(self.value(o, depth + 1) for o in options) + ")"
+        kind = schema.get("type")
+        if isinstance(kind, list) and kind:
+            return "(" + " | ".join(self.value({**schema, "type": k}, depth) for k in kind) + ")"
+        if kind is None:
+            kind = "object" if "properties" in schema else "array" if "items" in schema else None
+        if kind == "string":
+            low, high = schema.get("minLength"), schema.get("maxLength")
+            if not isinstance(low, int) and not isinstance(high, int):
+                return "string"
+            low = max(0, low) if isinstance(low, int) else 0
+            count = f"{{{low},{max(low, high)}}}" if isinstance(high, int) else f"{{{low},}}"
+            return f'("\\"" char{count} "\\"")'
+        if kind == "array":
+            items = schema.get("items")
+            item = self.value(items, depth + 1) if isinstance(items, dict) else "value"
+            return self.add(f'"[" ({item} (", " {item})*)? "]"')
+        if kind == "object":
+            inner = self.pairs(
+                schema, depth, lambda k: _literal(json.dumps(k, ensure_ascii=False) + ": ")
+            )
+            if inner is None:
+                return "dict"
+            return '"{}"' if inner == '""' else self.add(f'"{{" {inner} "}}"')
+        return _PY_TYPES.get(kind, "value") if isinstance(kind, str) else "value"
+
+
+def _pythonic_arguments(params: dict[str, Any], tool: str, param: str) -> str:
+    """The grammar of LFM2's keyword arguments for a tool's `params` schema; an
+    InvalidRequestError when a parameter it requires cannot be passed that way."""
+    if not tool.isidentifier() or iskeyword(tool):
+        raise InvalidRequestError(
+            f"tool '{tool}' cannot be called in LFM2's notation (a Python call: its name must "
+            "be an identifier)",
+            param,
+        )
+    rules = _PythonicRules()
+    required = params.get("required")
+    required = required if isinstance(required, list) else []
+
+    def keyword(name: str) -> str | None:
+        if name.isidentifier() and not iskeyword(name):
+            return _literal(f"{name}=")
+        if name in required:
+            raise InvalidRequestError(
+                f"tool '{tool}' requires the parameter '{name}', which LFM2's calls cannot "
+                "pass (they write Python keyword arguments: a name must be an identifier)",
+                param,
+            )
+        return None  # an optional one is left out
+
+    root = rules.pairs(params, 0, keyword)
+    if root is None:  # any keyword arguments
+        root = f'({_PY_KEY} value (", " {_PY_KEY} value){{0,63}})?'
+    return "\n".join([f"root ::= {root}", *rules.rules]) + _PY_VALUES
+
+
 def _tool_calls(c: Constraint) -> xgr.Grammar:
     """Well-formed calls in the tool format of the spec (Hermes when it names none): one or
     more (exactly one when parallel calls are off), each naming one of the tools, its
     arguments valid against that tool's parameters schema (FunctionGemma's, whose notation is
     not JSON: keys of the schema and values of their types, see _gemma_arguments; the XML
-    notation's: see _xml_arguments)."""
+    notation's: see _xml_arguments; LFM2's, a Python list of calls: see
+    _pythonic_arguments)."""
     spec = json.loads(c.spec)
     fmt = TOOL_FORMATS[spec.get("format", "hermes")]
     tags = []
@@ -437,6 +587,9 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
             content = {"type": "grammar", "grammar": arguments}
         elif fmt.notation == "gemma":
             content = {"type": "grammar", "grammar": _gemma_arguments(params)}
+        elif fmt.notation == "python":
+            arguments = _pythonic_arguments(params, tool["name"], c.param)
+            content = {"type": "grammar", "grammar": arguments}
         else:
             content = _xml_arguments(params, c.param)
         name = json.dumps(tool["name"]) if fmt.quote_name else tool["name"]
@@ -455,13 +608,13 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
         "at_least_one": True,
         "stop_after_first": not spec.get("parallel", True),
     }
-    if fmt.kind == "list":  # the calls as one array after the marker
+    if fmt.bracketed:  # the calls as one list after the marker (LFM2's: before its end too)
         calls = {
             "type": "sequence",
             "elements": [
                 {"type": "const_string", "value": f"{fmt.start}["},
                 calls,
-                {"type": "const_string", "value": "]"},
+                {"type": "const_string", "value": f"]{fmt.end}"},
             ],
         }
     return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": calls}))

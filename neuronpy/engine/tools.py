@@ -4,9 +4,10 @@ A format is the marker that opens a call and how the call's text after it ends:
 
 - "tagged" formats close each call with an end marker, one call per block: Hermes/Qwen's
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/3, SmolLM3, Hermes) and
-  FunctionGemma's `<start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>`
-  and Qwen3-Coder / Qwen3.5's XML `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
-  </parameter>\n</function>\n</tool_call>`;
+  FunctionGemma's `<start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>`,
+  Qwen3-Coder / Qwen3.5's XML `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
+  </parameter>\n</function>\n</tool_call>`; LFM2's block holds a Python list of calls:
+  `<|tool_call_start|>[get_weather(city="Paris"), get_time()]<|tool_call_end|>`;
 - "list" formats write one JSON array of `{"name", "arguments"}` objects after the marker:
   Granite 3's `<|tool_call|>[...]`, Phi-4-mini's `functools[...]`, Mistral's `[TOOL_CALLS][...]`.
 
@@ -16,10 +17,12 @@ template (`resolve_tool_format`): the marker the template writes or tells the mo
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
 import secrets
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -67,8 +70,9 @@ class ToolFormat:
     call_end: str = "}"
     separator: str = ", "  # between a list's calls (tagged blocks: between blocks)
     quote_name: bool = True  # the name as a JSON string (FunctionGemma's and the XML's are bare)
-    # how the arguments are written: JSON, or FunctionGemma's or Qwen3-Coder's own notation
-    notation: Literal["json", "gemma", "xml"] = "json"
+    # how the arguments are written: JSON, or FunctionGemma's, Qwen3-Coder's or LFM2's (Python
+    # literals) own notation
+    notation: Literal["json", "gemma", "xml", "python"] = "json"
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -84,9 +88,24 @@ class ToolFormat:
             i = text.find(self.end)
             if i < 0:
                 return Settled(len(text), None) if final else None
-            call = self.parse_call(text[:i], types)
-            return Settled(i + len(self.end), None if call is None else (call,))
+            return Settled(i + len(self.end), self.parse_block(text[:i], types))
         return self._settle_list(text, final)
+
+    def parse_block(
+        self, body: str, types: ParamTypes | None = None
+    ) -> tuple[ParsedCall, ...] | None:
+        """The calls in a tagged block's text (between its markers), or None: one call, or
+        LFM2's list of them."""
+        if self.notation == "python":
+            return parse_pythonic_calls(body)
+        call = self.parse_call(body, types)
+        return None if call is None else (call,)
+
+    @property
+    def bracketed(self) -> bool:
+        """Whether a constrained reply writes its calls as one list `[...]` after the start
+        marker (and before the end marker, when the format has one)."""
+        return self.kind == "list" or self.notation == "python"
 
     def parse_call(self, body: str, types: ParamTypes | None = None) -> ParsedCall | None:
         """The call in a tagged block's text (between its markers), or None."""
@@ -150,6 +169,17 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
         quote_name=False,
         notation="xml",
     ),
+    "lfm2": ToolFormat(
+        "lfm2",
+        "<|tool_call_start|>",
+        "tagged",
+        end="<|tool_call_end|>",
+        call_begin="",
+        name_end="(",
+        call_end=")",
+        quote_name=False,
+        notation="python",
+    ),
 }
 assert set(TOOL_FORMATS) == set(TOOL_CALL_PARSERS) - {"auto"}
 HERMES = TOOL_FORMATS["hermes"]
@@ -162,6 +192,10 @@ _TEMPLATE_SIGNS = (
     ("<start_function_call>", "functiongemma"),
     # Qwen3-Coder / Qwen3.5's XML calls, inside the Hermes-like <tool_call> (so before it)
     ("<parameter=", "qwen3_coder"),
+    # LFM2's template lists the tools between <|tool_list_start|> tags; LFM2.5's writes the
+    # calls of the history between <|tool_call_start|> tags
+    ("<|tool_call_start|>", "lfm2"),
+    ("<|tool_list_start|>", "lfm2"),
     ("<|tool_call|>", "granite"),
     ("[TOOL_CALLS]", "mistral"),
     ("functools", "phi4_mini"),
@@ -440,6 +474,105 @@ def _xml_value(text: str, kind: str | None) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return text  # (NaN and Infinity are not JSON)
     return value
+
+
+# ---- LFM2's notation: a Python list of calls, [NAME(key=literal, ...), ...] ---------------------
+
+# Bounds on a block read with Python's parser (a hostile reply could make ast's work and memory
+# grow with it): its length, its length without its string literals (about the number of nodes:
+# 32k take ~0.05 s), and how deep its literals nest. Past them the block is text.
+MAX_PYTHONIC_CHARS = 1 << 20
+MAX_PYTHONIC_CODE = 1 << 15
+MAX_PYTHONIC_DEPTH = 64
+_PY_STRING = re.compile(r""""(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'""")
+# JSON's spellings, which LFM2.5's own template writes inside dicts (it renders them as JSON)
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+class _NotLiteral(ValueError):
+    pass
+
+
+def parse_pythonic_calls(body: str) -> tuple[ParsedCall, ...] | None:
+    """The calls in an LFM2 block: a Python list of calls of bare names with keyword arguments
+    whose values are literals (strings, numbers, True/False/None, lists, tuples, dicts with
+    string keys), their arguments as JSON; or a JSON list of `{"name", "arguments"}` objects,
+    which LFM2 writes when its system prompt asks for JSON. None when the block is neither (a
+    lone call without the list is taken too), or past the bounds above. Nothing is evaluated:
+    the text is parsed, and each value read from its syntax tree."""
+    text = body.strip()
+    if not text or len(text) > MAX_PYTHONIC_CHARS:
+        return None
+    head = len(body) - len(body.lstrip())
+    items = _json_items(text)
+    if isinstance(items, tuple) and items[0] == len(text) and items[1]:
+        found: list[ParsedCall] = []
+        for a, b in items[1]:
+            call = parse_tool_call(text[a:b])
+            if call is None:
+                break
+            at = None if call.span is None else (head + a + call.span[0], head + a + call.span[1])
+            found.append(ParsedCall(call.name, call.arguments, at))
+        else:
+            return tuple(found)
+    if len(_PY_STRING.sub("", text)) > MAX_PYTHONIC_CODE:
+        return None
+    try:
+        with warnings.catch_warnings():  # ("\d" and other invalid escapes: kept as written)
+            warnings.simplefilter("ignore")
+            tree = ast.parse(text, mode="eval").body
+        nodes = tree.elts if isinstance(tree, ast.List) else [tree]
+        calls = tuple(_pythonic_call(node) for node in nodes)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+        return None
+    return calls or None
+
+
+def _pythonic_call(node: ast.expr) -> ParsedCall:
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+        raise _NotLiteral("not a call of a name with keyword arguments")
+    arguments: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:  # **mapping
+            raise _NotLiteral("**")
+        arguments[keyword.arg] = _pythonic_value(keyword.value, 1)
+    try:
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800"): escaped, as JSON allows
+        text = json.dumps(arguments, allow_nan=False)
+    return ParsedCall(node.func.id, text, None)
+
+
+def _pythonic_value(node: ast.expr, depth: int) -> Any:
+    """The JSON value of a literal's syntax tree; _NotLiteral for anything else."""
+    if depth > MAX_PYTHONIC_DEPTH:
+        raise _NotLiteral("too deep")
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if value is None or isinstance(value, (str, bool, int)):
+            return value
+        if isinstance(value, float) and math.isfinite(value):
+            return value
+        raise _NotLiteral(f"{type(value).__name__} constant")  # bytes, complex, ..., inf
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        operand = node.operand
+        if isinstance(operand, ast.Constant) and type(operand.value) in (int, float):
+            value = operand.value if isinstance(node.op, ast.UAdd) else -operand.value
+            return _pythonic_value(ast.Constant(value), depth)
+        raise _NotLiteral("a sign on what is not a number")
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_pythonic_value(item, depth + 1) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        out: dict[str, Any] = {}
+        for key, value in zip(node.keys, node.values, strict=True):
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                raise _NotLiteral("a key that is not a string")
+            out[key.value] = _pythonic_value(value, depth + 1)
+        return out
+    raise _NotLiteral(type(node).__name__)
 
 
 def new_call_id() -> str:
