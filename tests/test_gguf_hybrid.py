@@ -46,23 +46,26 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 # ---- the models ------------------------------------------------------------------------------
 
 
-def build_qwen35(path: Path, value_heads: int = 2, seed: int = 35) -> Path:
-    """tiny-qwen3.5's config with `value_heads` value heads in its linear attention (the
-    fixture's 4 beside 2 key heads: a layout llama.cpp's converter reorders), weights drawn as
-    the fixtures' (build_fixtures.init_weights), saved with the fixture's tokenizer."""
-    fields = json.loads((fixture_dir("tiny-qwen3.5") / "config.json").read_text())
-    for key in ("architectures", "model_type", "transformers_version", "dtype"):
+def variant_of(fixture: str, path: Path, seed: int, **changes: Any) -> Path:
+    """Fixture `fixture`'s config with `changes`, its weights drawn as the fixtures' are
+    (build_fixtures.init_weights, from `seed`), saved with its tokenizer at `path`."""
+    fields = json.loads((fixture_dir(fixture) / "config.json").read_text())
+    for key in ("architectures", "transformers_version", "dtype"):
         fields.pop(key)
-    config = transformers.Qwen3_5TextConfig(**{**fields, "linear_num_value_heads": value_heads})
-    model = transformers.Qwen3_5ForCausalLM(config).to(torch.float32).eval()
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **{**fields, **changes})
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     fixture_builder().init_weights(model, seed=seed)
-    model.generation_config = transformers.GenerationConfig.from_pretrained(
-        fixture_dir("tiny-qwen3.5")
-    )
+    model.generation_config = transformers.GenerationConfig.from_pretrained(fixture_dir(fixture))
     model.save_pretrained(path)
     for name in TOKENIZER_FILES:
-        shutil.copy(fixture_dir("tiny-qwen3.5") / name, path / name)
+        shutil.copy(fixture_dir(fixture) / name, path / name)
     return path
+
+
+def build_qwen35(path: Path, value_heads: int = 2, seed: int = 35) -> Path:
+    """tiny-qwen3.5 with `value_heads` value heads in its linear attention (the fixture's 4
+    beside 2 key heads: a layout llama.cpp's converter reorders)."""
+    return variant_of("tiny-qwen3.5", path, seed, linear_num_value_heads=value_heads)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -544,23 +547,18 @@ def test_a_qwen35_file_with_more_value_heads_than_key_heads_is_refused(tmp_path:
 
 
 def build_qwen3_next(path: Path, seed: int = 36) -> Path:
-    """tiny-qwen3-next's config with every layer sparse (llama.cpp names no dense one) and as
-    many value heads as key heads, drawn as the fixtures are, saved with its tokenizer."""
-    fields = json.loads((fixture_dir("tiny-qwen3-next") / "config.json").read_text())
-    for key in ("architectures", "model_type", "transformers_version", "dtype"):
-        fields.pop(key)
-    fields.update(mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True)
-    fields["linear_num_value_heads"] = fields["linear_num_key_heads"]
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**fields))
-    model = model.to(torch.float32).eval()
-    fixture_builder().init_weights(model, seed=seed)
-    model.generation_config = transformers.GenerationConfig.from_pretrained(
-        fixture_dir("tiny-qwen3-next")
+    """tiny-qwen3-next with every layer sparse (llama.cpp names no dense one) and as many
+    value heads as key heads."""
+    heads = json.loads((fixture_dir("tiny-qwen3-next") / "config.json").read_text())
+    return variant_of(
+        "tiny-qwen3-next",
+        path,
+        seed,
+        mlp_only_layers=[],
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        linear_num_value_heads=heads["linear_num_key_heads"],
     )
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(fixture_dir("tiny-qwen3-next") / name, path / name)
-    return path
 
 
 def test_granite_hybrid_names() -> None:
