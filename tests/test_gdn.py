@@ -203,3 +203,29 @@ def test_quantized_projections(quantize: str, tol: float) -> None:
     batched = gdn.step(x[:5], state)
     for r in range(5):
         assert torch.equal(batched[r], alone[r][0])
+
+
+def test_a_lone_row_steps_as_it_does_among_others_at_a_real_width() -> None:
+    """Qwen3.5-0.8B's linear-attention width (16 value heads of 128: a 2048-wide output
+    projection), where oneDNN's packed product gives a lone row other bits than the same row
+    among others: a step of one row == that row in a step of three, bit for bit."""
+    nk, nv, dk, dv, hidden = 16, 16, 128, 128, 256
+    config = Qwen3_5TextConfig(
+        hidden_size=hidden,
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    module = Qwen3_5GatedDeltaNet(config, 0).eval()
+    weights = {f"{PREFIX}.{k}": v.detach().clone() for k, v in module.state_dict().items()}
+    gdn = take_gdn(weights.__getitem__, PREFIX, config, "none", torch.float32)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(3))
+    states = [tuple(t.clone() for t in zeros(gdn, 3)) for _ in range(2)]
+    together = gdn.step(x, states[0])
+    alone = gdn.step(x[:1], tuple(t[:1].clone() for t in states[1]))
+    assert torch.equal(alone, together[:1])

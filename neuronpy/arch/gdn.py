@@ -33,26 +33,18 @@ from typing import Any
 import torch
 
 from neuronpy.arch.linear import AnyLinear, FusedLinear, make_linear
-from neuronpy.arch.mixer import STATE_BLOCK, StateSpec, causal_conv
+from neuronpy.arch.mixer import (
+    STATE_BLOCK,
+    StateSpec,
+    causal_conv,
+    project,
+    sigmoid,
+    silu,
+    softplus,
+)
 from neuronpy.arch.quant import AnyWeight, cat_weights, dequantized
 
 L2NORM_EPS = 1e-6  # transformers' l2norm (FLA's)
-
-
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)), each element's bits independent of its place in the tensor (see the
-    module's docstring)."""
-    return 1.0 / (1.0 + torch.exp(-x))
-
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x), place-independent as `sigmoid`."""
-    return x * sigmoid(x)
-
-
-def softplus(x: torch.Tensor) -> torch.Tensor:
-    """log(1 + exp(x)), x itself above 20 as F.softplus; place-independent as `sigmoid`."""
-    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x.clamp(max=20.0))))
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +142,7 @@ class GatedDeltaNet:
         scaled; key heads repeated), v [B, T, nv, dv] (float32), z [B, T, nv, dv] (model
         dtype), g, beta [B, T, nv] (float32). Advances the convolution's window."""
         b_, t = rows, x.shape[0] // rows
-        proj = self.in_proj(x).reshape(b_, t, -1)
+        proj = project(self.in_proj, x).reshape(b_, t, -1)
         c, vd, nv = self.conv_dim, self.value_dim, self.nv
         qkv = silu(causal_conv(proj[..., :c], window, self.conv_weight, None))
         z = proj[..., c : c + vd].reshape(b_, t, nv, self.dv)
@@ -172,7 +164,8 @@ class GatedDeltaNet:
         o = o.to(self.dtype).float()  # the reference's core output is in the model's dtype
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
         o = (self.norm_weight * o.to(self.dtype)) * silu(z.float())
-        return self.out_proj(o.to(self.dtype).flatten(-2))
+        flat = o.to(self.dtype).flatten(-2)
+        return project(self.out_proj, flat.flatten(0, -2)).unflatten(0, flat.shape[:-1])
 
     def step(self, x: torch.Tensor, state: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [B, hidden] -> [B, hidden]: the recurrence for one token per row, all rows at
@@ -231,7 +224,7 @@ class GatedDeltaNet:
         the chunk's outputs [H, L, dv] and the state after it."""
         n = q.shape[1]
         cum = g.cumsum(dim=-1)  # [H, L]
-        upper = torch.ones(n, n, dtype=torch.bool).triu(1)
+        upper = torch.ones(n, n, dtype=torch.bool, device=g.device).triu(1)
         pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
         k_beta = k * beta[..., None]
         ut = (k_beta @ k.transpose(-1, -2)) * pair

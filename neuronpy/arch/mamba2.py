@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from neuronpy.arch.linear import AnyLinear, make_linear
-from neuronpy.arch.mixer import STATE_BLOCK, StateSpec, causal_conv
+from neuronpy.arch.mixer import STATE_BLOCK, StateSpec, causal_conv, project, silu, softplus
 from neuronpy.arch.quant import AnyWeight, dequantized
 
 # model_type -> the config's fields for: heads, head_dim, d_state, groups, conv kernel, norm
@@ -135,29 +135,6 @@ class Mamba2Shape:
         )
 
 
-def _project(linear: AnyLinear, x: torch.Tensor) -> torch.Tensor:
-    """linear(x) for x [M, in], each row the same bits whatever M: oneDNN's packed product
-    gives a lone row other last bits than the same row among others (measured: any M >= 2
-    agrees, M = 1 does not), so a lone row goes through twice."""
-    if x.shape[0] == 1:
-        return linear(torch.cat((x, x)))[:1]
-    return linear(x)
-
-
-def _silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x) as x / (1 + exp(-x)). PyTorch's own SiLU (and sigmoid, softplus, log1p)
-    gives an element other last bits by where it lies in the tensor (its vectorized body and
-    scalar tail differ), so a row's result would depend on the batch; exp, log and the four
-    operations do not (measured over sizes 1 to 40000 at every offset)."""
-    return x / (1 + torch.exp(-x))
-
-
-def _softplus(x: torch.Tensor) -> torch.Tensor:
-    """log(1 + exp(x)), x itself above 20 (F.softplus's threshold), from position-independent
-    pieces (see _silu): within 1e-6 of F.softplus."""
-    return torch.where(x > 20, x, torch.log(1 + torch.exp(x)))
-
-
 def _segment_sum(a: torch.Tensor) -> torch.Tensor:
     """a [..., L] -> [..., L, L]: out[i, j] = a[j+1] + ... + a[i] for j <= i, -inf above the
     diagonal (the reference's form: masked cumulative sums, not differences of one cumsum)."""
@@ -221,9 +198,9 @@ class Mamba2Mixer:
         C [B, T, groups, d_state] (float32), and the raw dt [B, T, heads] (float32)."""
         s = self.shape
         b, t, _ = x.shape
-        zxbcdt = _project(self.in_proj, x.reshape(b * t, -1)).reshape(b, t, -1)
+        zxbcdt = project(self.in_proj, x.reshape(b * t, -1)).reshape(b, t, -1)
         z, xbc, dt = zxbcdt.split([s.inner, s.conv_dim, s.num_heads], dim=-1)
-        xbc = _silu(causal_conv(xbc, window, self.conv_weight, self.conv_bias)).float()
+        xbc = silu(causal_conv(xbc, window, self.conv_weight, self.conv_bias)).float()
         xs, bm, cm = xbc.split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size], -1)
         return (
             z,
@@ -237,10 +214,10 @@ class Mamba2Mixer:
         """The gated RMS norm (y * silu(z), normed per group) and out_proj: y [N, inner]
         (float32), z [N, inner] -> [N, hidden]."""
         s = self.shape
-        g = (y * _silu(z.float())).reshape(y.shape[0], s.n_groups, -1)
+        g = (y * silu(z.float())).reshape(y.shape[0], s.n_groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + s.eps)
         g = self.norm_weight * g.reshape(y.shape)
-        return _project(self.out_proj, g.to(self.dtype))
+        return project(self.out_proj, g.to(self.dtype))
 
     def prefill(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], start: int) -> torch.Tensor:
         """x [T, hidden] of one sequence at positions [start, start + T) -> [T, hidden]; the
@@ -250,7 +227,7 @@ class Mamba2Mixer:
         t = x.shape[0]
         z, xs, bm, cm, dt = self._split(x[None], window)
         xs, bm, cm = xs[0], bm[0], cm[0]
-        dt = _softplus(dt[0] + self.dt_bias).clamp(*s.dt_limit)  # [T, heads]
+        dt = softplus(dt[0] + self.dt_bias).clamp(*s.dt_limit)  # [T, heads]
         h = ssm[0].float()  # [heads, head_dim, d_state]
         outs = []
         cut = (start // STATE_BLOCK + 1) * STATE_BLOCK - start  # the first absolute boundary
@@ -306,7 +283,7 @@ class Mamba2Mixer:
         rows = x.shape[0]
         z, xs, bm, cm, dt = self._split(x[:, None], window)
         xs, bm, cm = xs[:, 0], bm[:, 0], cm[:, 0]  # [B, heads, P], [B, groups, N]
-        dt = _softplus(dt[:, 0] + self.dt_bias)  # [B, heads] (the reference clamps not here)
+        dt = softplus(dt[:, 0] + self.dt_bias)  # [B, heads] (the reference clamps not here)
         # each group's B and C for its heads: [B, heads, 1, N]
         heads = (rows, s.n_groups, s.num_heads // s.n_groups, s.state_size)
         bh = bm[:, :, None].expand(heads).reshape(rows, s.num_heads, 1, s.state_size)
