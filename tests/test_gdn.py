@@ -31,9 +31,15 @@ ATOL = 1e-4
 
 
 def reference(name: str) -> tuple[torch.nn.Module, Any]:
-    family, nk, nv, dk, dv = SHAPES[name]
+    return reference_of(*SHAPES[name])
+
+
+def reference_of(
+    family: str, nk: int, nv: int, dk: int, dv: int, hidden: int = HIDDEN
+) -> tuple[torch.nn.Module, Any]:
+    """transformers' layer of this shape, seeded, with non-trivial decays, biases and norms."""
     kw = dict(
-        hidden_size=HIDDEN,
+        hidden_size=hidden,
         linear_num_key_heads=nk,
         linear_num_value_heads=nv,
         linear_key_head_dim=dk,
@@ -59,6 +65,11 @@ def reference(name: str) -> tuple[torch.nn.Module, Any]:
 @pytest.fixture(scope="module", params=list(SHAPES))
 def layer(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, Any, GatedDeltaNet]:
     module, config = reference(request.param)
+    return module, config, native(module, config)
+
+
+def native(module: torch.nn.Module, config: Any) -> GatedDeltaNet:
+    """Our layer of transformers' `module`'s weights."""
     weights = {f"{PREFIX}.{k}": v.detach().clone() for k, v in module.state_dict().items()}
 
     def tensor(name: str) -> torch.Tensor:
@@ -66,7 +77,7 @@ def layer(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, Any, GatedDe
             raise KeyError(name)
         return weights[name]
 
-    return module, config, take_gdn(tensor, PREFIX, config, "none", torch.float32)
+    return take_gdn(tensor, PREFIX, config, "none", torch.float32)
 
 
 def zeros(gdn: GatedDeltaNet, rows: int) -> tuple[torch.Tensor, ...]:
@@ -209,21 +220,8 @@ def test_a_lone_row_steps_as_it_does_among_others_at_a_real_width() -> None:
     """Qwen3.5-0.8B's linear-attention width (16 value heads of 128: a 2048-wide output
     projection), where oneDNN's packed product gives a lone row other bits than the same row
     among others: a step of one row == that row in a step of three, bit for bit."""
-    nk, nv, dk, dv, hidden = 16, 16, 128, 128, 256
-    config = Qwen3_5TextConfig(
-        hidden_size=hidden,
-        linear_num_key_heads=nk,
-        linear_num_value_heads=nv,
-        linear_key_head_dim=dk,
-        linear_value_head_dim=dv,
-        linear_conv_kernel_dim=4,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-    )
-    torch.manual_seed(0)
-    module = Qwen3_5GatedDeltaNet(config, 0).eval()
-    weights = {f"{PREFIX}.{k}": v.detach().clone() for k, v in module.state_dict().items()}
-    gdn = take_gdn(weights.__getitem__, PREFIX, config, "none", torch.float32)
+    hidden = 256
+    gdn = native(*reference_of("qwen3_5", 16, 16, 128, 128, hidden))
     x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(3))
     states = [tuple(t.clone() for t in zeros(gdn, 3)) for _ in range(2)]
     together = gdn.step(x, states[0])
