@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neuronpy.arch.linear import Linear, make_linear
+from neuronpy.arch.linear import Int8Linear, Linear, onednn_int8, make_linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
@@ -35,12 +35,23 @@ def test_cpu_float32_weights_are_packed_where_onednn_exists() -> None:
     assert not Linear(torch.randn(4, 4, dtype=torch.float64)).packed
 
 
-def test_int8_linear_is_close_and_bitwise_independent_of_other_rows() -> None:
+INT8_KERNELS = [
+    "fbgemm",
+    pytest.param(
+        "onednn",
+        marks=pytest.mark.skipif(not onednn_int8(), reason="this PyTorch has no oneDNN int8"),
+    ),
+]
+
+
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_int8_linear_is_close_and_bitwise_independent_of_other_rows(kernel: str) -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 48, generator=gen) * 0.1
     bias = torch.randn(64, generator=gen)
     x = torch.randn(9, 1, 48, generator=gen) * torch.logspace(-2, 2, 9)[:, None, None]
-    lin = make_linear(weight, bias, "int8")
+    lin = Int8Linear(weight, bias, kernel=kernel)
+    assert lin.kernel == kernel
     y = lin(x)
     ref = F.linear(x, weight, bias)
     # int8 weights and activations: within a few percent of each row's magnitude
@@ -48,6 +59,29 @@ def test_int8_linear_is_close_and_bitwise_independent_of_other_rows() -> None:
     for row in range(9):  # alone, or with any other rows: the very same bits
         assert torch.equal(lin(x[row : row + 1]), y[row : row + 1])
         assert torch.equal(lin(x[[row, 0, 5]])[0], y[row])
+
+
+def test_int8_uses_onednn_where_it_computes_exact_integer_products() -> None:
+    if not onednn_int8():
+        pytest.skip("this PyTorch has no oneDNN int8")
+    lin = make_linear(torch.randn(32, 64), None, "int8")
+    assert isinstance(lin, Int8Linear) and lin.kernel == "onednn"  # the probe passed
+
+
+@pytest.mark.parametrize("kernel", INT8_KERNELS)
+def test_int8_rows_are_their_own_at_a_real_width_and_any_row_count(kernel: str) -> None:
+    """The 1B model's MLP width: every row count from 1 to 40, the rows taken from either end
+    of a batch of 40 with magnitudes 10^4 apart, gives each row the bits it has alone."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(2048, 8192, generator=gen) * 0.02
+    lin = Int8Linear(weight, None, kernel=kernel)
+    x = torch.randn(40, 8192, generator=gen) * torch.logspace(-2, 2, 40)[:, None]
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(40)])
+    for rows in range(1, 41):
+        for start in {0, 40 - rows}:
+            assert torch.equal(lin(x[start : start + rows]), alone[start : start + rows]), rows
+    ref = F.linear(x, weight)
+    assert ((alone - ref).abs().amax(-1) <= 0.03 * ref.abs().amax(-1)).all()
 
 
 def test_unknown_quantize_mode_is_refused() -> None:
