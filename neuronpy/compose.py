@@ -40,6 +40,23 @@ log = logging.getLogger("neuronpy")
 NATIVE_GGUF_MODES = ("auto", *WEIGHT_ONLY_MODES)
 
 
+def native_model(source: Any, tokenizer: Any, *, name: str, config: EngineConfig) -> LlamaModel:
+    """neuronpy's model of `source` (as engine_from_hf takes it), its weights in
+    `config.quantize` (the int8 mode calibrated on the built-in text), its layers compiled as
+    `config.compile` says."""
+    calibration = calibration_ids(source, tokenizer, config.quantize)
+    model = LlamaModel.from_hf(source, quantize=config.quantize, calibration_ids=calibration)
+    release_freed_memory()
+    log.info(
+        "%s: %s of weights in memory (%s)",
+        name,
+        _mib(model.weight_bytes()),
+        model.describe_weights(),
+    )
+    compile_model(model, name, config.compile)
+    return model
+
+
 def engine_from_hf(
     source: Any,
     tokenizer: Any,
@@ -54,16 +71,7 @@ def engine_from_hf(
     `draft`: a draft model for speculative decoding and its tokenizer (transformers'), which
     must be the model's own."""
     config = config or EngineConfig()
-    calibration = calibration_ids(source, tokenizer, config.quantize)
-    model = LlamaModel.from_hf(source, quantize=config.quantize, calibration_ids=calibration)
-    release_freed_memory()
-    log.info(
-        "%s: %s of weights in memory (%s)",
-        name,
-        _mib(model.weight_bytes()),
-        model.describe_weights(),
-    )
-    compile_model(model, name, config.compile)
+    model = native_model(source, tokenizer, name=name, config=config)
     draft_model = None
     if draft is not None:
         check_draft_tokenizer(tokenizer, draft[1])
@@ -222,6 +230,28 @@ def check_draft_tokenizer(tokenizer: Any, draft_tokenizer: Any) -> None:
         )
 
 
+def load_source(spec: ModelSpec, progress: Callable[[str], None]) -> tuple[Any, Any]:
+    """What `spec`'s weights load as, for native_model and engine_from_hf: a GGUF file's
+    checkpoint read as it is stored where the mode keeps it so (on the CPU), else a loaded
+    transformers model; and the tokenizer."""
+    quantize = spec.engine.quantize
+    device = resolve_device(spec.device)
+    if quantize in WEIGHT_ONLY_MODES and torch.device(device).type != "cpu":
+        raise ValueError(
+            f"--quantize {quantize} runs on the CPU (PyTorch's weight-only kernels); on "
+            f"{device} use --quantize none"
+        )
+    if gguf_spec(spec.path) is not None and device == "cpu" and quantize in NATIVE_GGUF_MODES:
+        source, tokenizer, _ = load_gguf_checkpoint(spec.path, dtype=spec.dtype, log=progress)
+        return source, tokenizer
+    # weights quantized at load compute between the layers in fp32 (see resolve_dtype): their
+    # kernels take their own input types whatever the model's, and fp32 is the exact mode
+    fp32 = quantize in (*WEIGHT_ONLY_MODES, "int8")
+    dtype = "float32" if spec.dtype == "auto" and fp32 else spec.dtype
+    weights = load_pretrained(spec.path, dtype=dtype, device=device, log=progress)
+    return weights.hf_model, weights.tokenizer
+
+
 def load_engine(name: str, spec: ModelSpec) -> Engine:
     """Load one model's weights and build its engine (blocking: the server calls it in a thread
     of its own for each model, so the models load concurrently)."""
@@ -249,21 +279,7 @@ def load_engine(name: str, spec: ModelSpec) -> Engine:
             spawn="WORLD_SIZE" not in os.environ,
             log_fn=progress,
         )
-    quantize = spec.engine.quantize
-    device = resolve_device(spec.device)
-    if quantize in WEIGHT_ONLY_MODES and torch.device(device).type != "cpu":
-        raise ValueError(
-            f"--quantize {quantize} runs on the CPU (PyTorch's weight-only kernels); on "
-            f"{device} use --quantize none"
-        )
-    source: Any
-    if gguf_spec(spec.path) is not None and device == "cpu" and quantize in NATIVE_GGUF_MODES:
-        source, tokenizer, _ = load_gguf_checkpoint(spec.path, dtype=spec.dtype, log=progress)
-    else:
-        # weights quantized at load compute between the layers in fp32 (see resolve_dtype)
-        dtype = "float32" if spec.dtype == "auto" and quantize in WEIGHT_ONLY_MODES else spec.dtype
-        weights = load_pretrained(spec.path, dtype=dtype, device=device, log=progress)
-        source, tokenizer = weights.hf_model, weights.tokenizer
+    source, tokenizer = load_source(spec, progress)
     draft = None
     if spec.engine.draft_model:
         loaded = load_pretrained(

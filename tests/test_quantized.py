@@ -31,8 +31,8 @@ from neuronpy.arch.quant import (
     Quantized,
     SubBlockQuant,
 )
-from neuronpy.compose import engine_from_hf
-from neuronpy.config import EngineConfig
+from neuronpy.compose import engine_from_hf, load_source
+from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.errors import ModelLoadError
 from tests.factories import fixture_dir, hf_model, tokenizer
 from tests.gguf_files import (
@@ -511,3 +511,14 @@ def test_weights_kept_quantized_compute_in_fp32_by_default() -> None:
 
     assert resolve_dtype("auto", "cpu", quantized=True) == torch.float32
     assert resolve_dtype("bfloat16", "cpu", quantized=True) == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-weight", "int4"])
+def test_modes_that_quantize_at_load_compute_in_fp32_by_default(mode: str) -> None:
+    """The exact mode: with --dtype auto their model computes between the layers in fp32 (the
+    int8 mode's parity within itself needs the exact attention), whatever the machine's bf16."""
+    spec = ModelSpec(path=str(fixture_dir()), engine=EngineConfig(quantize=mode))
+    source, _ = load_source(spec, lambda _: None)
+    assert source.dtype == torch.float32
+    bf16 = ModelSpec(path=str(fixture_dir()), dtype="bfloat16", engine=EngineConfig(quantize=mode))
+    assert load_source(bf16, lambda _: None)[0].dtype == torch.bfloat16

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from neuronpy.arch.llama import LlamaModel
+from neuronpy.compose import load_source, native_model
+from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.defaults import DTYPES, QUANTIZE_MODES
-from neuronpy.loading import gguf_spec, load_gguf_checkpoint, load_pretrained
 
 EVAL_TEXT = resources.files("neuronpy.bench").joinpath("eval_text.txt").read_text("utf-8")
-NATIVE = ("auto", "int4", "int4-g64", "int4-g128", "int8-weight")
 
 
 def perplexity(model: LlamaModel, token_ids: Sequence[int]) -> float:
@@ -63,11 +63,13 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _load(spec: str | None, mode: str, dtype: str) -> tuple[LlamaModel, Any]:
-    if gguf_spec(spec) is not None and mode in NATIVE:
-        checkpoint, tokenizer, _ = load_gguf_checkpoint(spec, dtype=dtype, log=lambda _: None)
-        return LlamaModel.from_hf(checkpoint, quantize=mode), tokenizer
-    weights = load_pretrained(spec, dtype=dtype, device="cpu", log=lambda _: None)
-    return LlamaModel.from_hf(weights.hf_model, quantize=mode), weights.tokenizer
+    """The model `neuronpy serve --quantize mode --dtype dtype` serves (the int8 mode
+    calibrated as it is there), its layers run eagerly."""
+    model_spec = ModelSpec(
+        path=spec, dtype=dtype, device="cpu", engine=EngineConfig(quantize=mode, compile="off")
+    )
+    source, tokenizer = load_source(model_spec, lambda _: None)
+    return native_model(source, tokenizer, name=mode, config=model_spec.engine), tokenizer
 
 
 def run(args: argparse.Namespace) -> int:
