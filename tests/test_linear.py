@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neuronpy.arch.linear import Int8Linear, Linear, onednn_int8, make_linear
+from neuronpy.arch.linear import Int8Linear, Linear, make_linear, onednn_int8
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])

@@ -324,9 +324,11 @@ def make_embedding(
     weight: AnyWeight, quantize: str, dtype: torch.dtype
 ) -> torch.Tensor | QuantEmbedding:
     """The token embedding `quantize` makes of `weight`: kept quantized where the checkpoint
-    is ("auto") or a weight-only mode asks it (8 bits per row from a float table: a lookup
-    costs nothing, the table's memory is what counts); else a float table of `dtype`."""
-    if isinstance(weight, Quantized) and quantize not in ("none", "int8"):
+    is (in any mode but "none": a lookup dequantizes the rows it gathers, each exactly the
+    whole table's, so the int8 mode computes what it did from a float copy at a quarter of its
+    memory) or a weight-only mode asks it (8 bits per row from a float table: a lookup costs
+    nothing, the table's memory is what counts); else a float table of `dtype`."""
+    if isinstance(weight, Quantized) and quantize != "none":
         return QuantEmbedding(weight, dtype)
     if isinstance(weight, torch.Tensor) and quantize in WEIGHT_ONLY_MODES:
         return QuantEmbedding(ChannelQuant.from_float(weight), dtype)

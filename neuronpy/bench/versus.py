@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         theirs = generate_seconds(hf, prompts, args.steps)
         print(
             f"{b:<3} {ours * 1e3:7.1f} ms ({b / ours:6.1f} tok/s)   "
-            f"{theirs * 1e3:7.1f} ms ({b / theirs:6.1f} tok/s)   {theirs / ours:.2f}x"
+            f"{theirs * 1e3:7.1f} ms ({b / theirs:6.1f} tok/s)   {theirs / ours:.3g}x"
         )
 
 
