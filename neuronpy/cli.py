@@ -19,7 +19,8 @@ from neuronpy.bench import quality
 from neuronpy.compose import load_engine
 from neuronpy.config import Config, load_config
 from neuronpy.defaults import COMPILE_MODES, DTYPES, QUANTIZE_MODES, SPECULATIVE_METHODS
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import ServingEngine
+from neuronpy.engine_process import start_engine_process
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import default_cache_dir, resolve_spec
 from neuronpy.server.app import ServerState, create_app
@@ -140,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve no web page (the chat at / and the batch view at /batch; default: on)",
     )
     serve.add_argument(
+        "--engine-process",
+        choices=("on", "off"),
+        help="run each model's engine (scheduler, device worker) in a process of its own, "
+        "apart from the HTTP server's (default on); off: one process for everything",
+    )
+    serve.add_argument(
         "--sessions-dir",
         metavar="DIR",
         help="enable sessions: requests with a `session` name save their conversation's KV "
@@ -230,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "sessions_dir": args.sessions_dir,
             "session_header": args.session_header,
             "web": args.web,
+            "engine_process": None if args.engine_process is None else args.engine_process == "on",
         },
         "model": {
             "dtype": args.dtype,
@@ -329,12 +337,13 @@ class GracefulServer(uvicorn.Server):
 def serve(config: Config) -> int:
     """Run the server until it is stopped (Ctrl-C, SIGTERM: drained first, then 0). 1 if no
     model could be started."""
-    loaders: dict[str, Callable[[], Engine]] = {}
+    loaders: dict[str, Callable[[], ServingEngine]] = {}
     try:
         for spec in config.models:  # a missing file or package fails now, not after start-up
             _, derived, _ = resolve_spec(spec.path)
             name = spec.name or derived
-            loaders[name] = functools.partial(load_engine, name, spec)
+            start = start_engine_process if config.server.engine_process else load_engine
+            loaders[name] = functools.partial(start, name, spec)
     except ModelLoadError as exc:
         print(f"neuronpy: error: {exc}", file=sys.stderr)
         return 1

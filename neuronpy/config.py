@@ -261,6 +261,9 @@ class ServerConfig:
     # requests handled at once, /health and /metrics aside; more get 503 at once
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
     web: bool = True  # the chat page at / and the batch view at /batch
+    # each model's engine (scheduler, runner, device worker) in a process of its own, the
+    # HTTP server, tokenizing and detokenizing in this one; False: all in this process
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         try:
@@ -287,6 +290,7 @@ class ServerConfig:
             check_seconds("body_timeout", self.body_timeout)
             check_int("limit_concurrency", self.limit_concurrency, 0, 1_000_000)
             check_bool("web", self.web)
+            check_bool("engine_process", self.engine_process)
         except FieldError as exc:
             raise ValueError(f"[server] {exc}") from None
         if self.api_key is not None and (

@@ -6,6 +6,11 @@ from __future__ import annotations
 class NeuronError(Exception):
     """Base class of every error neuronpy raises on purpose."""
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # pickled whole, what the subclasses keep beside the message too (`param`,
+        # `retry_after`): an engine process raises them for the server's process
+        return (type(self), self.args, self.__dict__)
+
 
 class InvalidRequestError(NeuronError, ValueError):
     """A request parameter is invalid (HTTP 400). `param` names the offending field."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import threading
 import time
@@ -16,8 +17,10 @@ import pytest
 import uvicorn
 
 from neuronpy.compose import engine_from_hf
-from neuronpy.config import EngineConfig
+from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import EngineClient
+from neuronpy.engine_process import start_engine_process
 from neuronpy.loading import load_pretrained
 from neuronpy.server.app import ServerState, create_app
 
@@ -78,6 +81,15 @@ def engine_loader(
     return load
 
 
+def process_loader(
+    model_dir: Path = TINY_LLAMA, dtype: str = "float32", **config: Any
+) -> Callable[[], EngineClient]:
+    """What `create_app` calls to start a fixture model's engine in a process of its own (as
+    `neuronpy serve` does), with the settings `engine_loader` takes."""
+    spec = ModelSpec(path=str(model_dir), dtype=dtype, engine=EngineConfig(**config))
+    return functools.partial(start_engine_process, model_dir.name, spec)
+
+
 def fixture_model(name: str = "tiny-llama", **config: Any) -> dict[str, Callable[[], Engine]]:
     """One fixture model, served under its folder's name: `run_server(fixture_model(...))`."""
     return {name: engine_loader(FIXTURES / name, **config)}
@@ -85,7 +97,10 @@ def fixture_model(name: str = "tiny-llama", **config: Any) -> dict[str, Callable
 
 @contextlib.contextmanager
 def run_server(
-    models: Mapping[str, Callable[[], Engine]], *, wait_ready: bool = True, **app_options: Any
+    models: Mapping[str, Callable[[], Engine | EngineClient]],
+    *,
+    wait_ready: bool = True,
+    **app_options: Any,
 ) -> Iterator[RunningServer]:
     """Start a real uvicorn server for `create_app(models)` in a background thread, on a
     loopback socket bound here (so no other process can take the port), and stop it after.

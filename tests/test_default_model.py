@@ -13,9 +13,9 @@ import pytest
 
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.bench.quality import EVAL_TEXT, perplexity
-from neuronpy.compose import load_engine
 from neuronpy.config import ModelSpec
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import EngineClient
+from neuronpy.engine_process import start_engine_process
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import (
     DEFAULT_MODEL_NAME,
@@ -35,9 +35,10 @@ except ModelLoadError as exc:
     pytest.skip(f"the default model is not installed: {exc}", allow_module_level=True)
 
 
-def load_default() -> Engine:
-    """What `neuronpy serve` builds: the GGUF read as it is stored, its Q4_1 weights kept."""
-    return load_engine(DEFAULT_MODEL_NAME, ModelSpec(device="cpu"))
+def load_default() -> EngineClient:
+    """What `neuronpy serve` builds: the GGUF read as it is stored, its Q4_1 weights kept, in
+    an engine process of its own."""
+    return start_engine_process(DEFAULT_MODEL_NAME, ModelSpec(device="cpu"))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import anyio
 import openai
 import pytest
 
-from tests.servers import RunningServer, fixture_model, run_server
+from tests.servers import RunningServer, engine_loader, process_loader, run_server
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,12 @@ def _usage(usage: Any) -> tuple[int, int]:
     return usage.prompt_tokens, usage.completion_tokens
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[RunningServer]:
-    with run_server(fixture_model(max_in_flight=8, max_queue=64)) as running:
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def server(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    """The server with its engine in its own process (as `neuronpy serve` runs it) and in the
+    server's: the same replies either way."""
+    loader = engine_loader if request.param == "in-process" else process_loader
+    with run_server({"tiny-llama": loader(max_in_flight=8, max_queue=64)}) as running:
         yield running
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from neuronpy.engine.types import SamplingParams
+from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import InvalidRequestError
 
 
@@ -68,3 +70,85 @@ def check_prompt(
             "allowed_token_ids",
         )
     return prompt
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admitting a request checks it against: one engine's limits and abilities. The
+    engine checks with it, and so does a client of an engine in another process before it
+    sends anything (engine/remote.py): the same rules, the same messages."""
+
+    name: str
+    max_n: int
+    max_running: int
+    max_queue: int
+    context_len: int
+    vocab_size: int
+    kv_budget_tokens: int
+    eos_token_ids: frozenset[int]
+    grammar_stop_ids: frozenset[int]  # what ends a complete constrained reply
+    sessions: bool  # whether requests may continue from and save into session files
+    draft_model: bool  # whether a draft model drafts for this one
+
+    def check(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        n: int,
+        session: SessionRequest | None,
+    ) -> tuple[int, ...]:
+        """The prompt as a tuple, or InvalidRequestError naming what cannot be admitted: `n`,
+        the prompt against the model's limits (check_prompt), a session the request or the
+        model cannot have, a draft model the model lacks."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_n:
+            raise InvalidRequestError(
+                f"'n' must be an integer from 1 to {self.max_n}, got {n!r}", "n"
+            )
+        if n > self.max_running + self.max_queue:
+            raise InvalidRequestError(
+                f"'n' = {n} copies can never be admitted together: model {self.name!r} runs "
+                f"{self.max_running} and queues {self.max_queue}",
+                "n",
+            )
+        prompt = self.check_prompt(prompt_ids, params)
+        if session is not None and n != 1:
+            raise InvalidRequestError("a request with a 'session' returns one choice (n = 1)", "n")
+        if session is not None and not self.sessions:
+            raise InvalidRequestError(
+                f"model {self.name!r} cannot save or restore sessions (tensor parallel)", "session"
+            )
+        if params.speculative == "draft" and not self.draft_model:
+            raise InvalidRequestError(
+                f"model {self.name!r} has no draft model: 'speculative' may be off or ngram",
+                "speculative",
+            )
+        return prompt
+
+    def check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+        """The prompt as a tuple, or InvalidRequestError naming what does not fit the model."""
+        return check_prompt(
+            prompt_ids,
+            params,
+            name=self.name,
+            context_len=self.context_len,
+            vocab_size=self.vocab_size,
+            kv_budget_tokens=self.kv_budget_tokens,
+        )
+
+    def copies(self, params: SamplingParams, n: int) -> list[SamplingParams]:
+        """Each of the n completions' parameters: copy i seeded `seed + i` when a seed is set."""
+        return [
+            dataclasses.replace(params, seed=params.seed + i)
+            if i and params.seed is not None
+            else params
+            for i in range(n)
+        ]
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a reply without becoming text: EOS (unless ignored; a
+        constrained reply's grammar allows only its own stop tokens at its end) and the
+        request's stop tokens."""
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        if params.constraint is not None:
+            eos = self.grammar_stop_ids
+        return eos | frozenset(params.stop_token_ids)

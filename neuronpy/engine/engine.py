@@ -7,17 +7,18 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import anyio
 import torch
-from anyio.abc import ObjectSendStream, TaskGroup
+from anyio.abc import TaskGroup
 from transformers import PreTrainedTokenizerBase
 
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.config import EngineConfig
+from neuronpy.engine.admission import Admission
 from neuronpy.engine.compiles import Compiles
 from neuronpy.engine.counters import EngineStats, StepProfile
 from neuronpy.engine.embeddings import Embedder, Pooling
@@ -29,9 +30,11 @@ from neuronpy.engine.router import route
 from neuronpy.engine.runner import Runner
 from neuronpy.engine.sampling import Sampler
 from neuronpy.engine.scheduler import Scheduler
+from neuronpy.engine.sessions import dtype_name
 from neuronpy.engine.speculative import SpeculativeConfig
-from neuronpy.engine.stream import RequestStream
-from neuronpy.engine.types import Completion, GenerationEvent, SamplingParams, SessionRequest
+from neuronpy.engine.stream import Generates, RequestStream
+from neuronpy.engine.types import GenerationEvent, SamplingParams, SessionRequest
+from neuronpy.engine.wire import EngineInfo, ModelFacts
 from neuronpy.errors import (
     EngineUnhealthyError,
     InvalidRequestError,
@@ -43,6 +46,15 @@ from neuronpy.worker.session_files import model_fingerprint, session_metadata
 from neuronpy.worker.worker import DeviceWorker
 
 __all__ = ["Engine", "EngineStats", "RequestStream"]
+
+
+class Outlet(Protocol):
+    """Where one request's router messages go: its router task's inbox, or an engine
+    process's channel to the router in the server's process (engine/host.py)."""
+
+    def send_nowait(self, message: RouterMessage) -> None: ...
+
+    def close(self) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +84,7 @@ def rerank_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     return tuple(ids)
 
 
-class Engine:
+class Engine(Generates):
     """Serves many generations of one model through one lockstep (B, 1) decode per step."""
 
     def __init__(
@@ -159,6 +171,19 @@ class Engine:
             token_seconds=config.max_mask_ms / 1000,
         )
         self.compiles = Compiles(self.grammars, name, config.max_compiles, config.max_queue)
+        self.admission = Admission(
+            name=name,
+            max_n=config.max_n,
+            max_running=self.max_running,
+            max_queue=config.max_queue,
+            context_len=self.context_len,
+            vocab_size=self.vocab_size,
+            kv_budget_tokens=self.kv_budget_tokens,
+            eos_token_ids=self.eos_token_ids,
+            grammar_stop_ids=self.grammars.stop_ids,
+            sessions=self._worker.supports_sessions,
+            draft_model=self._worker.drafts is not None,
+        )
         if task not in ("generate", "embed", "rerank"):
             raise ValueError(f"task must be 'generate', 'embed' or 'rerank', got {task!r}")
         self.task = task
@@ -170,7 +195,7 @@ class Engine:
             name=name,
             score_ids=rerank_token_ids(tokenizer) if task == "rerank" else None,
         )
-        self._routers: dict[int, ObjectSendStream[RouterMessage]] = {}
+        self._routers: dict[int, Outlet] = {}
         self._healthy = False
         self._failure: str | None = None
         self._refusal: str | None = None  # why submit refuses: set when shutting down
@@ -229,9 +254,47 @@ class Engine:
         return self._healthy and self._worker.broken is None
 
     def _unavailable(self) -> str:
+        return self.failure or f"model {self.name!r} is not ready"
+
+    @property
+    def failure(self) -> str | None:
+        """Why it no longer serves (a fault of the device or the model), or None."""
         if self._failure is None and self._worker.broken is not None:
             return self._failed(self._worker.broken)
-        return self._failure or f"model {self.name!r} is not ready"
+        return self._failure
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the server says of the model: its kind, sizes, dtype, weights and device."""
+        model, c = self.model, self.model.config
+        return ModelFacts(
+            model_type=c.model_type,
+            hidden_size=c.hidden_size,
+            dtype=dtype_name(model.dtype),
+            num_kv_layers=model.num_kv_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            weight_bytes=model.weight_bytes(),
+            device=model.device.type,
+        )
+
+    @property
+    def pooling(self) -> Pooling:
+        """How its embeddings pool the hidden states."""
+        return self.embedder.pooling
+
+    def info(self) -> EngineInfo:
+        """Its fixed facts, for a client in another process (engine/remote.py)."""
+        return EngineInfo(
+            name=self.name,
+            config=self.config,
+            admission=self.admission,
+            facts=self.facts,
+            task=self.task,
+            pooling=self.pooling,
+            fingerprint=self.fingerprint,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
 
     def _failed(self, why: str) -> str:
         return f"model {self.name!r} failed and is unavailable ({why})"
@@ -259,50 +322,39 @@ class Engine:
 
         `session`: continue from that session's saved KV (as much of it as starts the prompt)
         and, when the request ends on its own, save its KV there (see engine/sessions.py)."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.config.max_n:
-            raise InvalidRequestError(
-                f"'n' must be an integer from 1 to {self.config.max_n}, got {n!r}", "n"
-            )
-        if n > self.max_running + self.config.max_queue:
-            raise InvalidRequestError(
-                f"'n' = {n} copies can never be admitted together: model {self.name!r} runs "
-                f"{self.max_running} and queues {self.config.max_queue}",
-                "n",
-            )
-        prompt = self._scheduler.validate(prompt_ids, params)
+        return [self._start_router(r) for r in self.admit(prompt_ids, params, n, session)]
+
+    def admit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        n: int,
+        session: SessionRequest | None = None,
+    ) -> list[Request]:
+        """What `submit_many` does but route: admits the `n` completions (or raises before
+        anything is allocated) with their samplers; their caller routes their messages (a
+        router task each, or `attach`) before it awaits anything."""
+        prompt = self.admission.check(prompt_ids, params, n, session)
         reasoning = self._reasoning(prompt, params)
         if params.constraint is not None:  # (compiles here unless prepare() did)
             self.grammars.compile(params.constraint, reasoning)
-        if session is not None and n != 1:
-            raise InvalidRequestError("a request with a 'session' returns one choice (n = 1)", "n")
-        if session is not None and not self._worker.supports_sessions:
-            raise InvalidRequestError(
-                f"model {self.name!r} cannot save or restore sessions (tensor parallel)", "session"
-            )
-        if params.speculative == "draft" and not self.drafts_with_model:
-            raise InvalidRequestError(
-                f"model {self.name!r} has no draft model: 'speculative' may be off or ngram",
-                "speculative",
-            )
         if not self.healthy:
             raise EngineUnhealthyError(self._unavailable())
         if self._refusal is not None:
             raise ShuttingDownError(self._refusal)
-        copies = [
-            dataclasses.replace(params, seed=params.seed + i)
-            if i and params.seed is not None
-            else params
-            for i in range(n)
-        ]
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        if params.constraint is not None:  # a complete grammar allows only its stop tokens
-            eos = self.grammars.stop_ids
-        stop_ids = eos | frozenset(params.stop_token_ids)
-        requests = self._scheduler.admit(prompt, copies, stop_ids, session)
-        streams = [self._start_router(r, reasoning) for r in requests]
+        copies = self.admission.copies(params, n)
+        requests = self._scheduler.admit(prompt, copies, self.admission.stop_ids(params), session)
+        for request in requests:
+            self._start_sampler(request, reasoning)
         self._idle = anyio.Event()
         self._wake.set()
-        return streams
+        return requests
+
+    def attach(self, request: Request, outlet: Outlet) -> None:
+        """Where an admitted request's router messages go instead of a router task of this
+        process's (an engine served to another process: engine/host.py); `outlet` is closed
+        after its Finish."""
+        self._routers[request.id] = outlet
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """What `submit` checks of a prompt and its parameters, without admitting anything:
@@ -324,17 +376,19 @@ class Engine:
         if params.constraint is not None:
             await self.compiles.compile(params.constraint, self._reasoning(prompt_ids, params))
 
-    def _start_router(self, request: Request, reasoning: Reasoning | None) -> RequestStream:
-        """The request's sampler (with its grammar's matcher when constrained), its router task
-        and its event stream."""
+    def _start_sampler(self, request: Request, reasoning: Reasoning | None) -> None:
+        """The request's sampler, with its grammar's matcher when constrained."""
         constraint = request.params.constraint
         matcher = None if constraint is None else self.grammars.matcher(constraint, reasoning)
+        sampler = Sampler(request.params, request.prompt_ids, self.vocab_size, matcher)
+        self._runner.add_sampler(request.id, sampler)
+
+    def _start_router(self, request: Request) -> RequestStream:
+        """The request's router task and its event stream."""
         to_router, inbox = anyio.create_memory_object_stream[RouterMessage](math.inf)
         # bounded: a consumer that stops reading ends its request (see route)
         bound = self.config.max_buffered_events
         outbox, events = anyio.create_memory_object_stream[GenerationEvent](bound)
-        sampler = Sampler(request.params, request.prompt_ids, self.vocab_size, matcher)
-        self._runner.add_sampler(request.id, sampler)
         self._routers[request.id] = to_router
         assert self._tg is not None
         self._tg.start_soon(
@@ -345,34 +399,11 @@ class Engine:
                 prompt_ids=request.prompt_ids,
                 params=request.params,
                 silent_ids=request.stop_ids,
-                request_leave=lambda: self._leave(request),
+                request_leave=lambda: self.leave(request),
             ),
             name=f"neuronpy-router-{request.id}",
         )
-        return RequestStream(request, events, self._cancel)
-
-    async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams
-    ) -> AsyncIterator[GenerationEvent]:
-        """Submits and yields the request's events; leaving the loop early cancels it."""
-        await self.prepare(prompt_ids, params)
-        async with self.submit(prompt_ids, params) as stream:
-            async for event in stream:
-                yield event
-
-    async def complete(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
-        """Runs a request to the end and gathers its text, tokens and finish reason."""
-        out = Completion()
-        async for event in self.generate(prompt_ids, params):
-            out.text += event.text
-            out.token_ids.extend(event.token_ids)
-            out.prompt_tokens = event.prompt_tokens
-            out.completion_tokens = event.completion_tokens
-            out.finish_reason = event.finish_reason
-            out.reasoning += event.reasoning
-            out.tool_calls.extend(event.tool_calls)
-            out.logprobs.extend(event.logprobs)
-        return out
+        return RequestStream(request, events, self.cancel)
 
     def stats(self) -> EngineStats:
         g = self.grammars
@@ -404,6 +435,10 @@ class Engine:
     def rows(self) -> list[dict[str, object]]:
         """Each admitted request: id, state, prompt tokens, tokens so far (the batch view)."""
         return self._scheduler.rows()
+
+    async def batch_rows(self) -> list[dict[str, object]]:
+        """`rows()`, as a client of an engine in another process asks for them too."""
+        return self.rows()
 
     def retry_after(self) -> float:
         """Seconds until a row is likely free: the queue ahead at the measured request time."""
@@ -476,11 +511,13 @@ class Engine:
 
     # ---- from the routers and streams ---------------------------------------------------------
 
-    def _cancel(self, request: Request) -> None:
+    def cancel(self, request: Request) -> None:
+        """Its client has gone: it ends (a queued request never runs)."""
         self._scheduler.cancel(request)
         self._wake.set()
 
-    def _leave(self, request: Request) -> None:
+    def leave(self, request: Request) -> None:
+        """Its router ended its stream (a stop string): its row leaves at the next step."""
         self._scheduler.leave(request)
         self._wake.set()
 

@@ -133,6 +133,18 @@ class Request:
         return holds_row or self.preemptions > 0 or self.prefilled > 0
 
     @property
+    def drafts(self) -> tuple[int, int]:
+        """Of the drafted tokens its verify steps fed (speculative decoding), how many there
+        were and how many stood: (0, 0) when it did not speculate."""
+        s = self.speculation
+        return (0, 0) if s is None else (s.drafted, s.accepted)
+
+    @property
+    def queue_seconds(self) -> float | None:
+        """How long it waited in the queue for a row (None: it has not left the queue)."""
+        return None if self.scheduled_at is None else self.scheduled_at - self.arrived_at
+
+    @property
     def total_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
 from anyio.abc import ObjectReceiveStream
 
 from neuronpy.engine.request import Request
-from neuronpy.engine.types import GenerationEvent
+from neuronpy.engine.types import Completion, GenerationEvent, SamplingParams
 
 
 class RequestStream:
@@ -54,14 +54,12 @@ class RequestStream:
     def drafts(self) -> tuple[int, int]:
         """Of the drafted tokens its verify steps fed (speculative decoding), how many there
         were and how many stood: (0, 0) when it did not speculate. Final once it has ended."""
-        s = self._request.speculation
-        return (0, 0) if s is None else (s.drafted, s.accepted)
+        return self._request.drafts
 
     @property
     def queue_seconds(self) -> float | None:
         """How long it waited in the queue for a row (None: it has not left the queue)."""
-        r = self._request
-        return None if r.scheduled_at is None else r.scheduled_at - r.arrived_at
+        return self._request.queue_seconds
 
     def cancel(self) -> None:
         """Idempotent. A running row leaves within one decode step; a queued one never runs."""
@@ -91,3 +89,38 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.cancel()
+
+
+class Generates:
+    """`generate` and `complete` over an engine's `prepare` and `submit` (the Engine, or its
+    client in another process)."""
+
+    async def prepare(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams) -> RequestStream:
+        raise NotImplementedError
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationEvent]:
+        """Submits and yields the request's events; leaving the loop early cancels it."""
+        await self.prepare(prompt_ids, params)
+        async with self.submit(prompt_ids, params) as stream:
+            async for event in stream:
+                yield event
+
+    async def complete(self, prompt_ids: Sequence[int], params: SamplingParams) -> Completion:
+        """Runs a request to the end and gathers its text, tokens and finish reason."""
+        out = Completion()
+        async for event in self.generate(prompt_ids, params):
+            out.text += event.text
+            out.token_ids.extend(event.token_ids)
+            out.prompt_tokens = event.prompt_tokens
+            out.completion_tokens = event.completion_tokens
+            out.finish_reason = event.finish_reason
+            out.reasoning += event.reasoning
+            out.tool_calls.extend(event.tool_calls)
+            out.logprobs.extend(event.logprobs)
+        return out
+

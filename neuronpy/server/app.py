@@ -20,7 +20,7 @@ from neuronpy.defaults import (
     DEFAULT_LIMIT_CONCURRENCY,
     DEFAULT_SESSION_HEADER,
 )
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.server.anthropic_api.routes import count_tokens, create_message
 from neuronpy.server.auth import security_middleware
@@ -56,7 +56,7 @@ from neuronpy.server.web import batch, page, static
 
 
 def create_app(
-    models: Mapping[str, Callable[[], Engine]],
+    models: Mapping[str, Callable[[], ServingEngine]],
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
@@ -115,10 +115,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         stop = anyio.Event()
-        loading = {name: anyio.CancelScope() for name in state.models}
         async with anyio.create_task_group() as tg:
             for model in state.models.values():
-                tg.start_soon(serve_model, model, stop, loading[model.name], failed)
+                tg.start_soon(serve_model, model, stop, failed)
             tg.start_soon(log_batches, state.models.values(), stop, stats_log_seconds)
             draining = anyio.CancelScope()
 
@@ -134,9 +133,7 @@ def create_app(
                 for model in state.models.values():
                     if model.status != "failed":
                         model.status = "stopping"
-                for scope in loading.values():
-                    scope.cancel()  # stopping while weights load: stop waiting for them
-                stop.set()
+                stop.set()  # (stopping while weights load: stop waiting for them)
 
     async def health(request: Request) -> Response:
         """200 when every model is ready, else 503; `?model=NAME` asks about one model."""
@@ -309,7 +306,7 @@ def _stats(model: ServedModel) -> dict[str, Any]:
     return out
 
 
-def _model_card(name: str, engine: Engine, created: int) -> dict[str, Any]:
+def _model_card(name: str, engine: ServingEngine, created: int) -> dict[str, Any]:
     return {
         "id": name,
         "object": "model",
@@ -319,8 +316,8 @@ def _model_card(name: str, engine: Engine, created: int) -> dict[str, Any]:
         # what it serves, and how /v1/embeddings pools its hidden states
         "task": engine.task,
         "pooling": {
-            "mode": engine.embedder.pooling.mode,
-            "normalize": engine.embedder.pooling.normalize,
-            "dimensions": engine.model.config.hidden_size,
+            "mode": engine.pooling.mode,
+            "normalize": engine.pooling.normalize,
+            "dimensions": engine.facts.hidden_size,
         },
     }

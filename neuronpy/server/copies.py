@@ -12,7 +12,8 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from starlette.types import Message, Receive, Scope, Send
 
-from neuronpy.engine.engine import Engine, RequestStream
+from neuronpy.engine.remote import ServingEngine
+from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.types import GenerationEvent
 from neuronpy.server.errors import failure
 from neuronpy.server.responses import Reply, usage
@@ -157,7 +158,9 @@ async def stream(
 # ---- one copy, answered in another API's shape (Responses, Anthropic, Ollama) -------------------
 
 
-async def gather_one(receive: Receive, copy: Copy, engine: Engine) -> list[GenerationEvent] | None:
+async def gather_one(
+    receive: Receive, copy: Copy, engine: ServingEngine
+) -> list[GenerationEvent] | None:
     """One copy's events, once it has ended: None when the client left first; the ApiError of
     its failure raised when it did not finish (stop or length)."""
     gathered = await gather(receive, [copy])
@@ -171,7 +174,7 @@ async def gather_one(receive: Receive, copy: Copy, engine: Engine) -> list[Gener
 
 
 async def refused_before_output(
-    first: GenerationEvent | None, engine: Engine, scope: Scope, receive: Receive, send: Send
+    first: GenerationEvent | None, engine: ServingEngine, scope: Scope, receive: Receive, send: Send
 ) -> bool:
     """Whether a stream's request ended before any output (it never ran: a full queue, a
     shutdown); its HTTP error is then answered, in the shape of the route's API, instead of

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.copies import cancel_on_disconnect
 from neuronpy.server.errors import ApiError, api_error
@@ -107,7 +107,7 @@ def truncated(vector: torch.Tensor, dimensions: int | None, normalize: bool) -> 
     return F.normalize(vector, p=2.0, dim=0) if normalize else vector
 
 
-def refuse_reranker(model: ServedModel, engine: Engine) -> None:
+def refuse_reranker(model: ServedModel, engine: ServingEngine) -> None:
     """A reranker's hidden states are not embeddings: 400 naming `model`."""
     if engine.task == "rerank":
         raise InvalidRequestError(
@@ -127,7 +127,7 @@ def encoded(vector: torch.Tensor, encoding: str) -> list[float] | str:
 
 
 async def tokenized(
-    state: ServerState, engine: Engine, texts: list[str], special: bool = True
+    state: ServerState, engine: ServingEngine, texts: list[str], special: bool = True
 ) -> list[list[int]]:
     """`texts` as the model's tokenizer encodes them, with its special tokens added unless
     not `special` (on a thread)."""
@@ -139,9 +139,9 @@ async def tokenized(
 
 
 async def pooled(
-    request: Request, engine: Engine, ids: list[list[int]]
+    request: Request, engine: ServingEngine, ids: list[list[int]]
 ) -> list[torch.Tensor] | None:
-    """Each input's vector (Engine.embed), or None when the client left first (the inputs
+    """Each input's vector (the engine's embed), or None when the client left first (the inputs
     not yet pooled are dropped). Raises the engine's NeuronError."""
     vectors: list[torch.Tensor] = []
     failed: list[NeuronError] = []
@@ -159,7 +159,7 @@ async def pooled(
     return vectors
 
 
-Handler = Callable[[dict[str, Any], ServedModel, Engine], Awaitable[Response]]
+Handler = Callable[[dict[str, Any], ServedModel, ServingEngine], Awaitable[Response]]
 
 
 async def pooling_route(
@@ -210,16 +210,16 @@ async def embeddings(
     the leading components (Matryoshka truncation), normalized again when the model's vectors
     are."""
 
-    async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
+    async def handle(body: dict[str, Any], model: ServedModel, engine: ServingEngine) -> Response:
         refuse_reranker(model, engine)
         texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
-        encoding, dimensions = parse_options(body, engine.model.config.hidden_size)
+        encoding, dimensions = parse_options(body, engine.facts.hidden_size)
         if texts is not None:
             ids = await tokenized(state, engine, texts)
         vectors = await pooled(request, engine, ids)
         if vectors is None:
             return Response(status_code=499)
-        normalize = engine.embedder.pooling.normalize
+        normalize = engine.pooling.normalize
         data = []
         for i, vector in enumerate(vectors):
             vector = truncated(vector, dimensions, normalize)

@@ -22,7 +22,7 @@ from neuronpy.errors import (
 )
 
 if TYPE_CHECKING:
-    from neuronpy.engine.engine import Engine
+    from neuronpy.engine.remote import ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def api_error(exc: NeuronError, names: Mapping[str, str] | None = None) -> ApiEr
     return ApiError(500, str(exc), type="server_error")
 
 
-def failure(last: GenerationEvent | None, engine: Engine) -> ApiError | None:
+def failure(last: GenerationEvent | None, engine: ServingEngine) -> ApiError | None:
     """What a request's ending means to its client when it did not finish (None when it did:
     stop or length). `last` is its last event (None: it ended without one). An error about the
     request's own field (`error_param`: its session file, say) is a 400 naming it; an abort (it

@@ -15,8 +15,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 from transformers import PreTrainedTokenizerBase
 
-from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.sessions import SessionStore, valid_name
 from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.tools import resolve_tool_format
@@ -131,7 +131,7 @@ async def admit(
     receive: Receive,
     model: ServedModel,
     req: SamplingRequest,
-    session: Callable[[Engine], Awaitable[SessionRequest | None]] | None = None,
+    session: Callable[[ServingEngine], Awaitable[SessionRequest | None]] | None = None,
     label: str | None = None,
 ) -> Admitted | None:
     """The one way a generation request enters the engine, whatever API it came by: its
@@ -207,7 +207,7 @@ def refuse_unshown_tools(model: ServedModel, req: SamplingRequest) -> None:
 
 async def _admit(
     receive: Receive,
-    engine: Engine,
+    engine: ServingEngine,
     plans: Sequence[tuple[list[int], SamplingParams]],
     n: int,
     session: SessionRequest | None,
@@ -232,9 +232,9 @@ async def _admit(
 
 
 async def prepare_while_connected(
-    receive: Receive, engine: Engine, plans: Sequence[tuple[Sequence[int], SamplingParams]]
+    receive: Receive, engine: ServingEngine, plans: Sequence[tuple[Sequence[int], SamplingParams]]
 ) -> bool:
-    """Compiles the plans' constraints (Engine.prepare, on threads) while the client is there:
+    """Compiles the plans' constraints (the engine's prepare, on threads) while the client is there:
     False when it disconnects first, which stops a compile no other request waits for. Its
     errors (NeuronError) are raised. The request's body must have been read."""
     failed: list[NeuronError] = []
@@ -252,7 +252,7 @@ async def prepare_while_connected(
     return connected
 
 
-async def _gather(request: Request, copies: Sequence[Copy], engine: Engine) -> Response:
+async def _gather(request: Request, copies: Sequence[Copy], engine: ServingEngine) -> Response:
     """A non-streamed request: every copy gathered, one choice each; the usage counts each
     prompt once and every copy's tokens. A disconnect cancels every copy."""
     events = await gather(request.receive, copies)

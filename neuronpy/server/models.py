@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.types import FinishReason, SamplingParams
-from neuronpy.errors import ModelLoadError, NeuronError
+from neuronpy.errors import EngineUnhealthyError, ModelLoadError, NeuronError
 from neuronpy.server.errors import ApiError, unavailable
 from neuronpy.server.prompts import template_renders_tools
 from neuronpy.threads import run_in_own_thread
@@ -29,9 +29,9 @@ class ServedModel:
     routes read it."""
 
     name: str
-    load: Callable[[], Engine]  # blocking: loads the weights and builds the engine
+    load: Callable[[], ServingEngine]  # blocking: loads the weights and builds the engine
     status: str = "loading"  # loading -> ready -> stopping; or failed
-    engine: Engine | None = None
+    engine: ServingEngine | None = None
     error: str | None = None  # why it failed, for the log and the operator (never for clients)
     renders_tools: bool = True  # whether its chat template writes tools into the prompt
 
@@ -42,7 +42,7 @@ class ServedModel:
             return "unhealthy"
         return self.status
 
-    def ready_engine(self) -> Engine:
+    def ready_engine(self) -> ServingEngine:
         """The engine, or 503 while loading, stopping, failed or unhealthy."""
         if self.status == "loading":
             raise unavailable(f"the model '{self.name}' is loading; retry shortly", retry_after=5)
@@ -147,48 +147,108 @@ class ServerState:
         return model
 
 
+# An engine process that ends on its own (killed for memory, say) is started again, at most
+# this many times in a row; a run of STEADY_SECONDS ready resets the count.
+RESTARTS = 3
+STEADY_SECONDS = 60.0
+
+
 async def serve_model(
-    model: ServedModel,
-    stop: anyio.Event,
-    loading: anyio.CancelScope,
-    on_failed: Callable[[BaseException], None],
+    model: ServedModel, stop: anyio.Event, on_failed: Callable[[BaseException], None]
 ) -> None:
     """Load the model (in a thread of its own), start and warm up its engine, serve until
-    `stop`, then stop the engine. A failure marks only this model failed."""
-    try:
+    `stop`, then stop the engine. A failure marks only this model failed. An engine whose
+    process ends on its own (engine/remote.py) fails what it held, and is started again
+    (RESTARTS in a row at most) while its requests get 503s."""
+    restarts = 0
+    while True:
         started = time.perf_counter()
-        with loading:
-            engine = await run_in_own_thread(model.load, f"neuronpy-load-{model.name}")
-        if loading.cancelled_caught or model.status != "loading":
-            return  # the server is stopping: no need to start it
-        async with engine:
-            await _warm_up(engine)
-            model.renders_tools = await anyio.to_thread.run_sync(
-                template_renders_tools, engine.tokenizer
-            )
-            model.engine = engine
-            if model.status != "loading":  # the server began to stop while it warmed up
-                engine.stop_admitting(SHUTTING_DOWN)
-                return
-            model.status = "ready"
-            log.info(
-                "ready: serving %s (context %d tokens, %d in flight) after %.1f s",
-                model.name,
-                engine.context_len,
-                engine.max_running,
-                time.perf_counter() - started,
-            )
+        try:
+            engine = await _load(model, stop)
+            if engine is None or model.status != "loading":
+                return  # the server is stopping: no need to start it
+            async with engine:
+                await _warm_up(engine)
+                model.renders_tools = await anyio.to_thread.run_sync(
+                    template_renders_tools, engine.tokenizer
+                )
+                model.engine = engine
+                if model.status != "loading":  # the server began to stop while it warmed up
+                    engine.stop_admitting(SHUTTING_DOWN)
+                    return
+                model.status = "ready"
+                ready = time.perf_counter()
+                log.info(
+                    "ready: serving %s (context %d tokens, %d in flight) after %.1f s",
+                    model.name,
+                    engine.context_len,
+                    engine.max_running,
+                    ready - started,
+                )
+                if not await _serve_until(stop, engine):
+                    return
+        except Exception as exc:
+            model.status, model.error = "failed", str(exc)
+            if isinstance(exc, (ModelLoadError, NeuronError)):
+                log.error("could not start the model %s: %s", model.name, exc)
+            else:
+                log.exception("could not start the model %s", model.name)
+            on_failed(exc)
+            return
+        # its engine process has gone (the client has failed its requests)
+        restarts = 1 if time.perf_counter() - ready >= STEADY_SECONDS else restarts + 1
+        if restarts > RESTARTS or model.status != "ready":
+            model.status = "failed" if model.status == "ready" else model.status
+            model.error = engine.failure
+            if model.status == "failed":
+                log.error("%s: not restarted after %d restarts in a row", model.name, RESTARTS)
+                on_failed(EngineUnhealthyError(engine.failure or "its engine has gone"))
+            return
+        log.warning("%s: starting its engine again (restart %d)", model.name, restarts)
+        model.status, model.engine = "loading", None
+
+
+async def _load(model: ServedModel, stop: anyio.Event) -> ServingEngine | None:
+    """The model's engine, loaded on a thread of its own; None when the server stops first
+    (the load is then not waited for). Raises what the load raised."""
+    engine: ServingEngine | None = None
+    failure: Exception | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
             await stop.wait()
-    except Exception as exc:
-        model.status, model.error = "failed", str(exc)
-        if isinstance(exc, (ModelLoadError, NeuronError)):
-            log.error("could not start the model %s: %s", model.name, exc)
-        else:
-            log.exception("could not start the model %s", model.name)
-        on_failed(exc)
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            engine = await run_in_own_thread(model.load, f"neuronpy-load-{model.name}")
+        except Exception as exc:  # raised below, as it is (not in a group)
+            failure = exc
+        tg.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return engine
 
 
-async def _warm_up(engine: Engine) -> None:
+async def _serve_until(stop: anyio.Event, engine: ServingEngine) -> bool:
+    """Serves until `stop` (False) or until the engine's process ends on its own (True)."""
+    lost = getattr(engine, "lost", None)
+    if lost is None:  # an engine in this process
+        await stop.wait()
+        return False
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            await lost.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        await stop.wait()
+        tg.cancel_scope.cancel()
+    return not stop.is_set()
+
+
+async def _warm_up(engine: ServingEngine) -> None:
     """One tiny greedy generation, so the first client does not pay for first-call costs."""
     prompt = engine.tokenizer.encode("Hello") or [0]
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -258,7 +318,7 @@ async def drain_on_request(
     )
     aborted = 0
 
-    async def drain(engine: Engine) -> None:
+    async def drain(engine: ServingEngine) -> None:
         nonlocal aborted
         assert state._hurry is not None
         hurried = False

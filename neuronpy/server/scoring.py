@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.embeddings import MAX_INPUTS, pooled, pooling_route, tokenized
 from neuronpy.server.metrics import ServerMetrics
@@ -60,7 +60,7 @@ def rerank_prompt(query: str, document: str, instruction: str = RERANK_INSTRUCTI
     return f"{RERANK_PREFIX}{body}{RERANK_SUFFIX}"
 
 
-def _scorer(model: ServedModel, engine: Engine) -> None:
+def _scorer(model: ServedModel, engine: ServingEngine) -> None:
     """A 400 unless the model scores: an embedding model or a reranker (a generating model's
     hidden states were not trained to be compared)."""
     if engine.task not in ("embed", "rerank"):
@@ -81,7 +81,7 @@ def _instruction(body: dict[str, Any]) -> str:
 async def _similarities(
     request: Request,
     state: ServerState,
-    engine: Engine,
+    engine: ServingEngine,
     left: list[str],
     right: list[str],
     instruction: str = RERANK_INSTRUCTION,
@@ -117,7 +117,7 @@ async def score(
     length pair by pair -> {"object": "list", "data": [{"index", "object": "score", "score"}],
     "model", "usage"}."""
 
-    async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
+    async def handle(body: dict[str, Any], model: ServedModel, engine: ServingEngine) -> Response:
         _scorer(model, engine)
         left, right = _texts(body.get("text_1"), "text_1"), _texts(body.get("text_2"), "text_2")
         if len(left) > 1 and len(left) != len(right):
@@ -150,7 +150,7 @@ async def rerank(
     "usage", "results": [{"index", "relevance_score", "document": {"text"}}]}, the most
     relevant first (the `top_n` of them), each document's `index` its place in `documents`."""
 
-    async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
+    async def handle(body: dict[str, Any], model: ServedModel, engine: ServingEngine) -> Response:
         _scorer(model, engine)
         query = body.get("query")
         if not isinstance(query, str) or not query:

@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 
 import anyio
 
-from neuronpy.engine.engine import Engine
-from neuronpy.engine.sessions import SessionStore, check_compatible, dtype_name
+from neuronpy.engine.remote import ServingEngine
+from neuronpy.engine.sessions import SessionStore, check_compatible
 from neuronpy.engine.types import SessionRequest
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.errors import ApiError, api_error
@@ -30,7 +30,7 @@ async def _in_thread(call: Callable[..., T], *args: Any) -> T:
 
 
 async def session_request(
-    store: SessionStore | None, engine: Engine, req: SamplingRequest
+    store: SessionStore | None, engine: ServingEngine, req: SamplingRequest
 ) -> SessionRequest | None:
     """What the request asks of its session, its file's header checked against the model:
     400 when sessions are off, for a bad name, for a file that is not a session neuronpy can
@@ -44,7 +44,7 @@ async def session_request(
 
 async def open_session(
     store: SessionStore,
-    engine: Engine,
+    engine: ServingEngine,
     name: str,
     save: bool,
     save_as: str | None = None,
@@ -54,13 +54,13 @@ async def open_session(
     info = await _in_thread(store.info, name)
     try:
         if info is not None:
-            c = engine.model.config
+            facts = engine.facts
             check_compatible(
                 info,
                 engine.name,
                 engine.fingerprint,
-                dtype_name(engine.model.dtype),
-                layout=(engine.model.num_kv_layers, c.num_kv_heads, c.head_dim),
+                facts.dtype,
+                layout=(facts.num_kv_layers, facts.num_kv_heads, facts.head_dim),
                 context_len=engine.context_len,
             )
         path = store.path(name)

@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.types import GenerationEvent
 from neuronpy.jsontext import one_line
 from neuronpy.server.copies import Copy, Events, stream, usage_of
@@ -31,7 +31,7 @@ class EventStreamResponse:
     cancelled. A client that leaves cancels every copy (its slot is freed within a decode
     step), whether it is running or still queued."""
 
-    def __init__(self, copies: Sequence[Copy], engine: Engine) -> None:
+    def __init__(self, copies: Sequence[Copy], engine: ServingEngine) -> None:
         self.copies = copies
         self.engine = engine
 

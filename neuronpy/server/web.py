@@ -10,6 +10,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from neuronpy.engine.remote import ServingEngine
+from neuronpy.errors import EngineUnhealthyError
 from neuronpy.server.errors import ApiError
 from neuronpy.server.markdown import highlight_css
 from neuronpy.server.models import ServerState
@@ -56,7 +58,7 @@ async def static(request: Request) -> Response:
     return _file(request.path_params["name"])
 
 
-def batch_state(state: ServerState) -> dict[str, Any]:
+async def batch_state(state: ServerState) -> dict[str, Any]:
     """Each model's live batch: its figures and its admitted requests, row by row."""
     models: dict[str, Any] = {}
     for model in state.models.values():
@@ -74,11 +76,19 @@ def batch_state(state: ServerState) -> dict[str, Any]:
                 "kv_capacity": engine.kv_capacity_tokens,
                 "prefix_cache_hits": s.prefix_cache_hits,
                 "prefix_cache_misses": s.prefix_cache_misses,
-                "requests": engine.rows(),
+                "requests": await _rows(engine),
             }
         models[model.name] = entry
     return {"models": models}
 
 
+async def _rows(engine: ServingEngine) -> list[dict[str, object]]:
+    """The engine's admitted requests; none where it has failed (its process gone)."""
+    try:
+        return await engine.batch_rows()
+    except EngineUnhealthyError:
+        return []
+
+
 async def batch(state: ServerState) -> JSONResponse:
-    return JSONResponse(batch_state(state))
+    return JSONResponse(await batch_state(state))

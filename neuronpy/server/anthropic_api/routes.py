@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.types import FinishReason, GenerationEvent
 from neuronpy.errors import InvalidRequestError
 from neuronpy.jsontext import one_line
@@ -227,7 +227,9 @@ class _Streamed:
     HTTP error instead; a failure after the stream started is an `error` event; a client that
     leaves cancels it."""
 
-    def __init__(self, copy: Copy, blocks: Blocks, engine: Engine, message: dict[str, Any]) -> None:
+    def __init__(
+        self, copy: Copy, blocks: Blocks, engine: ServingEngine, message: dict[str, Any]
+    ) -> None:
         self.copy, self.blocks, self.engine, self.message = copy, blocks, engine, message
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

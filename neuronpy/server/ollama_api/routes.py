@@ -20,8 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from neuronpy.engine.engine import Engine
 from neuronpy.engine.reasoning import resolve_reasoning_parser
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.types import FinishReason, GenerationEvent
 from neuronpy.errors import InvalidRequestError
 from neuronpy.jsontext import one_line
@@ -235,7 +235,7 @@ class _Streamed:
         self,
         copy: Copy,
         shape: Shape,
-        engine: Engine,
+        engine: ServingEngine,
         model: str,
         timing: Timing,
         texts: TokenTexts | None,
@@ -312,7 +312,7 @@ async def _pooling(
 ) -> Response:
     started = time.perf_counter()
 
-    async def handle(body: dict[str, Any], model: ServedModel, engine: Engine) -> Response:
+    async def handle(body: dict[str, Any], model: ServedModel, engine: ServingEngine) -> Response:
         refuse_reranker(model, engine)
         truncate = body.get("truncate")
         if truncate is not None and not isinstance(truncate, bool):
@@ -321,13 +321,13 @@ async def _pooling(
                 f"'truncate' must be true or false, got {json_type(truncate)}", "truncate"
             )
         texts, ids = parse_inputs(body.get("prompt" if legacy else "input"), engine.vocab_size)
-        dimensions = parse_dimensions(body.get("dimensions"), engine.model.config.hidden_size)
+        dimensions = parse_dimensions(body.get("dimensions"), engine.facts.hidden_size)
         if texts is not None:
             ids = await tokenized(state, engine, texts)
         vectors = await pooled(request, engine, ids)
         if vectors is None:
             return Response(status_code=499)
-        normalize = engine.embedder.pooling.normalize
+        normalize = engine.pooling.normalize
         out = [truncated(vector, dimensions, normalize).tolist() for vector in vectors]
         if legacy:
             return JSONResponse({"embedding": out[0]})
@@ -348,8 +348,8 @@ async def _pooling(
 # ---- models -------------------------------------------------------------------------------------
 
 
-def _details(engine: Engine) -> dict[str, Any]:
-    family = engine.model.config.model_type
+def _details(engine: ServingEngine) -> dict[str, Any]:
+    family = engine.facts.model_type
     return {
         "parent_model": "",
         "family": family,
@@ -358,7 +358,9 @@ def _details(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _listed(state: ServerState, each: Callable[[ServedModel, Engine], dict[str, Any]]) -> list:
+def _listed(
+    state: ServerState, each: Callable[[ServedModel, ServingEngine], dict[str, Any]]
+) -> list:
     out = []
     for model in state.models.values():
         if model.state == "ready" and model.engine is not None:
@@ -372,13 +374,13 @@ async def tags(
     """/api/tags: the models ready to serve, as Ollama lists its local models."""
     modified = datetime.fromtimestamp(state.started, timezone.utc).isoformat()
 
-    def each(model: ServedModel, engine: Engine) -> dict[str, Any]:
+    def each(model: ServedModel, engine: ServingEngine) -> dict[str, Any]:
         name = tagged(model.name)
         return {
             "name": name,
             "model": name,
             "modified_at": modified,
-            "size": engine.model.weight_bytes(),
+            "size": engine.facts.weight_bytes,
             "digest": engine.fingerprint,
             "details": _details(engine),
         }
@@ -391,9 +393,9 @@ async def ps(
 ) -> Response:
     """/api/ps: the models in memory (all those served, as long as the server runs)."""
 
-    def each(model: ServedModel, engine: Engine) -> dict[str, Any]:
+    def each(model: ServedModel, engine: ServingEngine) -> dict[str, Any]:
         name = tagged(model.name)
-        size = engine.model.weight_bytes()
+        size = engine.facts.weight_bytes
         return {
             "name": name,
             "model": name,
@@ -401,7 +403,7 @@ async def ps(
             "digest": engine.fingerprint,
             "details": _details(engine),
             "expires_at": "9999-12-31T23:59:59Z",  # (kept while the server runs)
-            "size_vram": size if engine.model.device.type != "cpu" else 0,
+            "size_vram": size if engine.facts.device != "cpu" else 0,
             "context_length": engine.context_len,
         }
 
@@ -420,7 +422,7 @@ async def show(
             capabilities.append("tools")
         if resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer):
             capabilities.append("thinking")
-    family = getattr(engine.model.config, "model_type", "") or ""
+    family = engine.facts.model_type
     template = getattr(engine.tokenizer, "chat_template", None) or ""
     return JSONResponse(
         {
@@ -431,7 +433,7 @@ async def show(
             "model_info": {
                 "general.architecture": family,
                 f"{family}.context_length": engine.context_len,
-                f"{family}.embedding_length": engine.model.config.hidden_size,
+                f"{family}.embedding_length": engine.facts.hidden_size,
             },
             "capabilities": capabilities,
             "modified_at": datetime.fromtimestamp(state.started, timezone.utc).isoformat(),

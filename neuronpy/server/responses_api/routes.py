@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from neuronpy.engine.engine import Engine
+from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.sessions import SessionStore
 from neuronpy.engine.types import SessionRequest
 from neuronpy.errors import InvalidRequestError
@@ -207,7 +207,7 @@ async def create_response(
 
 
 async def _session(
-    sessions: SessionStore | None, engine: Engine, rid: str, previous: str | None, keep: bool
+    sessions: SessionStore | None, engine: ServingEngine, rid: str, previous: str | None, keep: bool
 ) -> SessionRequest | None:
     """The response's session, with sessions on: continue from the previous response's KV
     (when it has a session file this model can restore), save its own under its id (when
@@ -245,7 +245,7 @@ class _Streamed:
         self,
         copy: Copy,
         builder: Builder,
-        engine: Engine,
+        engine: ServingEngine,
         stored: Callable[[ResponseObject], Awaitable[None]],
     ) -> None:
         self.copy, self.builder, self.engine, self.stored = copy, builder, engine, stored
