@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from neuronpy.arch.gguf import GGUFCheckpoint
-from neuronpy.arch.llama import LlamaModel
+from neuronpy.arch.llama import LlamaModel, measure_input_ranges
 from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.defaults import WEIGHT_ONLY_MODES
 from neuronpy.engine.embeddings import Pooling
@@ -37,7 +37,7 @@ from neuronpy.worker.worker import DeviceWorker
 log = logging.getLogger("neuronpy")
 
 # the modes a GGUF file is read in as it is stored (else transformers dequantizes it)
-NATIVE_GGUF_MODES = ("auto", *WEIGHT_ONLY_MODES)
+NATIVE_GGUF_MODES = ("auto", "int8", *WEIGHT_ONLY_MODES)
 
 
 def native_model(source: Any, tokenizer: Any, *, name: str, config: EngineConfig) -> LlamaModel:
@@ -45,7 +45,17 @@ def native_model(source: Any, tokenizer: Any, *, name: str, config: EngineConfig
     `config.quantize` (the int8 mode calibrated on the built-in text), its layers compiled as
     `config.compile` says."""
     calibration = calibration_ids(source, tokenizer, config.quantize)
-    model = LlamaModel.from_hf(source, quantize=config.quantize, calibration_ids=calibration)
+    ranges = None
+    if calibration and isinstance(source, GGUFCheckpoint):
+        # a file read as it is stored: the int8 mode's activation ranges measured on the
+        # model as the file holds it (no float copy of it is ever made), then that one freed
+        stored = LlamaModel.from_hf(source, quantize="auto")
+        ranges = measure_input_ranges(stored, calibration)
+        del stored
+        release_freed_memory()
+    model = LlamaModel.from_hf(
+        source, quantize=config.quantize, calibration_ids=calibration, input_ranges=ranges
+    )
     release_freed_memory()
     log.info(
         "%s: %s of weights in memory (%s)",

@@ -457,6 +457,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
         ("Q4_K_M", "off"),
         ("int4", "off"),
         ("int8-weight", "off"),
+        ("Q4_K_M int8", "off"),
     ],
 )
 async def test_quantized_parity_concurrent_equals_sequential(
@@ -466,10 +467,11 @@ async def test_quantized_parity_concurrent_equals_sequential(
     activations: the exact mode), from a GGUF file of each kind or quantized at load."""
     tok = tokenizer("tiny-llama")
     jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
-    if mode in FILES:
-        model = big_llama() if mode == "Q4_K_M" else hf_model("tiny-llama")
-        path = write_gguf(tmp_path / "m.gguf", model, *FILES[mode])
-        source, quantize = checkpoint(path, model), "auto"
+    file, _, at_load = mode.partition(" ")  # "Q4_K_M int8": the file, served in int8
+    if file in FILES:
+        model = big_llama() if file == "Q4_K_M" else hf_model("tiny-llama")
+        path = write_gguf(tmp_path / "m.gguf", model, *FILES[file])
+        source, quantize = checkpoint(path, model), at_load or "auto"
     else:
         source, quantize = hf_model("tiny-llama"), mode
 
@@ -522,3 +524,31 @@ def test_modes_that_quantize_at_load_compute_in_fp32_by_default(mode: str) -> No
     assert source.dtype == torch.float32
     bf16 = ModelSpec(path=str(fixture_dir()), dtype="bfloat16", engine=EngineConfig(quantize=mode))
     assert load_source(bf16, lambda _: None)[0].dtype == torch.bfloat16
+
+
+def test_int8_from_a_gguf_file_read_as_stored_is_calibrated_on_it(tmp_path: Path) -> None:
+    """`--quantize int8` on a GGUF file reads it as it is stored (no float copy of the model is
+    made): its activation ranges are measured on the model as the file holds it, close to
+    those transformers' model of the dequantized file gives, and every projection is smoothed
+    by them."""
+    from neuronpy.arch.linear import Int8Linear
+    from neuronpy.arch.llama import measure_input_ranges
+    from neuronpy.arch.weights import input_absmax
+    from neuronpy.compose import native_model
+    from neuronpy.loading import calibration_ids
+
+    source = hf_model("tiny-llama")
+    path = write_gguf(tmp_path / "m.gguf", source, *FILES["Q4_1"])
+    ckpt, tok = checkpoint(path, source), tokenizer("tiny-llama")
+    ids = calibration_ids(ckpt, tok, "int8")
+    ranges = measure_input_ranges(LlamaModel.from_hf(ckpt, quantize="auto"), ids)
+    reference = input_absmax(dequantized_model(path, source), ids)
+    for i in range(source.config.num_hidden_layers):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+            key = f"model.layers.{i}.{name}"
+            torch.testing.assert_close(ranges[key], reference[key], rtol=0.1, atol=0.05)
+    model = native_model(ckpt, tok, name="m", config=EngineConfig(quantize="int8", compile="off"))
+    projections = [p for lw in model.layers for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+    assert all(isinstance(p, Int8Linear) and p.smooth is not None for p in projections)
+    assert isinstance(model.lm_head, Int8Linear) and model.lm_head.smooth is not None
+    assert isinstance(model.embed, QuantEmbedding)  # kept as the file stores it

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import types
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -214,13 +214,20 @@ class LlamaModel:
         hf_model: Any,
         quantize: str = "none",
         calibration_ids: Sequence[int] = (),
+        input_ranges: Mapping[str, torch.Tensor] | None = None,
     ) -> LlamaModel:
-        """Takes the weights of a loaded transformers `*ForCausalLM`. `quantize="int8"` turns
-        every projection (the vocabulary one included) into an int8 one (see Int8Linear),
-        smoothed with activation ranges measured on `calibration_ids` when given."""
-        return cls.from_weights(
-            take_weights(hf_model, quantize=quantize, calibration_ids=calibration_ids)
+        """Takes the weights of a loaded transformers `*ForCausalLM` (or a checkpoint read as
+        it is stored). `quantize="int8"` turns every projection (the vocabulary one included)
+        into an int8 one (see Int8Linear), smoothed with activation ranges measured on
+        `calibration_ids` (a transformers model) or given (`input_ranges`, as
+        measure_input_ranges measures them)."""
+        weights = take_weights(
+            hf_model,
+            quantize=quantize,
+            calibration_ids=calibration_ids,
+            input_ranges=input_ranges,
         )
+        return cls.from_weights(weights)
 
     # ---- the layers: one loop for every forward (prefill chunks, decode and verify steps) ---
 
@@ -849,6 +856,63 @@ class LlamaModel:
         rows = self.embed.rows(top.reshape(-1), torch.float32)  # type: ignore[union-attr]
         exact = (rows.reshape(*top.shape, -1) * flat[:, None, :]).sum(-1)
         return out.scatter(1, top, exact).reshape(logits.shape)
+
+
+# each dense layer's projections, by the module names of a checkpoint that take_weights looks
+# their ranges up by (the fused q/k/v and gate/up under their first part's name, or the fused
+# one's where a checkpoint holds them fused)
+PROJECTION_NAMES = {
+    "qkv": ("self_attn.q_proj", "self_attn.qkv_proj"),
+    "o_proj": ("self_attn.o_proj",),
+    "gate_up": ("mlp.gate_proj", "mlp.gate_up_proj"),
+    "down": ("mlp.down_proj",),
+}
+
+
+class _RangeRecorder:
+    """A projection that records its input's largest absolute value per channel."""
+
+    def __init__(self, inner: Callable[[torch.Tensor], torch.Tensor], seen: list[torch.Tensor]):
+        self.inner = inner
+        self.seen = seen
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        top = x.detach().reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+        self.seen[0] = top if not len(self.seen[0]) else torch.maximum(self.seen[0], top)
+        return self.inner(x)
+
+
+def measure_input_ranges(model: LlamaModel, token_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The int8 mode's calibration on a model of neuronpy's own (a GGUF file's, its weights as
+    stored, where no transformers model is at hand): each dense layer's projections' and the
+    LM head's largest absolute input per channel over `token_ids`, by the checkpoint's module
+    names (what take_weights' `input_ranges` takes). Runs the model eagerly, once."""
+    if model.compiled:
+        raise ValueError("measure_input_ranges runs a model that is not compiled")
+    found: dict[str, list[torch.Tensor]] = {}
+    swapped: list[tuple[Any, str, Any]] = []
+
+    def record(owner: Any, attr: str, names: Sequence[str]) -> None:
+        inner = getattr(owner, attr)
+        if inner is None:
+            return
+        seen = [torch.empty(0)]
+        for name in names:
+            found[name] = seen
+        swapped.append((owner, attr, inner))
+        setattr(owner, attr, _RangeRecorder(inner, seen))
+
+    for i, lw in enumerate(model.layers):
+        for attr, names in PROJECTION_NAMES.items():
+            record(lw, attr, [f"model.layers.{i}.{name}" for name in names])
+    record(model, "lm_head", ["lm_head"])
+    try:
+        with torch.inference_mode():
+            model.logits(model.prefill(list(token_ids))[1])
+    finally:
+        for owner, attr, inner in swapped:
+            setattr(owner, attr, inner)
+    return {name: seen[0] for name, seen in found.items() if len(seen[0])}
 
 
 def _kept(states: list[States], at: int) -> tuple[int, list[States]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -284,6 +284,7 @@ def take_weights(
     quantize: str = "none",
     calibration_ids: Sequence[int] = (),
     lm_head: bool = True,
+    input_ranges: Mapping[str, torch.Tensor] | None = None,
 ) -> ModelWeights:
     """Rank `rank`'s weights of a checkpoint (a loaded transformers `*ForCausalLM`, or a
     Checkpoint) split over `world_size` ranks (the whole model for 0 of 1).
@@ -293,8 +294,9 @@ def take_weights(
     [r*I/N, (r+1)*I/N) of both gate and up. `quantize` says what every projection (the
     vocabulary one included) becomes, after slicing, so that scales are per shard (see
     make_linear); "int8" is smoothed with activation ranges measured on `calibration_ids`
-    when given (a transformers model only). `lm_head=False` leaves out the vocabulary
-    projection (see the module docstring).
+    when given (a transformers model only), or with `input_ranges` (each projection's largest
+    absolute input per channel, by module name: see llama.measure_input_ranges).
+    `lm_head=False` leaves out the vocabulary projection (see the module docstring).
     """
     ckpt = as_checkpoint(source)
     hf_config = ckpt.config
@@ -311,7 +313,7 @@ def take_weights(
     local = shard_config(config, world_size)
     if not 0 <= rank < world_size:
         raise TensorParallelError(f"rank {rank} is not in [0, {world_size})")
-    stats: dict[str, torch.Tensor] = {}
+    stats: Mapping[str, torch.Tensor] = input_ranges or {}
     if quantize == "int8" and calibration_ids and isinstance(ckpt, HFCheckpoint):
         stats = input_absmax(ckpt.model, calibration_ids)
     d = config.head_dim
@@ -337,7 +339,9 @@ def take_weights(
         # every part reads the same input (the normed hidden state): the first one's ranges
         absmax = stats.get(parts[0][0])
         fused = cat_weights(weights)  # type: ignore[arg-type]
-        if fused is None and quantize == "none":  # all float in the end: one weight after all
+        if fused is None and quantize in ("none", "int8"):
+            # all float in the end, or quantized again from float row by row (int8: a scale
+            # per output row): one weight after all, one call a step
             fused = torch.cat([dequantized(w, dtype) for w in weights])  # type: ignore[arg-type]
         if fused is None:  # parts stored in different layouts: side by side, each its own
             return FusedLinear(
