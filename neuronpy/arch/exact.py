@@ -59,21 +59,25 @@ def step_attention(
     keys = k.reshape(n, length, d)  # [n, L, D]: views (B and KVH merge)
     values = v.reshape(n, length, d)
     queries = (q * scale).reshape(n, g, tokens, d)
-    masks = None
+    blocked = None  # what each token's query heads may not see, broadcasting to [B, KVH, G, L]
     if mask is not None:
-        masks = mask.expand(b, h, nq, length).reshape(n, g, tokens, length)
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        mb, mh, mq, _ = mask.shape
+        blocked = ~(mask if mq == 1 else mask.reshape(mb, mh, g, tokens, length))
     outs = []
     for t in range(tokens):
-        # [n, L, G]: keys as rows, one token's query heads as the columns (a transposed view)
+        # [n, L, G]: keys as rows, one token's query heads as the columns (a transposed view);
+        # then laid out keys last, [B, KVH, G, L], for what follows to run along them
         scores = torch.bmm(keys, queries[:, :, t].transpose(1, 2))
+        scores = scores.transpose(1, 2).reshape(b, h, g, length)
         if cap is not None:
             scores = soft_cap(scores, cap)
-        if masks is not None:
-            scores = scores.masked_fill(~masks[:, :, t].transpose(1, 2), float("-inf"))
-        weights = torch.exp(scores - scores.amax(1, keepdim=True))  # [n, L, G]
-        total = weights.cumsum(1)[:, -1]  # [n, G]: in key order
-        rows = weights.transpose(1, 2)  # [n, G, L]
-        parts = [torch.bmm(rows[:, lo : lo + NARROW], values) for lo in range(0, g, NARROW)]
+        if blocked is not None:
+            scores = scores.masked_fill(blocked if mq == 1 else blocked[..., t, :], float("-inf"))
+        scores = scores.reshape(n, g, length)
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # [n, G, L]
+        total = weights.cumsum(-1)[..., -1]  # [n, G]: in key order
+        parts = [torch.bmm(weights[:, lo : lo + NARROW], values) for lo in range(0, g, NARROW)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [n, G, D]
         outs.append(out / total[..., None])
     out = outs[0] if tokens == 1 else torch.stack(outs, dim=2)  # [n, G, T, D]
