@@ -332,4 +332,9 @@ def make_embedding(
         return QuantEmbedding(weight, dtype)
     if isinstance(weight, torch.Tensor) and quantize in WEIGHT_ONLY_MODES:
         return QuantEmbedding(ChannelQuant.from_float(weight), dtype)
-    return dequantized(weight, dtype)
+    table = dequantized(weight, dtype)
+    # a table of its own: one that is the checkpoint's tensor would keep a whole
+    # memory-mapped safetensors file resident after the model is built (2.2 GB more RSS
+    # for a 1B model in bf16)
+    aliased = isinstance(weight, torch.Tensor) and table.data_ptr() == weight.data_ptr()
+    return table.clone() if aliased else table
