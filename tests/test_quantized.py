@@ -458,6 +458,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
         ("int4", "off"),
         ("int8-weight", "off"),
         ("Q4_K_M int8", "off"),
+        ("Q4_K_M int8", "on"),
     ],
 )
 async def test_quantized_parity_concurrent_equals_sequential(
