@@ -419,3 +419,59 @@ def test_versus_times_the_native_step_beside_transformers(capsys: pytest.Capture
     rows = [line.split() for line in lines[2:]]
     assert [r[0] for r in rows] == ["1", "3"]
     assert all(r[-1].endswith("x") and float(r[-1][:-1]) > 0 for r in rows)
+
+
+def test_serving_measures_servers_one_at_a_time_side_by_side(tmp_path) -> None:
+    """Two real `neuronpy serve` processes, each started by its command, measured by the same
+    closed loop and ended (its whole process group) before the next starts; every request
+    writes all its tokens and the table sets each server beside the first."""
+    import socket
+
+    from neuronpy.bench import serving
+
+    def free_port() -> int:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            return probe.getsockname()[1]
+
+    model = fixture_dir("tiny-llama")
+    servers = []
+    for name, extra in (("in-process", "--engine-process off"), ("apart", "")):
+        port = free_port()
+        command = f"{sys.executable} -m neuronpy serve --model {model} --port {port}"
+        command += f" --compile off --dtype float32 --max-in-flight 2 {extra}"
+        servers.append(serving.Server.parse(f"{name}={port}={command}"))
+    lineup = serving.run(
+        servers,
+        [1, 2],
+        per_stream=2,
+        prompt_len=8,
+        output_len=5,
+        vocab=300,
+        log_dir=tmp_path,
+        start_timeout=300,
+        echo=lambda _: None,
+    )
+    assert [(p.server, p.k) for p in lineup.points] == [
+        ("in-process", 1),
+        ("in-process", 2),
+        ("apart", 1),
+        ("apart", 2),
+    ]
+    for point in lineup.points:
+        assert point.summary.failed == 0
+        assert point.summary.completed == 2 * point.k
+        assert point.summary.output_tokens == 5 * 2 * point.k
+    first, second = lineup.points[0], lineup.points[-1]
+    assert first.stopped_s <= second.started_s  # never two servers at once
+    for server in servers:  # each one ended with its group: nothing listens on its port
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", server.port)) != 0
+    text = serving.table(lineup)
+    assert "| K | round | in-process | apart | apart / in-process |" in text
+    assert len(json.loads(json.dumps(serving.to_json(lineup), default=str))["points"]) == 4
+    with pytest.raises(ValueError, match="NAME=PORT=COMMAND"):
+        serving.Server.parse("no-port=neuronpy serve")
+    broken = serving.Server.parse(f"broken={free_port()}={sys.executable} -c 'raise SystemExit(3)'")
+    with pytest.raises(RuntimeError, match="broken exited"):
+        serving.run([broken], [1], log_dir=tmp_path, echo=lambda _: None)

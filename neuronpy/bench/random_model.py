@@ -6,7 +6,8 @@ weights themselves are not at hand: decode speed depends on the shapes, not the 
     python -m neuronpy.bench.random_model qwen3.5-0.8b /tmp/qwen3.5-0.8b
     python -m neuronpy.bench.random_model llama3.2-1b /tmp/llama1b --gguf Q4_K_M,Q8_0
     neuronpy bench --model /tmp/gemma3-270m --k 1,8 --peers none
-    neuronpy bench --model /tmp/llama1b-Q4_K_M.gguf --k 1,8,16 --peers llama-server
+    neuronpy bench --model /tmp/llama1b-Q4_K_M.gguf --k 1,8,16 --peers none
+    python -m neuronpy.bench.serving --server ... --server ...   # against llama-server, vLLM
 
 `--gguf` writes the same weights as GGUF files beside the directory (`/tmp/llama1b-Q4_K_M.gguf`),
 in the type mix llama.cpp's `llama-quantize` gives each preset (Q4_K_M: Q4_K, with Q6_K for the
