@@ -21,6 +21,7 @@ from neuronpy.config import Config, load_config
 from neuronpy.defaults import COMPILE_MODES, DTYPES, QUANTIZE_MODES, SPECULATIVE_METHODS
 from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine_process import start_engine_process
+from neuronpy.envflags import colour
 from neuronpy.errors import ModelLoadError
 from neuronpy.loading import default_cache_dir, resolve_spec
 from neuronpy.server.app import ServerState, create_app
@@ -310,13 +311,23 @@ PROBE_PATHS = UNLIMITED_PATHS | {"/v1/batch", "/render"}
 
 class QuietProbes(logging.Filter):
     """Drops uvicorn's access-log lines of successful probes (a router checks each replica
-    every second or two) and of the web page's own polls; a failing one is still logged."""
+    every second or two) and of the web page's own polls; a failing one is still logged, but
+    for /health's 503 while `settling()` says it is expected (loading, draining: the server
+    logs each of those once, where a router's checks would repeat it every second)."""
+
+    def __init__(self, settling: Callable[[], bool] | None = None) -> None:
+        super().__init__()
+        self.settling = settling
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         if isinstance(args, tuple) and len(args) == 5:  # client, method, path, version, status
             path, status = str(args[2]).split("?", 1)[0], args[4]
-            return not (path in PROBE_PATHS and isinstance(status, int) and status < 400)
+            if path not in PROBE_PATHS or not isinstance(status, int):
+                return True
+            if status < 400:
+                return False
+            return not (path == "/health" and status == 503 and self.settling and self.settling())
         return True
 
 
@@ -386,12 +397,17 @@ def serve(config: Config) -> int:
             host=config.server.host,
             port=config.server.port,
             log_level="info",
+            # its access log goes to stdout, the rest to stderr: colours only where both are
+            # a terminal (not in a file, a pipe, a launcher's log; not with NO_COLOR)
+            use_colors=colour(sys.stdout) and colour(sys.stderr),
             timeout_graceful_shutdown=10,  # once drained, this only bounds slow readers
             # h11 with a deadline for each request's head (uvicorn has none; see connections.py)
             http=HeadTimeoutProtocol.with_header_timeout(config.server.header_timeout),
         ),
         app.state.neuron,
     )
-    logging.getLogger("uvicorn.access").addFilter(QuietProbes())  # after uvicorn's own set-up
+    state = app.state.neuron
+    quiet = QuietProbes(lambda: state.settling)
+    logging.getLogger("uvicorn.access").addFilter(quiet)  # after uvicorn's own set-up
     server.run()
     return 1 if app.state.neuron.status == "failed" else 0

@@ -5,6 +5,8 @@ servers on loopback (the router itself: tests/test_router.py)."""
 
 from __future__ import annotations
 
+import io
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -18,8 +20,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
-from neuronpy.cli import build_parser, config_from_args
+from neuronpy.cli import QuietProbes, build_parser, config_from_args
 from neuronpy.engine.engine import Engine
+from neuronpy.envflags import colour
 from neuronpy.replicas import api_key_of, serve_arguments, share_cores
 from neuronpy.server.errors import ApiError
 from neuronpy.server.metrics_collector import VLLM_ALSO, VLLM_LABELS, VLLM_NAMES
@@ -360,6 +363,42 @@ def test_a_drains_grace_admits_requests_while_health_already_says_503() -> None:
             assert time.monotonic() < deadline, "the grace was never cut short"
             time.sleep(0.05)
         assert late.status_code == 503
+
+
+# ---- what the servers print ---------------------------------------------------------------------
+
+
+def test_colours_only_on_a_terminal_and_never_with_no_color() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert colour(Terminal(), {}) and colour(Terminal(), {"NO_COLOR": ""})
+    assert not colour(Terminal(), {"NO_COLOR": "1"})
+    assert not colour(io.StringIO(), {}) and not colour(object(), {})
+
+
+def _access(path: str, status: int) -> logging.LogRecord:
+    args = ("127.0.0.1:5000", "GET", path, "1.1", status)
+    return logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "%s %s %s %s %d", args, None)
+
+
+def test_health_503s_stay_out_of_the_access_log_only_while_loading_or_draining() -> None:
+    from neuronpy.server.models import ServedModel, ServerState
+
+    model = ServedModel(MODEL, lambda: None)  # type: ignore[arg-type,return-value]
+    state = ServerState({MODEL: model})
+    quiet = QuietProbes(lambda: state.settling)
+    assert model.status == "loading" and state.settling
+    assert not quiet.filter(_access("/health", 503))
+    assert not quiet.filter(_access("/health?model=tiny-llama", 503))
+    assert not quiet.filter(_access("/health", 200))
+    assert quiet.filter(_access("/v1/chat/completions", 503))  # a refused request: logged
+    model.status = "stopping"
+    assert not quiet.filter(_access("/health", 503))
+    model.status = "failed"  # a real error: each check says so
+    assert not state.settling and quiet.filter(_access("/health", 503))
+    assert QuietProbes().filter(_access("/health", 503))  # told nothing: every failure logged
 
 
 # ---- the Kubernetes example ---------------------------------------------------------------------

@@ -124,6 +124,13 @@ class ServerState:
         return "stopping" if self.unready and model.state == "ready" else model.state
 
     @property
+    def settling(self) -> bool:
+        """Whether an unready /health is what this server says of itself in its own log: its
+        models loading (or starting again) or the server draining, none failed or unhealthy."""
+        states = {self.health_of(model) for model in self.models.values()}
+        return states <= {"loading", "ready", "stopping"}
+
+    @property
     def status(self) -> str:
         """ok when every model is ready; their common state if they share one; else degraded."""
         states = {self.health_of(model) for model in self.models.values()}
