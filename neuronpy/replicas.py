@@ -3,6 +3,10 @@ cores, behind vllm-router (a router built for LLM serving: health checks, retrie
 breakers, session affinity), supervised: a replica that exits (drained, or crashed) is started
 again, SIGHUP drains and restarts them one at a time, SIGTERM or Ctrl-C drains them all.
 
+What it prints: a line per replica started, one when it is ready, one when the router serves
+them all; the router's own log at warning (`--router-log-level` for more), without the lines
+it prints at start-up whatever its level, and without colour codes unless written to a terminal.
+
 The router is vllm-router from PyPI (`pip install vllm-router`); nothing here routes requests.
 """
 
@@ -12,17 +16,22 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import IO, TextIO
+
+from neuronpy.envflags import colour
 
 log = logging.getLogger("neuronpy.replicas")
 
@@ -49,6 +58,14 @@ HEALTH_FAILURES = 2
 DRAIN_GRACE = HEALTH_INTERVAL * (HEALTH_FAILURES + 1)
 BREAKER_TIMEOUT = 5  # seconds the router keeps a failing replica out before it tries again
 RESTART_BACKOFF_MAX = 30.0  # seconds: the longest wait before restarting a crashing replica
+READY_POLL = 0.5  # seconds between two looks at a loading replica's /health (or the router's)
+# --router-log-level: the router's Rust log reads RUST_LOG (its own --log-level loses to
+# RUST_LOG, and takes "warning" for info)
+ROUTER_LOG_LEVELS = {"debug": "debug", "info": "info", "warning": "warn", "error": "error"}
+# vllm-router prints a few lines of its own at start-up, "DEBUG: Initializing logging" and
+# the like, whatever its log level: shown only when its log is at debug
+ROUTER_DEBUG_PRINT = "DEBUG: "
+ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")  # a CSI sequence: colours, bold, dim
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -80,6 +97,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument("--router", metavar="PATH", help="the vllm-router executable")
     parser.add_argument(
+        "--router-log-level",
+        choices=tuple(ROUTER_LOG_LEVELS),
+        help="the router's own log (default warning: its warnings and errors; RUST_LOG, where "
+        "set and this is not, is used instead); the replicas log as `neuronpy serve` does",
+    )
+    parser.add_argument(
         "--router-arg",
         action="append",
         default=[],
@@ -102,6 +125,9 @@ class Replica:
     restarts: int = 0
     failures: int = 0  # exits in a row that came soon after a start (a crash loop)
     next_start: float = 0.0
+    ready: bool = False  # its /health has said 200 since its process started
+    was_ready: bool = False  # ready once, in an earlier process (then a ready line says again)
+    next_check: float = 0.0  # when to look at its /health again while it loads
 
     @property
     def url(self) -> str:
@@ -125,6 +151,8 @@ class Replica:
             start_new_session=True,  # signals reach it from us, not from the terminal
         )
         self.started = time.monotonic()
+        self.was_ready = self.was_ready or self.ready
+        self.ready, self.next_check = False, 0.0
         log.info(
             "replica %d: pid %d on %s, cores %s",
             self.index,
@@ -145,15 +173,35 @@ class Supervisor:
     replicas: list[Replica]
     router_command: list[str]
     router_url: str  # where the supervisor asks the router how many replicas it counts healthy
+    router_level: str | None = None  # --router-log-level (None: RUST_LOG, else warning)
     router: subprocess.Popen[bytes] | None = None
+    relay: threading.Thread | None = None  # copies the router's output to our stderr
     stopping: int = 0  # SIGTERM / Ctrl-C received (a second one aborts what runs)
     rolling: list[int] = field(default_factory=list)  # replicas left to restart (SIGHUP)
     draining: int | None = None  # the replica the rolling restart is draining now
+    drained_at: int = 0  # its restart count when the rolling restart drained it
+    serving: bool = False  # the router has counted every replica healthy (said once)
+    next_router_check: float = 0.0
 
     def run(self) -> int:
         for replica in self.replicas:
             replica.start()
-        self.router = subprocess.Popen(self.router_command, start_new_session=True)
+        env, debug = router_environment(self.router_level, os.environ)
+        self.router = subprocess.Popen(
+            self.router_command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        assert self.router.stdout is not None
+        self.relay = threading.Thread(
+            target=relay_router_output,
+            args=(self.router.stdout, sys.stderr, colour(sys.stderr), debug),
+            name="vllm-router output",
+            daemon=True,
+        )
+        self.relay.start()
         log.info("vllm-router: pid %d, %s", self.router.pid, " ".join(self.router_command))
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
@@ -166,6 +214,8 @@ class Supervisor:
                 break
             for replica in self.replicas:
                 self._watch(replica)
+                self._see_ready(replica)
+            self._see_serving()
             self._roll_on()
             time.sleep(0.2)
         return self._shut_down()
@@ -192,11 +242,59 @@ class Supervisor:
         if replica.process is None and now >= replica.next_start:
             replica.start()
 
+    def _see_ready(self, replica: Replica) -> None:
+        """Say once, for each start of `replica`, that it is ready: its /health said 200 (looked
+        at every READY_POLL seconds while it loads)."""
+        process, now = replica.process, time.monotonic()
+        if replica.ready or process is None or process.poll() is not None:
+            return
+        if now < replica.next_check:
+            return
+        if not _ready(replica.url):
+            replica.next_check = now + READY_POLL
+            return
+        replica.ready = True
+        if replica.was_ready:
+            log.info(
+                "replica %d ready again on %s (pid %d, restart %d)",
+                replica.index,
+                replica.url,
+                process.pid,
+                replica.restarts,
+            )
+        else:
+            log.info(
+                "replica %d ready on %s (pid %d): %d of %d ready",
+                replica.index,
+                replica.url,
+                process.pid,
+                sum(r.ready for r in self.replicas),
+                len(self.replicas),
+            )
+
+    def _see_serving(self) -> None:
+        """Say once that the router serves: every replica ready, and counted healthy by it."""
+        now = time.monotonic()
+        if self.serving or now < self.next_router_check:
+            return
+        if not all(r.ready for r in self.replicas):
+            return
+        if _healthy_workers(self.router_url) < len(self.replicas):
+            self.next_router_check = now + READY_POLL
+            return
+        self.serving = True
+        log.info(
+            "vllm-router serving on %s: %d of %d replicas healthy",
+            self.router_url,
+            len(self.replicas),
+            len(self.replicas),
+        )
+
     def _roll_on(self) -> None:
         """The rolling restart: drain the next replica once the one before is serving again."""
         if self.draining is not None:
             replica = self.replicas[self.draining]
-            if replica.process is None or not _ready(replica.url):
+            if replica.restarts == self.drained_at or not replica.ready:
                 return  # still draining, restarting or loading
             if _healthy_workers(self.router_url) < len(self.replicas):
                 return  # serving, but the router has not taken it back yet
@@ -204,6 +302,7 @@ class Supervisor:
             self.draining = None
         if self.rolling:
             self.draining = self.rolling.pop(0)
+            self.drained_at = self.replicas[self.draining].restarts
             log.info("rolling restart: draining replica %d", self.draining)
             self.replicas[self.draining].signal(signal.SIGTERM)
 
@@ -227,7 +326,44 @@ class Supervisor:
                 self.router.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.router.kill()
+        if self.relay is not None:  # the router's last lines, up to the end of its output
+            self.relay.join(timeout=5)
         return 0
+
+
+def router_environment(
+    level: str | None, environ: Mapping[str, str]
+) -> tuple[dict[str, str], bool]:
+    """The router's environment, RUST_LOG set from `level` (--router-log-level; None: the
+    environment's RUST_LOG where set, else warning), and whether its log is at debug (then its
+    start-up prints are shown too)."""
+    env = dict(environ)
+    if level is not None or not env.get("RUST_LOG"):
+        env["RUST_LOG"] = ROUTER_LOG_LEVELS[level or "warning"]
+    rust_log = env["RUST_LOG"].lower()
+    return env, "debug" in rust_log or "trace" in rust_log
+
+
+def router_line(line: str, colours: bool, debug: bool) -> str | None:
+    """One line of the router's output as shown (None: left out): its start-up prints only at
+    debug, its colour codes only where `colours`."""
+    if not debug and line.startswith(ROUTER_DEBUG_PRINT):
+        return None
+    return line if colours else ANSI.sub("", line)
+
+
+def relay_router_output(source: IO[bytes], sink: TextIO, colours: bool, debug: bool) -> None:
+    """Copy the router's output (`source`, until it ends) to `sink` line by line, as
+    `router_line` shows it."""
+    for raw in iter(source.readline, b""):
+        line = router_line(raw.decode(errors="replace"), colours, debug)
+        if line is not None:
+            try:
+                sink.write(line)
+                sink.flush()
+            except (OSError, ValueError):  # our own output is gone: keep draining the pipe
+                pass
+    source.close()
 
 
 def _ready(url: str) -> bool:
@@ -350,5 +486,6 @@ def run(args: argparse.Namespace) -> int:
     command = router_command(router, args, replicas, api_key_of(serve))
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     host = f"[{host}]" if ":" in host else host
-    supervisor = Supervisor(replicas, command, f"http://{host}:{args.port}")
+    url = f"http://{host}:{args.port}"
+    supervisor = Supervisor(replicas, command, url, args.router_log_level)
     return supervisor.run()

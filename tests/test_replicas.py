@@ -5,8 +5,15 @@ servers on loopback (the router itself: tests/test_router.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +22,7 @@ from typing import Any
 
 import httpx
 import openai
+import psutil
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,11 +31,18 @@ from starlette.requests import Request
 from neuronpy.cli import QuietProbes, build_parser, config_from_args
 from neuronpy.engine.engine import Engine
 from neuronpy.envflags import colour
-from neuronpy.replicas import api_key_of, serve_arguments, share_cores
+from neuronpy.replicas import (
+    api_key_of,
+    relay_router_output,
+    router_environment,
+    router_line,
+    serve_arguments,
+    share_cores,
+)
 from neuronpy.server.errors import ApiError
 from neuronpy.server.metrics_collector import VLLM_ALSO, VLLM_LABELS, VLLM_NAMES
 from neuronpy.server.replica import drain
-from tests.servers import RunningServer, engine_loader, run_server
+from tests.servers import TINY_LLAMA, RunningServer, engine_loader, run_server
 
 MODEL = "tiny-llama"
 KEY = "replica-test-key"
@@ -399,6 +414,142 @@ def test_health_503s_stay_out_of_the_access_log_only_while_loading_or_draining()
     model.status = "failed"  # a real error: each check says so
     assert not state.settling and quiet.filter(_access("/health", 503))
     assert QuietProbes().filter(_access("/health", 503))  # told nothing: every failure logged
+
+
+# ---- what the launcher prints -------------------------------------------------------------------
+
+
+def test_the_routers_log_is_at_warning_unless_asked_and_rust_log_is_kept_where_set() -> None:
+    env, debug = router_environment(None, {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "RUST_LOG": "warn"} and not debug
+    assert router_environment("info", {})[0]["RUST_LOG"] == "info"
+    assert router_environment("debug", {}) == ({"RUST_LOG": "debug"}, True)
+    # the environment's own RUST_LOG wins over the default, never over the flag
+    assert router_environment(None, {"RUST_LOG": "vllm_router_rs=debug"})[1]
+    assert router_environment("error", {"RUST_LOG": "debug"}) == ({"RUST_LOG": "error"}, False)
+    assert router_environment(None, {"RUST_LOG": ""})[0]["RUST_LOG"] == "warn"
+    parser = build_parser()
+    assert parser.parse_args(["replicas"]).router_log_level is None
+    assert parser.parse_args(["replicas", "--router-log-level", "info"]).router_log_level == "info"
+
+
+COLOURED = (
+    "\x1b[2m2026-01-01 00:00:00\x1b[0m \x1b[33m WARN\x1b[0m \x1b[2mvllm_router_rs::server\x1b[0m"
+    "\x1b[2m:\x1b[0m worker unhealthy\n"
+)
+
+
+def test_the_routers_lines_lose_their_colours_and_its_start_up_prints_unless_asked() -> None:
+    plain = "2026-01-01 00:00:00  WARN vllm_router_rs::server: worker unhealthy\n"
+    assert router_line(COLOURED, colours=False, debug=False) == plain
+    assert router_line(COLOURED, colours=True, debug=False) == COLOURED
+    assert router_line("DEBUG: Initializing logging\n", colours=False, debug=False) is None
+    assert (
+        router_line("DEBUG: Initializing logging\n", False, True) == "DEBUG: Initializing logging\n"
+    )
+    traceback = "Error starting router: Timeout 2s waiting for hosts\n"  # its errors stay
+    assert router_line(traceback, colours=False, debug=False) == traceback
+    out = io.StringIO()
+    source = io.BytesIO(f"DEBUG: Logging initialized\n{COLOURED}{traceback}".encode())
+    relay_router_output(source, out, colours=False, debug=False)
+    assert out.getvalue() == plain + traceback
+
+
+def _free_ports(count: int) -> int:
+    """A port such that it and the `count - 1` after it are free now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        if base + count > 65535:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError("no run of free ports")
+
+
+def _text(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
+def _wait_for(
+    what: str, done: Callable[[], bool], process: subprocess.Popen[bytes], log: Path
+) -> None:
+    """Until `done()` (a generous deadline: the replicas compile their model first)."""
+    deadline = time.monotonic() + 600
+    while not done():
+        assert process.poll() is None, _text(log)[-4000:]
+        assert time.monotonic() < deadline, f"never: {what}\n" + _text(log)[-4000:]
+        time.sleep(0.2)
+
+
+def _healthy(router: str) -> int:
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        return int(httpx.get(f"{router}/readiness", timeout=5).json().get("healthy_workers", 0))
+    return -1
+
+
+@pytest.mark.skipif(
+    shutil.which("vllm-router") is None,
+    reason="vllm-router is not installed (pip install vllm-router: Linux x86-64 wheels only)",
+)
+def test_neuronpy_replicas_prints_a_line_per_replica_ready_no_colours_no_debug_no_503s(
+    tmp_path: Path,
+) -> None:
+    """The real launcher, its output in a file: the router's log at warning without its
+    start-up prints or colour codes, one line per replica when it is ready, and none of the
+    /health 503s the router's checks (and the launcher's own) get while the replicas load
+    and while they drain."""
+    port, log = _free_ports(3), tmp_path / "replicas.log"
+    router, replicas = f"http://127.0.0.1:{port}", [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
+    command = [sys.executable, "-m", "neuronpy", "replicas", "-n", "2", "--port", str(port)]
+    # a drain's grace long enough to see its 503s for sure; a second SIGTERM cuts it short
+    command += ["--", "--model", str(TINY_LLAMA), "--drain-grace", "600"]
+    root = Path(__file__).resolve().parent.parent
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, cwd=root, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for("serving", lambda: "vllm-router serving on" in _text(log), process, log)
+        process.send_signal(signal.SIGTERM)  # the replicas turn unready, for the grace
+        _wait_for(
+            "both unready",
+            lambda: _text(log).count("stopping: unready now") == 2,
+            process,
+            log,
+        )
+        assert [httpx.get(f"{url}/health", timeout=10).status_code for url in replicas] == [
+            503,
+            503,
+        ]
+        # the router's own checks got 503s until it counted neither replica healthy
+        _wait_for("the router sees the drain", lambda: _healthy(router) == 0, process, log)
+        process.send_signal(signal.SIGTERM)  # the grace cut short: they drain and exit
+        assert process.wait(timeout=300) == 0
+    finally:
+        if process.poll() is None:  # failed midway: the replicas and the router go too
+            children = psutil.Process(process.pid).children(recursive=True)
+            process.kill()
+            process.wait()
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+    text = _text(log)
+    lines = text.splitlines()
+    assert "\x1b[" not in text
+    assert [line for line in lines if re.search(r"\bDEBUG\b", line)] == []
+    assert [line for line in lines if "GET /health" in line] == []  # 200s and 503s alike
+    assert [line for line in lines if "vllm_router_rs" in line and " INFO " in line] == []
+    ready = re.findall(r"replica (\d) ready on (\S+) \(pid \d+\): (\d) of 2 ready$", text, re.M)
+    assert sorted(index for index, _, _ in ready) == ["0", "1"], text[-4000:]
+    assert {replicas[int(index)] == url for index, url, _ in ready} == {True}
+    assert [count for _, _, count in ready] == ["1", "2"]
+    assert text.count("ready again") == 0
+    assert text.count(f"vllm-router serving on {router}: 2 of 2 replicas healthy") == 1
 
 
 # ---- the Kubernetes example ---------------------------------------------------------------------
