@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from neuronpy.arch.gguf import GGUFCheckpoint
+from neuronpy.arch.gguf import GGUFCheckpoint, read_index
 from neuronpy.arch.llama import LlamaModel, measure_input_ranges
 from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.defaults import WEIGHT_ONLY_MODES
@@ -107,6 +108,7 @@ def engine_from_hf(
         worker=DeviceWorker(model, name, config.prefill_chunk, draft_model),
         task=task,
         pooling=pooling,
+        source=source_facts(source),
     )
 
 
@@ -238,6 +240,39 @@ def check_draft_tokenizer(tokenizer: Any, draft_tokenizer: Any) -> None:
             "the draft model's tokenizer is not the model's: speculative decoding needs a "
             "draft model of the same vocabulary"
         )
+
+
+def source_facts(source: Any) -> tuple[int, str]:
+    """(parameter count, how the weights are stored) of a checkpoint: a GGUF file's from its
+    header (its general.file_type, as llama.cpp names it: "Q4_K_M"), a transformers model's
+    from its parameters and their dtype ("BF16"); (0, "") where neither is known."""
+    if isinstance(source, GGUFCheckpoint):
+        return gguf_file_facts(source.path)
+    try:
+        params = list(source.parameters())
+    except (AttributeError, TypeError):
+        return 0, ""
+    if not params:
+        return 0, ""
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    return sum(p.numel() for p in params), names.get(params[0].dtype, str(params[0].dtype))
+
+
+def gguf_file_facts(path: Any) -> tuple[int, str]:
+    """A GGUF file's parameter count and file type, from its header alone."""
+    from gguf import LlamaFileType
+
+    fields, tensors = read_index(path)
+    count = sum(math.prod(t.shape) for t in tensors)
+    kind = fields.get("general.file_type")
+    try:
+        name = LlamaFileType(int(kind)).name.removeprefix("MOSTLY_") if kind is not None else ""
+    except ValueError:
+        name = ""
+    if not name and tensors:  # the type most of the weights are stored in
+        kinds = [t.kind for t in tensors if len(t.shape) == 2]
+        name = max(set(kinds), key=kinds.count) if kinds else ""
+    return count, name
 
 
 def load_source(spec: ModelSpec, progress: Callable[[str], None]) -> tuple[Any, Any]:

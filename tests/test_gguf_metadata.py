@@ -153,3 +153,14 @@ def test_the_cache_entry_keeps_what_the_file_gave(tmp_path: Path) -> None:
 def test_the_default_model_reads_as_transformers_reads_it(tmp_path: Path) -> None:
     config, tokenizer = assert_same_metadata(default_model_path(), tmp_path)
     assert (config.vocab_size, tokenizer.bos_token_id, tokenizer.eos_token_id) == (49152, 1, 2)
+
+
+def test_a_files_parameter_count_and_type_come_from_its_header() -> None:
+    """What Ollama's /api/show reports of the default model (`ollama show`: "134.52M",
+    "Q4_1"), read from the file's header alone."""
+    from neuronpy.compose import gguf_file_facts
+    from neuronpy.server.ollama_api.routes import parameter_size
+
+    count, kind = gguf_file_facts(default_model_path())
+    assert (count, kind) == (134_515_008, "Q4_1")
+    assert parameter_size(count) == "134.52M" and parameter_size(1_235_814_400) == "1.2B"

@@ -388,11 +388,22 @@ def test_body_that_is_not_json(server: RunningServer) -> None:
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
-def test_wrong_content_type(server: RunningServer, content_type: str | None) -> None:
+def test_a_json_body_is_read_whatever_its_content_type(
+    server: RunningServer, content_type: str | None
+) -> None:
+    """As Ollama's and llama.cpp's servers do (litellm sends no Content-Type, `curl -d` the form
+    type); not from a browser, whose page elsewhere could send such a body without CORS's
+    preflight; a body that is not JSON is a 400 saying so."""
     headers = {"content-type": content_type} if content_type else {}
-    body = json.dumps({**MSG}).encode()
+    body = json.dumps({**MSG, "max_tokens": 2}).encode()
     response = httpx.post(f"{server.v1}{CHAT}", content=body, headers=headers)
-    check_error(response, 415, None)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
+    browser = {**headers, "origin": "http://elsewhere.example"}
+    check_error(httpx.post(f"{server.v1}{CHAT}", content=body, headers=browser), 415, None)
+    response = httpx.post(f"{server.v1}{CHAT}", content=b"model=x&prompt=hi", headers=headers)
+    check_error(response, 400, None)
+    assert "JSON" in response.json()["error"]["message"]
 
 
 def test_oversized_body_is_413_before_it_is_read(server: RunningServer) -> None:

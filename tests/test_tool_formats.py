@@ -501,6 +501,40 @@ def test_a_forced_tool_choice_writes_calls_the_format_reads_back(fmt: str, token
                     assert isinstance(arguments.get("days", 0), int)
 
 
+def test_tool_choice_auto_in_the_generic_format_is_free_until_a_call_begins(
+    tokenizer: Any,
+) -> None:
+    """The grammar of tool_choice "auto" where the tools are shown in the generic format:
+    any text, and any end, until the model writes <tool_call>; from there only a well-formed
+    call of a given tool, its arguments valid against its schema, and text after it again."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    compiler = xgr.GrammarCompiler(info)
+    spec = {"tools": SCHEMA_TOOLS, "parallel": True, "auto": True}
+    grammar = compiler.compile_grammar(grammar_of(Constraint("tools", json.dumps(spec))))
+
+    def accepts(text: str, end: bool = False) -> bool:
+        matcher = xgr.GrammarMatcher(grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids += [tokenizer.eos_token_id] if end else []
+        return all(matcher.accept_token(t) for t in ids)
+
+    assert accepts("It is sunny in Paris, no tool needed.", end=True)
+    assert accepts("Let me look. <tool_", end=False)  # free until the trigger is whole
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+    assert accepts(call + "</tool_call>", end=True)
+    assert accepts("Checking. " + call + "</tool_call>\nDone.", end=True)
+    assert not accepts('<tool_call>\n{"name": "get_news"')  # not a given tool
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town"')
+    assert not accepts(call[:-1] + "Sunny", end=True)  # the call must close before text
+    assert not accepts('<tool_call>\n{"name": "get_time"', end=True)  # begun: no end yet
+    one = {**spec, "parallel": False}
+    single = compiler.compile_grammar(grammar_of(Constraint("tools", json.dumps(one))))
+    matcher = xgr.GrammarMatcher(single)
+    ids = tokenizer.encode(call + "</tool_call>", add_special_tokens=False)
+    assert all(matcher.accept_token(t) for t in ids)
+    assert matcher.is_terminated() or matcher.accept_token(tokenizer.eos_token_id)
+
+
 def test_a_forced_qwen3_coder_call_is_held_to_the_xml_notation() -> None:
     """The grammar of a forced call in the XML notation: the schema's parameters in its
     order (the required ones present), a string's text without the markup that ends it, other

@@ -601,6 +601,23 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
                 "end": fmt.call_end,
             }
         )
+    if spec.get("auto"):  # free text; a call, once begun, held to its shape
+        if fmt.bracketed or not all(t["begin"].startswith(fmt.start) for t in tags):
+            raise InvalidRequestError(
+                f"tool_choice 'auto' is held by the grammar only in tagged formats, not "
+                f"{fmt.name}'s",
+                c.param,
+            )
+        triggered = {
+            "type": "triggered_tags",
+            "triggers": [fmt.start],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": not spec.get("parallel", True),
+        }
+        return xgr.Grammar.from_structural_tag(
+            json.dumps({"type": "structural_tag", "format": triggered})
+        )
     calls: dict[str, Any] = {
         "type": "tags_with_separator",
         "tags": tags,

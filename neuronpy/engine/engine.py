@@ -99,14 +99,17 @@ class Engine(Generates):
         fingerprint: str | None = None,
         task: str = "generate",
         pooling: Pooling | None = None,
+        source: tuple[int, str] = (0, ""),
     ) -> None:
         """`worker`: the device worker to run jobs on (one driving other processes, for
         tensor parallelism); by default a DeviceWorker of its own over `model`. `fingerprint`:
         what identifies the weights in saved sessions (the composition root hashes the
         checkpoint's; by default a hash of the embeddings and norms). `task`: "generate"
         (generations, and embeddings of the hidden states) or "embed" (embeddings only);
-        `pooling`: how embeddings pool (by default the last token's, normalized)."""
+        `pooling`: how embeddings pool (by default the last token's, normalized). `source`:
+        the checkpoint's parameter count and how it stores them (ModelFacts)."""
         self.model = model
+        self._source = source
         self.tokenizer = tokenizer
         self.name = name
         self.config = config = config or EngineConfig()
@@ -276,6 +279,8 @@ class Engine(Generates):
             head_dim=c.head_dim,
             weight_bytes=model.weight_bytes(),
             device=model.device.type,
+            parameters=self._source[0],
+            file_type=self._source[1],
         )
 
     @property

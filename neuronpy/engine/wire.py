@@ -26,6 +26,9 @@ class ModelFacts:
     head_dim: int
     weight_bytes: int
     device: str  # "cpu", "cuda", "mps"
+    parameters: int = 0  # the checkpoint's parameter count (0: not known)
+    # how the checkpoint stores its weights, as Ollama names it: "Q4_K_M", "BF16" ("": not known)
+    file_type: str = ""
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,17 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
     return found[0] if found else None
 
 
-def tool_constraint(tools: ChatTools, other: Constraint | None) -> Constraint | None:
+def tool_constraint(
+    tools: ChatTools, other: Constraint | None, generic: bool = False
+) -> Constraint | None:
     """`tool_choice` "required" or a named function: the reply is well-formed calls of the
-    given tools (one, for a named function or parallel_tool_calls false). "auto": free."""
-    if tools.tools is None or tools.choice not in ("required", "function"):
+    given tools (one, for a named function or parallel_tool_calls false). "auto": free, but
+    where the tools are shown in the generic format (`generic`: the model's template does not
+    show them) a call the model begins is held to it ("auto": true in the spec), unless
+    another constraint holds the reply."""
+    if tools.tools is None or tools.choice not in ("required", "function", "auto"):
+        return other
+    if tools.choice == "auto" and (not generic or other is not None):
         return other
     if other is not None:
         raise InvalidRequestError(
@@ -72,8 +79,11 @@ def tool_constraint(tools: ChatTools, other: Constraint | None) -> Constraint | 
             {"name": t["function"]["name"], "parameters": t["function"].get("parameters")}
             for t in tools.tools
         ],
-        "parallel": tools.parallel and tools.choice == "required",
+        "parallel": tools.parallel and tools.choice in ("required", "auto"),
     }
+    if tools.choice == "auto":
+        spec["auto"] = True
+        return Constraint("tools", json.dumps(spec), param="tools")
     return Constraint("tools", json.dumps(spec), param="tool_choice")
 
 

@@ -19,7 +19,7 @@ from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.sessions import SessionStore, valid_name
 from neuronpy.engine.stream import RequestStream
-from neuronpy.engine.tools import resolve_tool_format
+from neuronpy.engine.tools import HERMES, resolve_tool_format
 from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.copies import Copy, cancel_on_disconnect, gather, usage_of
@@ -150,9 +150,11 @@ async def admit(
             f'{use}, or serve it with task = "generate"',
             param="model",
         )
-    refuse_unshown_tools(model, req)
     reasoning = resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer)
     tools = resolve_tool_format(engine.config.tool_call_parser, engine.tokenizer).name
+    if isinstance(req, ChatCompletionRequest) and req.chat_tools.tools and not model.renders_tools:
+        req.show_tools_generically()  # (its calls in the generic format: Hermes' markup)
+        tools = HERMES.name
     prompts = [
         await anyio.to_thread.run_sync(prompt_ids, req, engine.tokenizer, i)
         for i in range(req.prompt_count)
@@ -188,21 +190,6 @@ def prompt_ids(req: SamplingRequest, tokenizer: PreTrainedTokenizerBase, index: 
         return req.prompt_ids(tokenizer, index)
     except InvalidRequestError as exc:
         raise api_error(exc) from None
-
-
-def refuse_unshown_tools(model: ServedModel, req: SamplingRequest) -> None:
-    """A 400 for `tools` the model's chat template never shows it, unless constrained decoding
-    enforces the calls (tool_choice required or a named function)."""
-    shown = isinstance(req, ChatCompletionRequest) and req.chat_tools.tools
-    if shown and req.constraint is None and not model.renders_tools:
-        raise ApiError(
-            400,
-            f"the chat template of model '{model.name}' does not show the model its tools, "
-            "so it cannot call them of its own accord; give tool_choice 'required' or a "
-            "named function (enforced by constrained decoding), or use a model whose "
-            "template renders tools",
-            param="tools",
-        )
 
 
 async def _admit(

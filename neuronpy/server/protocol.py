@@ -34,6 +34,7 @@ from neuronpy.server.constraints import (
     tool_constraint,
     with_tool_format,
 )
+from neuronpy.server.generic_tools import messages_with_tools, system_messages_first
 from neuronpy.server.prompts import check_template_kwargs, encode_prompt, render_chat
 from neuronpy.server.schema import WireModel, either, is_int, json_type, validate
 
@@ -241,6 +242,10 @@ class SamplingRequest(WireModel):
     def output_format(self, reasoning: str | None, tool_format: str = "hermes") -> OutputFormat:
         return OutputFormat()
 
+    # whether a max_tokens past what the context holds after the prompt is cut to what fits
+    # (Anthropic's and Ollama's APIs: their servers do so), rather than refused (OpenAI's 400)
+    caps_max_tokens: ClassVar[bool] = False
+
     def default_max_tokens(self, room: int) -> int:
         """max_tokens when the request gives none, `room` tokens left in the context."""
         return max(1, room)
@@ -265,6 +270,8 @@ class SamplingRequest(WireModel):
         max_tokens = self.requested_max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens(context_len - prompt_len)
+        elif self.caps_max_tokens and prompt_len < context_len:
+            max_tokens = min(max_tokens, context_len - prompt_len)  # (ends with "length")
 
         def given(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -297,6 +304,8 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
     """POST /v1/chat/completions: the conversation through the model's chat template."""
 
     kind: ClassVar[Kind] = "chat"
+    # the model's template does not show tools: they are shown in the generic format
+    _generic_tools: bool = PrivateAttr(default=False)
 
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -326,7 +335,19 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
             )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        return tool_constraint(self.chat_tools, super()._own_constraint())
+        return tool_constraint(self.chat_tools, super()._own_constraint(), self._generic_tools)
+
+    def show_tools_generically(self) -> None:
+        """For a model whose chat template does not show tools: they are written into the
+        system message in the generic format (generic_tools.py), and with tool_choice "auto"
+        a call the model starts is held to that format by the grammar."""
+        if self.chat_tools.tools and not self._generic_tools:
+            self._generic_tools = True
+            self._constraint = self._own_constraint()
+
+    @property
+    def generic_tools(self) -> bool:
+        return self._generic_tools
 
     @property
     def param_names(self) -> dict[str, str]:
@@ -341,13 +362,34 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
         return OutputFormat(reasoning, tools.parse, tools.parallel, tool_format, types)
 
     def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
-        return render_chat(
-            tokenizer,
-            self.template_messages(),
-            self.chat_tools.tools,
-            self.chat_template_kwargs,
-            continue_final=bool(self.continue_final_message),
-        )
+        tools = self.chat_tools
+        continue_final = bool(self.continue_final_message)
+        generic = self._generic_tools and bool(tools.tools)
+
+        def render(messages: list[dict[str, Any]], system: bool = True) -> list[int]:
+            if generic:
+                shown = messages_with_tools(messages, tools.tools or [], tools.choice, system)
+                return render_chat(
+                    tokenizer, shown, None, self.chat_template_kwargs, continue_final
+                )
+            return render_chat(
+                tokenizer, messages, tools.tools, self.chat_template_kwargs, continue_final
+            )
+
+        messages = self.template_messages()
+        try:
+            return render(messages)
+        except InvalidRequestError:
+            gathered = system_messages_first(messages)
+            if gathered != messages:  # a template that takes a system message first only
+                try:
+                    return render(gathered)
+                except InvalidRequestError:
+                    pass
+            if not generic:
+                raise
+            # a template that refuses a system role (Gemma's): the tools in the first user turn
+            return render(gathered, system=False)
 
 
 class CompletionRequest(SamplingRequest):

@@ -1,6 +1,7 @@
 """Request ids: every response carries `x-request-id`, the client's own when it sent a usable
 one, else the id the server gave the request (a completion's id, `chatcmpl-...`), so that a
-client's report and the server's log line for that request can be matched."""
+client's report and the server's log line for that request can be matched. The same id goes
+out as `request-id` too, the header Anthropic's SDKs read (`response._request_id`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = "x-request-id"
+ANTHROPIC_HEADER = "request-id"
 _USABLE = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces, at most 128
 
 
@@ -35,8 +37,10 @@ class RequestIdMiddleware:
             if message["type"] == "http.response.start":
                 rid = state.get("request_id") or f"req-{uuid.uuid4().hex}"
                 state["request_id"] = rid
-                headers = [(k, v) for k, v in message.get("headers", []) if k != HEADER.encode()]
-                message = {**message, "headers": [*headers, (HEADER.encode(), rid.encode())]}
+                ours = (HEADER.encode(), ANTHROPIC_HEADER.encode())
+                headers = [(k, v) for k, v in message.get("headers", []) if k not in ours]
+                headers += [(name, rid.encode()) for name in ours]
+                message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, with_id)

@@ -31,14 +31,19 @@ class BodyLimits:
 
 
 async def read_json(request: Request, limits: BodyLimits) -> object:
-    """The body as JSON, structurally sound (structure.py: nesting depth, valid Unicode): 415
-    unless it says it is JSON, 413 past `limits.max_bytes` (before reading them when
-    Content-Length says so), 408 unless it all arrives within `limits.timeout` seconds, 400 if
-    it does not parse or check. A client that hangs up meanwhile raises starlette's
-    ClientDisconnect (errors.py answers it quietly)."""
+    """The body as JSON, structurally sound (structure.py: nesting depth, valid Unicode),
+    whatever its Content-Type says (none, text/plain, or the form type `curl -d` sends: as
+    Ollama's and llama.cpp's servers read it), except from a browser: a request with an Origin
+    header must say application/json, so that no page elsewhere can send one without CORS's
+    preflight (a 415). 413 past `limits.max_bytes` (before reading them when Content-Length
+    says so), 408 unless it all arrives within `limits.timeout` seconds, 400 if it is not JSON
+    or does not check. A client that hangs up meanwhile raises starlette's ClientDisconnect
+    (errors.py answers it quietly)."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != "application/json":
-        raise ApiError(415, "the request body must be JSON (Content-Type: application/json)")
+    if media_type != "application/json" and "origin" in request.headers:
+        raise ApiError(
+            415, "a browser's request body must be JSON (Content-Type: application/json)"
+        )
     limit = limits.max_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:

@@ -6,7 +6,7 @@ Fields the API allows that neuronpy cannot honour are refused by name."""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -99,7 +99,9 @@ Block = by_type(
 
 
 class InputMessage(WireModel):
-    role: Literal["user", "assistant"]
+    # "system" anywhere in the conversation: Anthropic's mid-conversation system messages
+    # (Claude Code sends them), text only
+    role: Literal["user", "assistant", "system"]
     content: either(("a string", str), ("an array", list[Block]))  # type: ignore[valid-type]
 
 
@@ -287,6 +289,14 @@ class MessagesRequest(WireModel):
                 out.append(build(Message, at, role=message.role, content=blocks))
                 continue
             texts = [b.text for b in blocks if isinstance(b, TextBlock)]
+            if message.role == "system":
+                if len(texts) != len(blocks):
+                    raise InvalidRequestError(
+                        f"messages[{i}]: a system message holds text blocks only",
+                        f"messages[{i}].content",
+                    )
+                out.append(build(Message, at, role="system", content="\n".join(texts)))
+                continue
             if message.role == "user":
                 for j, block in enumerate(blocks):
                     if isinstance(block, ToolUseBlock):
@@ -399,6 +409,7 @@ class MessagesChat(ChatCompletionRequest):
     names its fields."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
+    caps_max_tokens: ClassVar[bool] = True  # (as Anthropic's API does: the reply ends "max_tokens")
 
     @property
     def param_names(self) -> dict[str, str]:

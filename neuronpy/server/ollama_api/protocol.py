@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import ConfigDict, field_validator, model_validator
 
@@ -268,6 +268,7 @@ class OllamaChat(ChatCompletionRequest):
     its fields."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
+    caps_max_tokens: ClassVar[bool] = True  # (num_predict past the context: what fits)
 
     @property
     def param_names(self) -> dict[str, str]:
@@ -276,6 +277,7 @@ class OllamaChat(ChatCompletionRequest):
 
 class OllamaText(CompletionRequest):
     model_config = ConfigDict(arbitrary_types_allowed=True)
+    caps_max_tokens: ClassVar[bool] = True  # (num_predict past the context: what fits)
 
     @property
     def param_names(self) -> dict[str, str]:

@@ -349,13 +349,26 @@ async def _pooling(
 
 
 def _details(engine: ServingEngine) -> dict[str, Any]:
-    family = engine.facts.model_type
-    return {
+    """Ollama's `details`: the family, and the checkpoint's size and storage as its file
+    says (a GGUF file's general.file_type, "Q4_1"; a safetensors model's dtype, "BF16")."""
+    facts = engine.facts
+    details: dict[str, Any] = {
         "parent_model": "",
-        "family": family,
-        "families": [family],
-        "quantization_level": engine.config.quantize,
+        "family": facts.model_type,
+        "families": [facts.model_type],
+        "parameter_size": parameter_size(facts.parameters) if facts.parameters else "",
+        "quantization_level": facts.file_type or engine.config.quantize,
     }
+    return details
+
+
+def parameter_size(count: int) -> str:
+    """A parameter count as Ollama writes it: "134.52M", "1.2B"."""
+    if count >= 1_000_000_000:
+        return f"{count / 1e9:.1f}B"
+    if count >= 1_000_000:
+        return f"{count / 1e6:.2f}M"
+    return f"{count / 1e3:.2f}K"
 
 
 def _listed(
@@ -418,8 +431,7 @@ async def show(
     engine = model.ready_engine()
     capabilities = ["embedding"] if engine.task == "embed" else ["completion"]
     if engine.task == "generate":
-        if model.renders_tools:
-            capabilities.append("tools")
+        capabilities.append("tools")  # (shown in the generic format where the template cannot)
         if resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer):
             capabilities.append("thinking")
     family = engine.facts.model_type
@@ -434,6 +446,8 @@ async def show(
                 "general.architecture": family,
                 f"{family}.context_length": engine.context_len,
                 f"{family}.embedding_length": engine.facts.hidden_size,
+                "general.parameter_count": engine.facts.parameters or None,
+                "general.file_type": engine.facts.file_type or None,
             },
             "capabilities": capabilities,
             "modified_at": datetime.fromtimestamp(state.started, timezone.utc).isoformat(),

@@ -393,7 +393,7 @@ class ResponsesChat(ChatCompletionRequest):
     text_format: Constraint | None = None
 
     def _own_constraint(self) -> Constraint | None:
-        return tool_constraint(self.chat_tools, self.text_format)
+        return tool_constraint(self.chat_tools, self.text_format, self._generic_tools)
 
     @property
     def param_names(self) -> dict[str, str]:
