@@ -138,6 +138,9 @@ async def batch_state(state: ServerState) -> dict[str, Any]:
         engine = model.engine
         entry: dict[str, Any] = {"status": model.state}
         if engine is not None:
+            # the rows first: from an engine in its own process they come with its newest
+            # counters (it sends its status before it answers), so both are of one moment
+            rows = await _rows(engine)
             s = engine.stats()
             entry |= {
                 "live_batch_size": s.live_batch_size,
@@ -149,7 +152,7 @@ async def batch_state(state: ServerState) -> dict[str, Any]:
                 "kv_capacity": engine.kv_capacity_tokens,
                 "prefix_cache_hits": s.prefix_cache_hits,
                 "prefix_cache_misses": s.prefix_cache_misses,
-                "requests": await _rows(engine),
+                "requests": rows,
             }
         models[model.name] = entry
     return {"models": models}
