@@ -77,9 +77,24 @@ def page(browser: Any, served: tuple[RunningServer, dict[str, Scripts]]) -> Iter
     assert not errors, errors  # the page's scripts never threw
 
 
+def open_settings(page: Any) -> None:
+    """The settings dialog (the gear in the top bar), open."""
+    if not page.is_visible("#settings"):
+        page.click("#settings-toggle")
+    page.wait_for_selector("#settings[open]")
+
+
+def close_settings(page: Any) -> None:
+    if page.is_visible("#settings"):
+        page.click("#settings-done")
+    page.wait_for_selector("#settings:not([open])", state="attached")
+
+
 def ask(page: Any, text: str, *, max_tokens: int = 64) -> Any:
+    open_settings(page)
     page.fill("#temperature", "0")
     page.fill("#max_tokens", str(max_tokens))
+    close_settings(page)
     page.fill("#prompt", text)
     page.click("#send")
     return page.locator(".message.assistant").last
@@ -98,9 +113,6 @@ def test_a_message_gets_a_streamed_reply_rendered_safely(page: Any, served: Any)
     page.reload()
     page.wait_for_selector(".message.assistant")
     assert "Hello from" in page.locator(".message.assistant").last.inner_text()
-    if SCREENSHOTS:
-        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(SCREENSHOTS) / "chat.png"))
 
 
 def test_markup_in_a_reply_is_shown_never_run(page: Any, served: Any) -> None:
@@ -185,9 +197,6 @@ def test_the_batch_view_shows_a_running_request(browser: Any, served: Any) -> No
         # each row named as its client and the log name the request (its x-request-id)
         labels = {rows.nth(i).locator("td").nth(0).inner_text() for i in range(3)}
         assert labels == {"watch-0", "watch-1", "watch-2"}
-        if SCREENSHOTS:
-            time.sleep(1.5)  # a few polls: the batch size over time
-            page.screenshot(path=str(Path(SCREENSHOTS) / "batch.png"))
     context.close()
 
 
@@ -226,6 +235,7 @@ def test_reasoning_folds_code_renders_and_tool_calls_show(page: Any, served: Any
     )
     script(scripts[model], server, model, "[rich]", reply)
     page.select_option("#model", model)
+    open_settings(page)
     page.fill("#tools", json.dumps([TOOL]))
     answer = ask(page, "Show me [rich]")
     answer.locator(".meta .stats").wait_for()
@@ -277,6 +287,7 @@ def test_escape_on_the_key_dialog_leaves_the_page_usable(browser: Any) -> None:
         page.wait_for_selector("#key-dialog:not([open])", state="attached")
         page.locator("#status", has_text="needs an API key").wait_for()
         assert page.is_enabled("#send") and page.is_disabled("#stop")
+        open_settings(page)
         page.fill("#api-key", KEY)  # the key entered in the settings instead
         page.press("#api-key", "Tab")
         page.wait_for_selector("#model option", state="attached")
@@ -298,14 +309,15 @@ def test_the_page_fits_a_phone(browser: Any, served: Any) -> None:
     width = page.evaluate("document.documentElement.scrollWidth")
     assert width <= 390, width
     assert not page.is_visible("#settings")
-    for button in ("#send", "#stop", "#new-chat", "#settings-toggle"):
+    for button in ("#send", "#stop", "#new-chat", "#settings-toggle", "#history-toggle"):
         box = page.locator(button).bounding_box()
         assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 390, button
     page.click("#settings-toggle")
     assert page.is_visible("#settings")
     page.fill("#temperature", "0")
     page.fill("#max_tokens", "4")
-    page.click("#settings-toggle")
+    page.click("#settings-close")  # (the settings are a dialog: closed from inside it)
+    assert not page.is_visible("#settings")
     page.fill("#prompt", "hello")
     page.tap("#send")  # (playwright fails a tap that something else would catch)
     page.locator(".message.assistant .meta .stats").wait_for(timeout=60_000)
@@ -328,6 +340,7 @@ def test_a_long_reply_keeps_the_page_at_its_end_and_stop_in_view(page: Any, serv
 
 
 def test_settings_are_kept_across_a_reload(page: Any) -> None:
+    open_settings(page)
     values = {"#system": "You are terse.", "#temperature": "0.3", "#max_tokens": "77"}
     for selector, value in values.items():
         page.fill(selector, value)
@@ -341,6 +354,7 @@ def test_settings_are_kept_across_a_reload(page: Any) -> None:
 
 def test_tool_choice_required_calls_a_tool_on_a_template_without_tools(page: Any) -> None:
     page.select_option("#model", "tiny-llama")  # its template cannot show tools
+    open_settings(page)
     page.fill("#tools", json.dumps([TOOL]))
     page.select_option("#tool_choice", "required")
     sent: list[Any] = []
@@ -358,6 +372,7 @@ def test_tool_choice_required_calls_a_tool_on_a_template_without_tools(page: Any
 def test_the_sampling_settings_reach_the_request(page: Any) -> None:
     sent: list[Any] = []
     page.on("request", lambda r: sent.append(r.post_data_json) if "completions" in r.url else None)
+    open_settings(page)
     page.click("#more-sampling summary")
     page.fill("#top_k", "5")
     page.fill("#min_p", "0.05")
@@ -379,9 +394,14 @@ def test_a_dark_scheme_gets_dark_colours(browser: Any, served: Any) -> None:
     context = browser.new_context(color_scheme="dark")
     page = context.new_page()
     page.goto(server.url + "/")
-    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
-    red, green, blue = (int(v) for v in background[background.index("(") + 1 : -1].split(",")[:3])
-    assert max(red, green, blue) < 60, background
+    page.wait_for_selector("#model option", state="attached")
+    page.click("#settings-toggle")  # the dialog and its controls too
+    for selector in ("body", "#settings", "#max_tokens", "#tool_choice", ".composer-box"):
+        background = page.evaluate(
+            "(s) => getComputedStyle(document.querySelector(s)).backgroundColor", selector
+        )
+        rgb = (int(v) for v in background[background.index("(") + 1 : -1].split(",")[:3])
+        assert max(rgb) < 60, (selector, background)
     context.close()
 
 
@@ -462,12 +482,15 @@ def test_a_schema_holds_the_reply_to_json(page: Any) -> None:
         "required": ["answer"],
         "additionalProperties": False,
     }
+    open_settings(page)
     page.fill("#schema", "{not json")  # said at once, and not sent
     assert page.locator("#schema-error").inner_text().startswith("not JSON")
+    close_settings(page)
     page.fill("#prompt", "Is the sky blue?")
     page.click("#send")
     assert "not a JSON object" in page.locator("#status").inner_text()
     assert page.locator(".message").count() == 0 and page.input_value("#prompt")
+    open_settings(page)
     page.fill("#schema", json.dumps(schema))
     assert page.locator("#schema-error").inner_text() == ""
     answer = ask(page, "Is the sky blue?", max_tokens=40)
@@ -485,6 +508,7 @@ def test_a_conversation_kept_as_a_server_session(browser: Any, tmp_path: Path) -
         page = context.new_page()
         page.goto(server.url + "/")
         page.wait_for_selector("#model option", state="attached")
+        open_settings(page)
         page.check("#server-session")
         ask(page, "Remember this", max_tokens=4).locator(".meta .stats").wait_for()
         (listed,) = httpx.get(server.v1 + "/sessions").json()["data"]
@@ -557,8 +581,6 @@ def test_a_reply_is_shown_as_markdown_with_math_and_highlighted_code(
     # a reload redraws it rendered
     page.reload()
     page.locator(".message.assistant .content h2").wait_for()
-    if SCREENSHOTS:
-        page.screenshot(path=str(Path(SCREENSHOTS) / "chat-markdown.png"))
 
 
 def test_each_reply_says_what_its_drafts_did(browser: Any) -> None:
@@ -579,6 +601,7 @@ def test_each_reply_says_what_its_drafts_did(browser: Any) -> None:
         want = f"drafts: {accepted} of {drafted} accepted ({share}%)"
         assert reply.locator(".meta .speculation").inner_text() == want
         # turned off in the settings: the request says so, and its reply drafted nothing
+        open_settings(page)
         page.select_option("#speculative", "off")
         sent: list[Any] = []
         page.on("request", lambda r: sent.append(r.post_data_json) if "chat" in r.url else None)
@@ -606,11 +629,16 @@ def test_the_page_works_from_the_keyboard_alone(page: Any, served: Any) -> None:
     script(scripts["tiny-llama"], server, "tiny-llama", "[keys]", "Typed **reply**.")
     tok = server.state.models["tiny-llama"].engine.tokenizer  # type: ignore[union-attr]
     scripts["tiny-llama"].add("[keys-long]", tok.encode("na " * 20), hold_after=10)
+    focus_by_tab(page, "#settings-toggle")  # the settings: a dialog, opened from the top bar
+    page.keyboard.press("Enter")
+    assert page.is_visible("#settings")
     for field, value in (("#temperature", "0"), ("#max_tokens", "64")):
         focus_by_tab(page, field)
         page.keyboard.press("Control+a")
         page.keyboard.type(value)
         assert page.input_value(field) == value
+    page.keyboard.press("Escape")  # closed from the keyboard
+    assert not page.is_visible("#settings")
     focus_by_tab(page, "#prompt")
     page.keyboard.type("Hello [keys]")
     page.keyboard.press("Enter")
@@ -656,9 +684,10 @@ def test_the_phone_layout_works_from_the_keyboard(browser: Any, served: Any) -> 
     focus_by_tab(page, "#max_tokens")  # the folded settings are in the focus order once open
     page.keyboard.press("Control+a")
     page.keyboard.type("4")
-    focus_by_tab(page, "#settings-toggle", back=True)
+    focus_by_tab(page, "#settings-close", back=True)  # (closed from inside the dialog)
     page.keyboard.press("Enter")
     assert not page.is_visible("#settings")
+    page.wait_for_selector("#settings-toggle[aria-expanded='false']")  # (said on its close event)
     focus_by_tab(page, "#prompt")
     page.keyboard.type("hello")
     page.keyboard.press("Enter")
@@ -688,3 +717,274 @@ def test_a_streaming_reply_shows_its_reasoning_and_text_as_they_come(
     scripts[model].release("[live]")
     reply.locator(".meta .stats").wait_for()
     assert reply.locator(".content").inner_text().strip() == "Part one. Part two."
+
+
+# ---- the look: the top bar in view, an icon, settings in plain words, styled controls, phones ---
+
+SIZES = [(1280, 900), (390, 844)]  # a laptop, a phone
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_the_page_opens_at_its_top_with_the_header_in_view(
+    browser: Any, served: Any, width: int, height: int
+) -> None:
+    server, _ = served
+    context = browser.new_context(viewport={"width": width, "height": height})
+    page = context.new_page()
+    failed: list[str] = []
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option", state="attached")
+    page.wait_for_load_state("load")
+    assert page.evaluate("window.scrollY") == 0
+    box = page.locator("header.topbar").bounding_box()
+    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= height
+    # an empty conversation fits the window: there is nothing to scroll
+    assert page.evaluate("document.documentElement.scrollHeight") <= height
+    assert page.is_visible("#empty")
+    assert not failed, failed  # every file the page asked for came (its icon included)
+    # a conversation longer than the window opens at its end, the top bar still in view
+    long = [
+        {"role": r, "content": f"line {i}\n" * 6} for i in range(12) for r in ("user", "assistant")
+    ]
+    page.evaluate(
+        """(messages) => {
+          localStorage.setItem("neuronpy.conversations",
+            JSON.stringify([{id: "long", title: "long", messages, updated: 1}]));
+          localStorage.setItem("neuronpy.current", "long");
+        }""",
+        long,
+    )
+    page.reload()
+    page.wait_for_selector("#model option", state="attached")
+    page.wait_for_function(
+        "() => window.innerHeight + window.scrollY >= document.documentElement.scrollHeight - 80"
+    )
+    assert page.evaluate("window.scrollY") > 0
+    box = page.locator("header.topbar").bounding_box()
+    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= height
+    assert page.locator("#settings-toggle").is_visible()
+    assert not page.is_visible("#empty")
+    context.close()
+
+
+def test_the_favicon_is_served(served: Any) -> None:
+    server, _ = served
+    icon = httpx.get(server.url + "/favicon.ico")
+    assert icon.status_code == 200
+    assert icon.headers["content-type"].startswith("image/")
+    body = icon.content
+    assert body[:6] == b"\x00\x00\x01\x00\x01\x00"  # an ICO holding one image ...
+    assert body[22:30] == b"\x89PNG\r\n\x1a\n"  # ... a PNG, 32 x 32
+    assert int.from_bytes(body[38:42], "big") == int.from_bytes(body[42:46], "big") == 32
+    svg = httpx.get(server.url + "/static/favicon.svg")
+    assert svg.status_code == 200 and svg.headers["content-type"] == "image/svg+xml"
+    assert svg.text.startswith("<svg")
+    for page in ("/", "/batch"):  # both pages link it
+        assert '<link rel="icon" href="/static/favicon.svg"' in httpx.get(server.url + page).text
+
+
+# each setting: its words on the page, and the API's name shown beside them as a hint
+PLAIN = {
+    "system": ("What the model should know or do", "system message"),
+    "temperature": ("Creativity", "temperature"),
+    "top_p": ("Word variety", "top_p"),
+    "max_tokens": ("Longest reply", "max_tokens"),
+    "seed": ("Repeatable replies", "seed"),
+    "speculative": ("Write ahead by guessing", "speculative"),
+    "schema": ("Reply as JSON of this shape", "response_format"),
+    "tools": ("Tools the model can call", "tools"),
+    "tool_choice": ("Let the model use tools", "tool_choice"),
+    "server-session": ("Keep this conversation's memory on the server", "session"),
+    "top_k": ("Only the likeliest few words", "top_k"),
+    "min_p": ("Skip unlikely words", "min_p"),
+    "presence_penalty": ("Move on to new topics", "presence_penalty"),
+    "frequency_penalty": ("Repeat words less", "frequency_penalty"),
+    "repetition_penalty": ("Hold back on repeats", "repetition_penalty"),
+    "stop_strings": ("Stop when the reply writes", "stop"),
+    "api-key": ("API key", "Bearer"),
+}
+
+
+def test_the_settings_are_a_dialog_in_plain_words(page: Any) -> None:
+    # nothing beside the chat names a request field: the list of conversations and the top bar
+    for outside in ("#sidebar", "header.topbar"):
+        text = page.locator(outside).inner_text()
+        for name in ("temperature", "top_p", "max_tokens", "tool_choice", "seed"):
+            assert name not in text, (outside, name)
+    assert not page.is_visible("#settings")
+    page.click("#settings-toggle")
+    assert page.is_visible("#settings")
+    assert page.evaluate("document.getElementById('settings').open")
+    page.click("#more-sampling summary")
+    for field, (words, api) in PLAIN.items():
+        label = page.locator(f"label[for='{field}']")
+        assert label.is_visible(), field
+        text = label.inner_text()
+        assert text.startswith(words), (field, text)
+        assert api in label.locator(".api").inner_text(), (field, text)  # the hint
+        assert page.locator("#" + field).is_visible(), field
+    # tool_choice's choices in words, their API values kept
+    options = page.locator("#tool_choice option")
+    assert [options.nth(i).get_attribute("value") for i in range(3)] == ["auto", "required", "none"]
+    assert options.nth(1).inner_text() == "Always: it must call one (required)"
+    # the slider moves its number field (the value sent)
+    page.locator("#temperature-slider").fill("1.5")
+    assert page.input_value("#temperature") == "1.5"
+    page.keyboard.press("Escape")
+    assert not page.is_visible("#settings")
+    page.wait_for_selector("#settings-toggle[aria-expanded='false']")  # (said on its close event)
+
+
+# every control the page shows: [selector, font family, border radius, appearance]
+CONTROLS = """() => [...document.querySelectorAll("button, select, textarea, input, .button")]
+  .filter((n) => n.getClientRects().length && getComputedStyle(n).visibility === "visible"
+    && n.offsetWidth > 1)
+  .map((n) => {
+    const s = getComputedStyle(n);
+    return [n.id || n.className || n.tagName, s.fontFamily, s.borderRadius, s.appearance];
+  })"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_controls_are_styled_and_the_import_button_is_whole(
+    browser: Any, served: Any, scheme: str
+) -> None:
+    server, _ = served
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, color_scheme=scheme)
+    page = context.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option", state="attached")
+    body_font = page.evaluate("getComputedStyle(document.body).fontFamily")
+    seen = page.evaluate(CONTROLS)
+    page.click("#settings-toggle")
+    page.click("#more-sampling summary")
+    seen += page.evaluate(CONTROLS)
+    assert len(seen) > 25
+    for name, font, radius, appearance in seen:
+        assert font == body_font or "monospace" in font, (name, font)  # the page's type
+        assert radius != "0px", name  # drawn by the page, not the browser's default
+        assert appearance == "none", (name, appearance)
+    # the import control: a button-like label with its whole word shown, inside the sidebar
+    page.keyboard.press("Escape")
+    picker = page.locator("label.file-button")
+    assert picker.inner_text().strip() == "Import"
+    assert page.evaluate(
+        "() => { const l = document.querySelector('label.file-button');"
+        " return l.scrollWidth <= l.clientWidth && l.scrollHeight <= l.clientHeight; }"
+    )
+    box, side = picker.bounding_box(), page.locator("#sidebar").bounding_box()
+    assert box is not None and side is not None
+    assert side["x"] <= box["x"] and box["x"] + box["width"] <= side["x"] + side["width"]
+    hidden = page.locator("#import").bounding_box()  # (the file input: hidden in its label)
+    assert hidden is None or hidden["width"] <= 1
+    context.close()
+
+
+def test_a_reply_s_stats_fit_a_phone(browser: Any, served: Any) -> None:
+    server, scripts = served
+    script(scripts["tiny-llama"], server, "tiny-llama", "[phone-stats]", "Short and sweet.")
+    context = browser.new_context(viewport={"width": 390, "height": 844}, has_touch=True)
+    page = context.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#model option", state="attached")
+    page.select_option("#model", "tiny-llama")
+    reply = ask(page, "Reply [phone-stats]")
+    stats = reply.locator(".meta .stats")
+    stats.wait_for()
+    assert "TTFT" in stats.inner_text() and "tok/s" in stats.inner_text()
+    shape = stats.evaluate(
+        """(n) => ({height: n.getBoundingClientRect().height,
+                   line: parseFloat(getComputedStyle(n).lineHeight),
+                   right: n.getBoundingClientRect().right,
+                   overflow: n.scrollWidth > n.clientWidth})"""
+    )
+    assert shape["height"] <= 2 * shape["line"] + 1, shape  # one line, two at most
+    assert shape["right"] <= 390 and not shape["overflow"], shape
+    for button in ("copy", "regenerate", "continue"):
+        box = reply.locator(f".meta .{button}").bounding_box()
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 390, button
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    # the conversations: a drawer over the chat, closed by choosing one
+    assert not page.is_visible("#conversations")
+    page.tap("#history-toggle")
+    page.locator("#conversations .open").first.wait_for()
+    assert page.get_attribute("#history-toggle", "aria-expanded") == "true"
+    page.locator("#conversations .open").first.tap()
+    page.wait_for_selector("#sidebar:not(.open)", state="attached")
+    assert page.get_attribute("#history-toggle", "aria-expanded") == "false"
+    context.close()
+
+
+def test_screenshots_for_the_docs(browser: Any, served: Any) -> None:
+    """NEURONPY_SCREENSHOTS=DIR: the pages of docs/api.md at 1280 x 900 and 390 x 844."""
+    if not SCREENSHOTS:
+        pytest.skip("set NEURONPY_SCREENSHOTS=DIR to make the screenshots")
+    out = Path(SCREENSHOTS)
+    out.mkdir(parents=True, exist_ok=True)
+    server, scripts = served
+    model = "tiny-llama"
+    # (a script is chosen by the first key registered that the prompt holds: the second turn's
+    # prompt holds the first's key too)
+    script(scripts[model], server, model, "[shot-md]", RICH)
+    script(scripts[model], server, model, "[shot-hi]", "Hello from **neuronpy**! Ask away.")
+    # the chat (light), on a phone, and in the dark scheme: a reply as markdown at the end
+    shots = [
+        ((1280, 900), "light", "chat", "settings"),
+        ((390, 844), "light", "chat-phone", "settings-phone"),
+        ((1280, 900), "dark", "chat-markdown", None),
+    ]
+    for (width, height), scheme, chat, settings in shots:
+        context = browser.new_context(
+            viewport={"width": width, "height": height}, color_scheme=scheme
+        )
+        page = context.new_page()
+        page.goto(server.url + "/")
+        page.wait_for_selector("#model option", state="attached")
+        page.select_option("#model", model)
+        ask(page, "Say hi [shot-hi]").locator(".meta .stats").wait_for()
+        rich = ask(page, "Show me some markdown [shot-md]", max_tokens=300)
+        rich.locator(".meta .stats").wait_for()
+        page.locator(".message.assistant .content h2").wait_for()
+        page.evaluate("window.scrollTo(0, document.documentElement.scrollHeight)")
+        page.screenshot(path=str(out / f"{chat}.png"))
+        if settings:
+            page.click("#settings-toggle")
+            page.screenshot(path=str(out / f"{settings}.png"))
+        context.close()
+    # the batch view, with three requests held in it (one step per poll)
+    body = {"model": model, "max_tokens": 440, "stream": True}
+    script(scripts[model], server, model, "[shot-batch]", "la " * 200)
+    engine = server.state.models[model].engine
+    for (width, height), suffix in zip(SIZES, ("", "-phone"), strict=True):
+        context = browser.new_context(viewport={"width": width, "height": height})
+        page = context.new_page()
+        page.goto(server.url + "/batch")
+        page.wait_for_selector(f"section.card[data-model='{model}']")
+        with Paced(engine, "shot-0"), contextlib.ExitStack() as streams:
+            readers = []
+            for i in range(3):
+                sent = {**body, "messages": [{"role": "user", "content": f"{i} [shot-batch]"}]}
+                stream = streams.enter_context(
+                    httpx.stream(
+                        "POST",
+                        f"{server.v1}/chat/completions",
+                        json=sent,
+                        headers={"x-request-id": f"shot-{i}"},
+                        timeout=60,
+                    )
+                )
+                readers.append(stream.iter_lines())
+                next(readers[-1])
+            page.wait_for_function(
+                f"() => document.querySelectorAll(\"section.card[data-model='{model}'] "
+                'tr.request").length === 3'
+            )
+            time.sleep(3)  # a few polls: the plots over time
+            if suffix:  # (a phone: the page down to the table)
+                clip = {"x": 0, "y": 0, "width": width, "height": 1400}
+                page.screenshot(path=str(out / f"batch{suffix}.png"), full_page=True, clip=clip)
+            else:
+                page.screenshot(path=str(out / f"batch{suffix}.png"))
+        context.close()
+        server.wait_for(lambda s: s["running"] == 0, model=model)

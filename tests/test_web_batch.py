@@ -8,9 +8,12 @@ on polls the test writes itself (playwright's request routing)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -41,8 +44,12 @@ SNAPSHOT = """(model) => {
     figures[span.textContent.slice(0, -value.length).trim()] = value;
   }
   const rows = [...card.querySelectorAll("tr.request td:first-child")].map((td) => td.textContent);
+  const states = [...card.querySelectorAll("tr.request td:nth-child(2)")].map((n) => n.textContent);
   const kv = card.querySelector(".figures + div");
-  return { plots, figures, rows, kv: kv && kv.textContent };
+  const empty = card.querySelector(".empty");
+  return {
+    plots, figures, rows, states, kv: kv && kv.textContent, empty: empty && empty.textContent,
+  };
 }"""
 
 
@@ -63,7 +70,7 @@ def points(plot: dict[str, Any]) -> list[tuple[float, float]]:
 @contextlib.contextmanager
 def batch_page(chromium: Any, **options: Any) -> Iterator[tuple[Any, list[str]]]:
     """A new page, and the errors its scripts throw (a test asserts there are none)."""
-    context = chromium.new_context(viewport={"width": 1200, "height": 900}, **options)
+    context = chromium.new_context(**{"viewport": {"width": 1200, "height": 900}, **options})
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
@@ -237,9 +244,213 @@ def test_the_plots_show_what_the_polls_said(browser: Any, served: Any, scheme: s
     assert other_rate["latest"] == "0" and other_rate["shown"] == "0.0"
     assert other["plots"]["batch-size"]["top"] == "max 2"
     assert other["kv"] == "KV held: 250 tokens"
-    assert loading == {"plots": {}, "figures": {}, "rows": [], "kv": None}
+    assert loading == {
+        "plots": {},
+        "figures": {},
+        "rows": [],
+        "states": [],
+        "kv": None,
+        "empty": None,
+    }
     # legible in this colour scheme: text 4.5:1 on the card, lines 3:1
     assert colours
     for tag, panel, colour, opacity in colours:
         seen = blend(colour, opacity, panel)
         assert contrast(panel, seen) >= (4.5 if tag == "text" else 3), (scheme, tag, seen)
+
+
+# ---- decode steps/s while the steps are slower than the polls; nothing running; phones ---------
+
+
+class EveryNthPoll:
+    """Holds one engine's steps to the batch view's polls, slower than them: while a request
+    labelled `prefix...` runs, the engine takes a step at every `every`-th poll of /v1/batch
+    and at no other time, and that poll is answered once the step has been booked (its
+    counters then hold it). So of every `every` polls, one sees exactly one more decode step
+    and the others none: a model whose step takes longer than the page's poll, however fast
+    this machine is."""
+
+    def __init__(self, engine: Any, prefix: str, every: int) -> None:
+        self._engine = engine
+        self._prefix = prefix
+        self._every = every
+        self._runner = engine._runner
+        self._sampling = self._runner.sampling  # (tests/scripted.py's, wrapping the engine's)
+        self._go = threading.Event()  # a step may run
+        self._parked = threading.Event()  # the worker waits for the next go
+        self._free = threading.Event()
+        self.polls = 0
+
+    def _running(self) -> bool:
+        return any(str(r["label"] or "").startswith(self._prefix) for r in self._engine.rows())
+
+    def __enter__(self) -> EveryNthPoll:
+        inner, prefix, go, parked, free = (
+            self._sampling,
+            self._prefix,
+            self._go,
+            self._parked,
+            self._free,
+        )
+
+        def paced(requests: Any) -> Any:
+            sample = inner(requests)
+
+            def held() -> bool:
+                return not free.is_set() and any(
+                    (r.label or "").startswith(prefix) and not r.done for r in requests
+                )
+
+            def step(logits: Any) -> Any:  # (on the engine's worker thread)
+                if held():
+                    parked.set()
+                    while held() and not go.wait(0.05):
+                        pass
+                    go.clear()
+                return sample(logits)
+
+            return step
+
+        async def rows() -> list[dict[str, object]]:  # (on the server's event loop)
+            self.polls += 1
+            if self.polls % self._every == 0 and parked.is_set():
+                parked.clear()
+                go.set()
+                with anyio.fail_after(60):  # until the step is booked and the next one waits
+                    while not parked.is_set() and not free.is_set() and self._running():
+                        await anyio.sleep(0.005)
+            return self._engine.rows()  # type: ignore[no-any-return]
+
+        self._engine.batch_rows = rows
+        self._runner.sampling = paced
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._free.set()
+        self._go.set()
+        self._runner.sampling = self._sampling
+        del self._engine.batch_rows
+
+
+NEW_POLL = "([model, t]) => polls[model] && polls[model][polls[model].length - 1].t > t"
+LAST_POLL = "(model) => polls[model][polls[model].length - 1].t"
+
+
+def test_decode_steps_per_second_show_while_six_rows_decode_slower_than_the_polls(
+    browser: Any,  # noqa: F811
+    served: Any,  # noqa: F811
+) -> None:
+    server, scripts = served
+    model = "tiny-llama"
+    script(scripts[model], server, model, "[six]", "la " * 200)  # 400 tokens, no early EOS
+    engine = server.state.models[model].engine
+    body = {"model": model, "max_tokens": 440, "stream": True}
+    paced = EveryNthPoll(engine, "six-", every=3)
+    with paced, batch_page(browser) as (page, errors), contextlib.ExitStack() as streams:
+        page.goto(server.url + "/batch")
+        page.wait_for_selector(CARD.format(model) + " svg.plot.batch-size")
+        readers = []  # (kept: a reader let go closes its stream, which cancels the request)
+        for i in range(6):
+            sent = {**body, "messages": [{"role": "user", "content": f"{i} [six]"}]}
+            stream = streams.enter_context(
+                httpx.stream(
+                    "POST",
+                    f"{server.v1}/chat/completions",
+                    json=sent,
+                    headers={"x-request-id": f"six-{i}"},
+                    timeout=120,
+                )
+            )
+            readers.append(stream.iter_lines())
+        # the six decoding, and a rate shown
+        decoding = (
+            "s.states.length === 6 && s.states.every((x) => x === 'decoding')"
+            " && Number(s.figures['decode steps/s']) > 0"
+        )
+        snapshot_when(page, model, decoding, timeout=120_000)
+        seen = []
+        for _ in range(9):  # the next nine polls, each as the page showed it
+            t = page.evaluate(LAST_POLL, model)
+            page.wait_for_function(NEW_POLL, arg=[model, t], timeout=60_000)
+            seen.append(page.evaluate(SNAPSHOT, model))
+        steps = page.evaluate("(model) => polls[model].map((p) => p.steps)", model)
+        polled = paced.polls
+    assert not errors, errors
+    # the engine stepped at one poll in three: most polls saw no new step ...
+    last = steps[-10:]
+    moved = sum(b > a for a, b in itertools.pairwise(last))
+    assert 2 <= moved <= 4 and polled >= 9, (last, polled)
+    assert all(b - a <= 1 for a, b in itertools.pairwise(last)), last
+    # ... yet every poll, while the six rows decode, shows a rate
+    for shot in seen:
+        assert shot["states"] == ["decoding"] * 6, shot["states"]
+        assert float(shot["figures"]["decode steps/s"]) > 0, shot["figures"]
+        assert float(shot["plots"]["decode-steps-per-s"]["latest"]) > 0
+    server.wait_for(lambda s: s["running"] == 0, model=model)  # (the streams closed: cancelled)
+
+
+def test_the_batch_view_says_when_nothing_runs(browser: Any, served: Any) -> None:  # noqa: F811
+    server, _ = served
+    fetched: list[int] = []
+
+    def answer(route: Any) -> None:
+        fetched.append(len(fetched))
+        route.fulfill(json=batch_of(fetched[-1]))
+
+    with batch_page(browser) as (page, errors):
+        page.route("**/v1/batch", answer)
+        page.goto(server.url + "/batch")
+        busy = snapshot_when(page, "stepping", "s.rows.length === 1")
+        idle = page.evaluate(SNAPSHOT, "no-capacity")
+        assert page.locator(CARD.format("no-capacity") + " table").count() == 0
+        assert page.locator(CARD.format("stepping") + " .empty").count() == 0
+    assert not errors, errors
+    assert busy["empty"] is None and busy["rows"] == ["r-1"]
+    assert idle["rows"] == [] and idle["empty"] is not None
+    assert idle["empty"].startswith("No requests running")
+    # and on a real server with nothing admitted
+    model = "tiny-llama"
+    server.wait_for(lambda s: s["running"] == 0 and s["queued"] == 0, model=model)
+    with batch_page(browser) as (page, errors):
+        page.goto(server.url + "/batch")
+        shown = snapshot_when(page, model, "s.empty !== null")
+    assert not errors, errors
+    assert shown["rows"] == [] and shown["empty"].startswith("No requests running")
+
+
+def test_the_batch_view_fits_a_phone(browser: Any, served: Any) -> None:  # noqa: F811
+    server, _ = served
+    long = "chatcmpl-3f9c0e8a5b7d4e21a6c9f0b1d2e3f4a5"  # (ids as clients send them)
+    fetched: list[int] = []
+
+    def answer(route: Any) -> None:
+        fetched.append(len(fetched))
+        polled = batch_of(fetched[-1])
+        stepping = polled["models"]["stepping"]
+        stepping["requests"] = [
+            {
+                **stepping["requests"][0],
+                "label": f"{long}-{i}",
+                "id": i,
+                "prompt_tokens": 1234,
+                "output_tokens": 100 + i,
+                "max_tokens": 4096,
+            }
+            for i in range(6)
+        ]
+        route.fulfill(json=polled)
+
+    with batch_page(browser, viewport={"width": 390, "height": 844}) as (page, errors):
+        page.route("**/v1/batch", answer)
+        page.goto(server.url + "/batch")
+        snapshot_when(page, "stepping", "s.rows.length === 6")
+        width = page.evaluate("document.documentElement.scrollWidth")
+        inner = page.evaluate("window.innerWidth")
+        tables = page.evaluate(
+            "() => [...document.querySelectorAll('table')].map((t) => [t.getBoundingClientRect()"
+            ".right, t.parentElement.scrollWidth > t.parentElement.clientWidth])"
+        )
+    assert not errors, errors
+    assert width <= inner == 390, width  # nothing sideways
+    for right, scrolls in tables:
+        assert right <= 390 and not scrolls, tables  # the table fits, not scrolled either

@@ -52,7 +52,7 @@ from neuronpy.server.scoring import rerank, score
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
 from neuronpy.server.stream import EventStreamResponse
 from neuronpy.server.tokenize import detokenize, tokenize
-from neuronpy.server.web import batch, page, static
+from neuronpy.server.web import batch, favicon, page, static
 
 
 def create_app(
@@ -280,6 +280,7 @@ def create_app(
             Route("/", page, methods=["GET"]),
             Route("/batch", page, methods=["GET"]),
             Route("/static/{name}", static, methods=["GET"]),
+            Route("/favicon.ico", favicon, methods=["GET"]),
             Route("/render", render_route, methods=["POST"]),
         ]
     app = Starlette(

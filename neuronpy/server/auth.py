@@ -16,8 +16,8 @@ from neuronpy.server.errors import ApiError
 # Routes that answer without the key: a load balancer's probes carry no secret (readiness,
 # liveness, and the load a router polls: counts of requests, nothing of theirs).
 OPEN_PATHS = frozenset({"/health", "/live", "/get_load"})
-# the web page's static files (they hold no data: the page asks for the key to fetch any)
-WEB_PATHS = frozenset({"/", "/batch"})
+# the web page's static files and icon (they hold no data: the page asks for the key to fetch any)
+WEB_PATHS = frozenset({"/", "/batch", "/favicon.ico"})
 WEB_PREFIX = "/static/"
 # Headers a browser may send on a cross-origin request, and those its script may read.
 CORS_METHODS = ("GET", "POST")

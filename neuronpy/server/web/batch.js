@@ -4,16 +4,33 @@
 
 const SVG = "http://www.w3.org/2000/svg";
 const WINDOW_MS = 120000;  // what the plots show: the polls of the last two minutes
+// decode steps/s: the steps over the polls of the last RATE_MS, and never fewer than RATE_POLLS
+// polls back, so that a step slower than the polls (a big model, a long batch) still reads as
+// a rate rather than 0 at each poll that fell between two steps
+const RATE_MS = 5000;
+const RATE_POLLS = 8;
 const polls = {};  // model -> its polls within the window, oldest first: {t, batch, steps, rate, kv}
 
+// The decode steps/s at `now` of a model whose counter reads `steps`: from the oldest of its
+// kept polls within RATE_MS (or RATE_POLLS polls back), none for the first poll; never across a
+// poll where the counter went back (the model was loaded again).
+function stepRate(kept, steps, now) {
+  let base = null;
+  let later = steps;
+  for (let i = kept.length - 1; i >= 0; i--) {
+    const p = kept[i];
+    if (p.steps > later) break;
+    base = p;
+    later = p.steps;
+    if (kept.length - i >= RATE_POLLS && p.t <= now - RATE_MS) break;
+  }
+  return base && now > base.t ? (steps - base.steps) / ((now - base.t) / 1000) : null;
+}
+
 // Keeps this poll of model `name` (seen at `now`, in ms) and drops those older than the window.
-// Its decode steps/s is the steps taken since the previous poll over the time between them:
-// none for the first poll, nor when the counter went back (the model was loaded again).
 function record(name, m, now) {
   const kept = polls[name] || (polls[name] = []);
-  const prev = kept[kept.length - 1];
-  const rate = prev && now > prev.t && m.decode_steps >= prev.steps
-    ? (m.decode_steps - prev.steps) / ((now - prev.t) / 1000) : null;
+  const rate = stepRate(kept, m.decode_steps, now);
   kept.push({ t: now, batch: m.live_batch_size, steps: m.decode_steps, rate, kv: m.kv_tokens });
   while (kept[0].t < now - WINDOW_MS) kept.shift();
   return kept;
@@ -115,7 +132,9 @@ function plots(kept, m) {
 function card(name, m) {
   const node = el("section", "card");
   node.dataset.model = name;
-  node.appendChild(el("h2", "", name + " (" + m.status + ")"));
+  const title = el("h2", "", name + " ");
+  title.appendChild(el("span", "badge " + m.status, m.status));
+  node.appendChild(title);
   if (m.live_batch_size === undefined) return node;  // no engine (yet): nothing more to show
   const kept = record(name, m, performance.now());
   const rate = kept[kept.length - 1].rate;
@@ -128,11 +147,11 @@ function card(name, m) {
   figure("live batch", m.live_batch_size + " / " + m.max_in_flight);
   figure("running", m.running);
   figure("queued", m.queued);
-  figure("decode steps/s", (rate || 0).toFixed(1));
+  figure("decode steps/s", rate === null ? "–" : rate.toFixed(1));  // (– : the first poll)
   figure("prefix cache hits", m.prefix_cache_hits + " of " + (m.prefix_cache_hits + m.prefix_cache_misses));
   node.appendChild(figures);
   if (m.kv_capacity > 0) {
-    const kv = el("div", "", "KV held: " + m.kv_tokens + " of " + m.kv_capacity + " tokens ");
+    const kv = el("div", "kv", "KV held: " + m.kv_tokens + " of " + m.kv_capacity + " tokens ");
     const bar = el("span", "bar");
     const fill = el("span");
     fill.style.width = Math.min(100, (100 * m.kv_tokens) / m.kv_capacity) + "%";
@@ -140,24 +159,41 @@ function card(name, m) {
     kv.appendChild(bar);
     node.appendChild(kv);
   } else {
-    node.appendChild(el("div", "", "KV held: " + m.kv_tokens + " tokens"));
+    node.appendChild(el("div", "kv", "KV held: " + m.kv_tokens + " tokens"));
   }
   node.appendChild(plots(kept, m));
+  node.appendChild(m.requests.length ? requestTable(m.requests) : idle(m));
+  return node;
+}
+
+// each admitted request, a row: the id its client sees, its state, its tokens
+function requestTable(requests) {
   const table = el("table");
   const head = el("tr");
-  for (const h of ["request", "state", "prompt tokens", "tokens so far", "max_tokens"]) head.appendChild(el("th", "", h));
+  for (const h of ["request", "state", "prompt tokens", "tokens so far", "max tokens"]) head.appendChild(el("th", "", h));
   table.appendChild(head);
-  for (const r of m.requests) {
+  for (const r of requests) {
     const row = el("tr", "request");
-    row.appendChild(el("td", "", r.label || String(r.id)));  // the id its client sees
+    row.appendChild(el("td", "label", r.label || String(r.id)));  // the id its client (and the log) sees
     row.appendChild(el("td", "state-" + r.state, r.state));
     row.appendChild(el("td", "", String(r.prompt_tokens)));
     row.appendChild(el("td", "", String(r.output_tokens)));
     row.appendChild(el("td", "", String(r.max_tokens)));
     table.appendChild(row);
   }
-  node.appendChild(table);
-  return node;
+  const wrap = el("div", "table-wrap");
+  wrap.appendChild(table);
+  return wrap;
+}
+
+// what a model with no admitted request shows in place of the table
+function idle(m) {
+  const box = el("p", "empty");
+  box.appendChild(el("b", "", "No requests running"));
+  box.appendChild(document.createTextNode(
+    "Requests appear here, a row each, while they are queued, prefilled and decoded (up to "
+    + m.max_in_flight + " at once)."));
+  return box;
 }
 
 async function poll() {

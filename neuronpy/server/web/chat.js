@@ -48,6 +48,58 @@ function show(id) {
   conversation = Conversations.current.messages;
   renderHistory();
   render();
+  if (narrow.matches) setDrawer(false);  // (on a phone the list is a drawer over the chat)
+}
+
+// ---- the list of conversations: a sidebar, on a phone a drawer; the settings: a dialog --------
+
+const narrow = window.matchMedia("(max-width: 760px)");
+const SIDEBAR_STORE = "neuronpy.sidebar";
+
+function setDrawer(open) {
+  $("sidebar").classList.toggle("open", open);
+  $("scrim").hidden = !open;
+  $("history-toggle").setAttribute("aria-expanded", String(open));
+  if (open) $("history-close").focus();
+}
+
+function toggleHistory() {
+  if (narrow.matches) {
+    const open = !$("sidebar").classList.contains("open");
+    setDrawer(open);
+    if (!open) $("history-toggle").focus();
+    return;
+  }
+  const closed = document.body.classList.toggle("sidebar-closed");
+  localStorage.setItem(SIDEBAR_STORE, closed ? "closed" : "");
+  $("history-toggle").setAttribute("aria-expanded", String(!closed));
+}
+
+// the toggle says whether the list shows: beside the chat (wide) or as the drawer (phone)
+function syncHistoryToggle() {
+  const shown = narrow.matches ? $("sidebar").classList.contains("open")
+    : !document.body.classList.contains("sidebar-closed");
+  $("history-toggle").setAttribute("aria-expanded", String(shown));
+  if (!narrow.matches) $("scrim").hidden = true;
+}
+
+function openSettings() {
+  const dialog = $("settings");
+  if (!dialog.open) dialog.showModal();
+  $("settings-toggle").setAttribute("aria-expanded", "true");
+}
+
+// the sliders beside temperature and top_p move with their number fields (which are sent)
+const SLIDERS = ["temperature", "top_p"];
+function syncSliders() {
+  for (const id of SLIDERS) if ($(id).value !== "") $(id + "-slider").value = $(id).value;
+}
+
+// the message box grows with what is typed, up to a limit (then it scrolls)
+function fitPrompt() {
+  const box = $("prompt");
+  box.style.height = "auto";
+  box.style.height = box.scrollHeight + 2 + "px";
 }
 
 function saveSettings() {
@@ -161,7 +213,8 @@ function messageNode(message, index) {
 function render() {
   const box = $("messages");
   box.replaceChildren(...conversation.map(messageNode));
-  toBottom();
+  $("empty").hidden = conversation.length > 0;
+  toBottom();  // (a page that fits its window has nowhere to scroll: the top bar stays put)
 }
 
 // The served models; while none is ready (the server still loads them) the page says so and
@@ -176,7 +229,7 @@ async function loadModels() {
     response = null;  // the server is not answering (yet): try again
   }
   if (response && response.status === 401) {
-    $("status").textContent = "this server needs an API key: enter it under Settings";
+    $("status").textContent = "this server needs an API key: enter it in Settings (the gear at the top)";
     return;
   }
   const data = response && response.ok ? (await response.json()).data : [];
@@ -357,6 +410,7 @@ function send(event) {
   }
   conversation.push({ role: "user", content: text });
   $("prompt").value = "";
+  fitPrompt();
   save();
   complete();
 }
@@ -394,6 +448,9 @@ function startEdit(node, index) {
   node.querySelector(".content").replaceChildren(box, saveButton);
   box.focus();
 }
+
+// the page opens at the end of the conversation shown (not where a reload left it)
+if ("scrollRestoration" in history) history.scrollRestoration = "manual";
 
 window.addEventListener("DOMContentLoaded", () => {
   $("composer").addEventListener("submit", send);
@@ -439,10 +496,39 @@ window.addEventListener("DOMContentLoaded", () => {
     setApiKey($("api-key").value);
     loadModels();
   });
-  $("settings-toggle").addEventListener("click", () => {
-    const open = $("settings").classList.toggle("open");
-    $("settings-toggle").setAttribute("aria-expanded", String(open));
+  $("settings-toggle").addEventListener("click", openSettings);
+  for (const id of ["settings-close", "settings-done"]) $(id).addEventListener("click", () => $("settings").close());
+  $("settings").addEventListener("close", () => $("settings-toggle").setAttribute("aria-expanded", "false"));
+  $("settings").addEventListener("click", (e) => {  // a click on the backdrop closes it
+    if (e.target === $("settings")) $("settings").close();
   });
+  for (const id of SLIDERS) {
+    $(id + "-slider").addEventListener("input", () => {
+      $(id).value = $(id + "-slider").value;
+      saveSettings();
+    });
+    $(id).addEventListener("input", syncSliders);
+  }
+  syncSliders();
+  if (localStorage.getItem(SIDEBAR_STORE) === "closed") document.body.classList.add("sidebar-closed");
+  $("history-toggle").addEventListener("click", toggleHistory);
+  $("history-close").addEventListener("click", () => {
+    setDrawer(false);
+    $("history-toggle").focus();
+  });
+  $("scrim").addEventListener("click", () => setDrawer(false));
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && $("sidebar").classList.contains("open")) {
+      setDrawer(false);
+      $("history-toggle").focus();
+    }
+  });
+  narrow.addEventListener("change", () => {
+    setDrawer(false);
+    syncHistoryToggle();
+  });
+  syncHistoryToggle();
+  $("prompt").addEventListener("input", fitPrompt);
   checkSchema();
   render();
   loadModels();
