@@ -72,7 +72,31 @@ class Scripts:
 
             return sample
 
+        verifying = engine._runner.verifying
+
+        def scripted_verify(slots: Sequence[Any], drafts: Sequence[Sequence[int]]) -> Any:
+            """A verify step (drafts, or the tokens a grammar forces) holds row b's 1 +
+            len(drafts[b]) logits rows in turn: each gets its place's scripted token."""
+            inner = verifying(slots, drafts)
+            scripts = [script_of(slot) for slot in slots]
+            if not any(scripts):
+                return inner
+
+            def verify(logits: torch.Tensor) -> Any:
+                logits = logits.clone()
+                at = 0
+                for slot, script, row_drafts in zip(slots, scripts, drafts, strict=True):
+                    for j in range(1 + len(row_drafts)):
+                        step = len(slot.output_ids) + j
+                        if script is not None and step < len(script):
+                            logits[at + j, script[step]] = logits[at + j].max() + FORCE
+                    at += 1 + len(row_drafts)
+                return inner(logits)
+
+            return verify
+
         engine._runner.sampling = scripted  # type: ignore[method-assign]
+        engine._runner.verifying = scripted_verify  # type: ignore[method-assign]
 
 
 class Paced:

@@ -184,6 +184,45 @@ async def test_parity_constrained_alone_equals_in_a_mixed_batch(family: str) -> 
     assert [summary(c) for c in plain] == [summary(together[1]), summary(together[4])]
 
 
+WEATHER_TOOL = {
+    "name": "get_weather",
+    "parameters": obj({"city": S, "days": {"type": "integer", "minimum": 1, "maximum": 9}}),
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_jump_forward_feeds_what_the_grammar_forces_in_one_step(temperature: float) -> None:
+    """A forced call's fixed text (the markup, the tool's name, its keys) is not spelled by
+    the model a step a token: it comes as the tokenizer writes it, fed in one step beside the
+    row's token (as drafts that stand), and batched == alone still holds."""
+    spec = {"tools": [WEATHER_TOOL], "parallel": False}
+    params = SamplingParams(
+        max_tokens=150,
+        temperature=temperature,
+        seed=3,
+        constraint=Constraint("tools", json.dumps(spec)),
+    )
+    jobs = [(prompt(i), params) for i in range(3)]
+    async with make_engine("tiny-llama") as engine:
+        alone = [await engine.complete(*job) for job in jobs]
+        before = engine.stats()
+        together = await run_all(engine, jobs)
+        after = engine.stats()
+    assert [summary(c) for c in together] == [summary(c) for c in alone]
+    markup = tokenizer().encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "')
+    for c in together:
+        assert c.finish_reason is FinishReason.STOP
+        call = json.loads(c.text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+        assert call["name"] == "get_weather" and set(call["arguments"]) == {"city", "days"}
+        # the markup as the tokenizer writes it, its last token left to the model
+        assert list(c.token_ids[: len(markup) - 1]) == markup[:-1]
+    written = sum(len(c.token_ids) for c in together)
+    steps = after.decode_steps - before.decode_steps
+    forced = after.jump_forward_tokens - before.jump_forward_tokens
+    assert forced > written // 2 and steps < written - forced + len(jobs)
+
+
 @pytest.mark.anyio
 async def test_n_copies_each_follow_their_own_matcher() -> None:
     params = SamplingParams(

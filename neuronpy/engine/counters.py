@@ -42,6 +42,8 @@ class Counters:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
+    # tokens a row's grammar forced (jump-forward) that a step fed beside the row's own
+    jump_forward_tokens: int = 0
     # cumulative seconds
     timing: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(
@@ -116,6 +118,9 @@ class EngineStats:
     spec_draft_tokens: int = 0  # drafted tokens those rows fed
     spec_accepted_tokens: int = 0  # of those, the ones that stood
     spec_emitted_tokens: int = 0  # tokens those rows emitted: accepted drafts and one more each
+    # tokens a row's grammar forced (a tool call's markup, a schema's keys: jump-forward) that
+    # a step fed beside the row's own token, rather than a step each
+    jump_forward_tokens: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -17,7 +17,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import xgrammar as xgr
@@ -109,6 +109,7 @@ class Grammars:
                 self._compiler = xgr.GrammarCompiler(
                     info, max_threads=COMPILE_THREADS, cache_enabled=False
                 )
+                self._vocab_bytes: list[bytes] = list(info.decoded_vocab)
             return self._compiler
 
     @property
@@ -210,7 +211,32 @@ class Grammars:
 
     def matcher(self, constraint: Constraint, reasoning: Reasoning | None = None) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar."""
-        return Matcher(self.compile(constraint, reasoning), self.vocab_size, self.token_seconds)
+        compiled = self.compile(constraint, reasoning)
+        return Matcher(
+            compiled, self.vocab_size, self.token_seconds, self.encode, self.token_text
+        )
+
+    def token_text(self, token: int) -> str | None:
+        """One token's text (xgrammar's decoded vocabulary), None where its bytes are not
+        whole UTF-8 characters or it is not in the vocabulary."""
+        self._ensure_compiler()
+        vocab = self._vocab_bytes
+        if not 0 <= token < len(vocab):
+            return None
+        try:
+            return vocab[token].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s tokens as the tokenizer gives them (no special tokens added): the Rust
+        tokenizer's own encode where there is one (it reads no settings that another thread's
+        call might be changing)."""
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        with self._lock:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 def _writes_anything(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:
@@ -235,9 +261,18 @@ class Matcher:
     with every token (nested unbounded repetition) only grows."""
 
     def __init__(
-        self, compiled: xgr.CompiledGrammar, vocab_size: int, token_seconds: float = math.inf
+        self,
+        compiled: xgr.CompiledGrammar,
+        vocab_size: int,
+        token_seconds: float = math.inf,
+        encode: Callable[[str], list[int]] | None = None,
+        token_text: Callable[[int], str | None] | None = None,
     ) -> None:
+        """`encode` and `token_text` (a token's text, None where it is not whole characters):
+        the tokenizer's, for jump-forward (None: no jump-forward)."""
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._encode = encode if token_text is not None else None
+        self._token_text = token_text
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._vocab_size = vocab_size
         self._lock = threading.Lock()
@@ -329,6 +364,44 @@ class Matcher:
     @property
     def complete(self) -> bool:
         return self._matcher.is_terminated()
+
+    def jump_forward(self, last: int | None = None) -> tuple[int, ...]:
+        """The tokens of the text the grammar allows next and nothing else (a forced tool
+        call's fixed markup, a schema's keys and punctuation), as the tokenizer writes that
+        text: the reply then carries them rather than the model's spelling of them, one
+        character at a time when it would never write them of its own accord. The text's last
+        token is left to the model, which may join it to what follows (`"` and `Paris` as
+        `"Paris`, as the tokenizer would); and nothing is forced where the tokenizer would join
+        the text's first token to the reply's `last` token. Empty where there is no such text
+        (or no tokenizer)."""
+        if self._encode is None:
+            return ()
+        with self._lock:
+            if self._stopped is not None or self._matcher.is_terminated():
+                return ()
+            text = self._matcher.find_jump_forward_string()
+        if not text:
+            return ()
+        tokens = self._encode(text)[:-1]
+        if not tokens:
+            return ()
+        if last is not None and not self._joins_after(last, text, tokens):
+            return ()
+        n = self.valid_prefix(tokens)
+        return tuple(tokens[:n])
+
+    def _joins_after(self, last: int, text: str, tokens: list[int]) -> bool:
+        """Whether `tokens` (the start of `text`'s tokens) are what the tokenizer gives after
+        the token `last` when the two texts are written together."""
+        assert self._encode is not None
+        head = self._encode_one(last)
+        if head is None:
+            return False
+        together = self._encode(head + text)
+        return together[: 1 + len(tokens)] == [last, *tokens]
+
+    def _encode_one(self, token: int) -> str | None:
+        return None if self._token_text is None else self._token_text(token)
 
 
 def _refused(c: Constraint, exc: Exception) -> InvalidRequestError:

@@ -260,6 +260,7 @@ class Lifecycle:
                 break
             self._accept_one(request, token, logprob)
             taken += 1
+        request.forced = () if request.done else sampled.forced
         return taken
 
     def _accept_one(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:

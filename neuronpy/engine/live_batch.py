@@ -22,6 +22,7 @@ from neuronpy.engine.plans import (
 )
 from neuronpy.engine.prefill import Prefills
 from neuronpy.engine.request import Request, RequestStatus
+from neuronpy.engine.speculative import cut_at_stop
 
 BookPrefill = Callable[[PrefillPlan, PrefillOutcome, bool], None]
 
@@ -140,13 +141,26 @@ class LiveBatch:
         verify step gave back."""
         tokens = tuple(r.next_token for r in rows)
         trim, self._trim = self._trim, ()
+        forced = tuple(self._forced(r) for r in rows)
         return DecodePlan(
             rows,
             tokens,  # type: ignore[arg-type]
             tuple(rides),
             self.drafting.plan(rows),
             trim,
+            forced if any(forced) else (),
         )
+
+    def _forced(self, request: Request) -> tuple[int, ...]:
+        """The tokens the row's grammar forces after its next token, as many as its
+        max_tokens and the context leave room for beside one more, up to a stop token."""
+        if request.done or not request.forced:
+            return ()
+        room = min(
+            request.params.max_tokens - len(request.output_ids),
+            self.requests.context_len - request.total_tokens,
+        )
+        return cut_at_stop(request.forced[: max(0, room - 1)], request.stop_ids)
 
     def book_decode(self, plan: DecodePlan, outcome: DecodeOutcome) -> None:
         """One step's tokens, and the riding chunks' results."""
@@ -180,11 +194,16 @@ class LiveBatch:
                 q.accept(request, sampled)
             return
         trim = []
-        for request, sampled, drafted in zip(rows, outcome.tokens, outcome.drafted, strict=True):
+        forced = outcome.forced or (0,) * len(rows)
+        for request, sampled, drafted, jumped in zip(
+            rows, outcome.tokens, outcome.drafted, forced, strict=True
+        ):
             taken = q.accept(request, sampled)
             # the row's KV keeps its fed token and the drafts before its last emitted token
             trim.append(drafted + 1 - max(1, taken))
-            if drafted:
+            if jumped:
+                c.jump_forward_tokens += min(jumped, max(0, taken - 1))
+            elif drafted:
                 assert request.speculation is not None
                 request.speculation.drafted += drafted
                 request.speculation.accepted += len(sampled.accepted)

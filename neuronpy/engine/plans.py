@@ -116,6 +116,9 @@ class Sampled:
     error_param: str | None = None  # the request's field the error is about (its constraint)
     # a verify step's drafts that stood, before `token`, each with its log-probabilities
     accepted: tuple[tuple[int, TokenLogprob | None], ...] = ()
+    # the tokens the row's grammar forces after `token` (Sampler.forced): its next step feeds
+    # them (jump-forward)
+    forced: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> tuple[tuple[int, TokenLogprob | None], ...]:
@@ -147,6 +150,9 @@ class DecodePlan:
     proposals: tuple[Proposals, ...] = ()
     # per row: decode columns to give back first (the last verify step's rejected drafts)
     trim: tuple[int, ...] = ()
+    # per row: the tokens its grammar forces after its token (jump-forward), fed in this step
+    # as drafts that stand; such a row does not draft otherwise. Empty: no row has any
+    forced: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,8 @@ class DecodeOutcome:
     # grammar refused one); empty: none
     drafted: tuple[int, ...] = ()
     proposed: tuple[Proposal, ...] = ()  # one per DecodePlan.proposals
+    # per row: of its drafted tokens, those its grammar forced (DecodePlan.forced); empty: none
+    forced: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

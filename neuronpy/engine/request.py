@@ -112,6 +112,8 @@ class Request:
     ending: Ending | None = None  # set once, when its end is decided
     output_ids: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, not yet fed to the model
+    # the tokens its grammar forces after next_token (jump-forward): fed with it, next step
+    forced: tuple[int, ...] = ()
     snapshot_id: int | None = None  # its KV while prefilling, waiting or between batches
     prefilled: int = 0  # prompt tokens already in the snapshot
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache or a session

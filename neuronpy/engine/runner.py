@@ -137,8 +137,14 @@ class Runner:
         decode, draft_seconds = None, 0.0
         if plan.decode is not None:
             drafts = await self.drafter.propose(plan.decode)  # (empty: no row drafts)
-            decode = await self.decode(plan.decode, drafts.rows)
-            decode = dataclasses.replace(decode, proposed=drafts.proposed)
+            rows, forced = drafts.rows, plan.decode.forced
+            if forced:  # what the rows' grammars force, fed as drafts that stand
+                proposed = rows or ((),) * len(forced)
+                rows = tuple(f or d for f, d in zip(forced, proposed, strict=True))
+            decode = await self.decode(plan.decode, rows)
+            decode = dataclasses.replace(
+                decode, proposed=drafts.proposed, forced=tuple(len(f) for f in forced)
+            )
             draft_seconds = drafts.seconds
         return StepOutcome(loads, prefill, rebatch, decode, draft_seconds)
 
@@ -217,7 +223,8 @@ class Runner:
             elif token is None:
                 out.append(Sampled(None))
             else:
-                out.append(Sampled(token, self.samplers[request.id].take_logprob()))
+                sampler = self.samplers[request.id]
+                out.append(Sampled(token, sampler.take_logprob(), forced=sampler.forced))
         return tuple(out)
 
     # ---- housekeeping -------------------------------------------------------------------------
@@ -359,10 +366,13 @@ class Runner:
             elif not tokens:
                 out.append(Sampled(None))
             else:
-                asked = self.samplers[request.id].take_logprobs()  # one a token, if asked
+                sampler = self.samplers[request.id]
+                asked = sampler.take_logprobs()  # one a token, if asked
                 logprobs: list[TokenLogprob | None] = [*asked] if asked else [None] * len(tokens)
                 pairs = tuple(zip(tokens, logprobs, strict=True))
-                out.append(Sampled(tokens[-1], logprobs[-1], accepted=pairs[:-1]))
+                out.append(
+                    Sampled(tokens[-1], logprobs[-1], accepted=pairs[:-1], forced=sampler.forced)
+                )
         return tuple(out)
 
     # ---- rebatch ------------------------------------------------------------------------------

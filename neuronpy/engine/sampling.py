@@ -37,6 +37,9 @@ class Sampler:
         self.params = params
         self.matcher = matcher
         self.output_ids: list[int] = []
+        # the tokens the grammar forces next (jump-forward: Matcher.jump_forward), chosen
+        # without the logits; None: not worked out since the last token
+        self._forced: list[int] | None = None
         self._greedy = params.greedy
         self._repetition = params.repetition_penalty != 1.0
         self._frequency = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
@@ -70,17 +73,34 @@ class Sampler:
         masked = self._bias or self._allowed is not None
         return self._greedy and not (self._repetition or self._frequency or masked)
 
+    @property
+    def forced(self) -> tuple[int, ...]:
+        """The tokens the request's grammar allows next and nothing else, as the tokenizer
+        writes them (Matcher.jump_forward): they are the next tokens whatever the logits say,
+        and the engine feeds them all in its next step (as drafts that stand)."""
+        if self._forced is None:
+            if self.matcher is None:
+                self._forced = []
+            else:
+                last = self.output_ids[-1] if self.output_ids else None
+                self._forced = list(self.matcher.jump_forward(last))
+        return tuple(self._forced)
+
     def take_argmax(self, token: int) -> bool:
         """For a plain greedy row whose raw argmax is `token`: records it and answers True
         when the row's constraint (if any) allows it, which makes it the masked argmax too
-        (the first maximum among the allowed ids); False: the row needs its mask."""
-        if self.matcher is not None and not self.matcher.allows(token):
+        (the first maximum among the allowed ids); False: the row needs its mask, or its
+        grammar forces the token (`sample` takes it)."""
+        if self.matcher is not None and (self.forced or not self.matcher.allows(token)):
             return False
         self._record(token)
         return True
 
     def sample(self, logits: torch.Tensor) -> int:
         """Choose the next token from `logits` ([vocab] CPU), record it and return it."""
+        if self.matcher is not None and self.forced:
+            self._check(logits)
+            return self._chosen(self.forced[0])
         if self.plain_greedy:
             token = int(torch.argmax(self._check(logits)))
             if self.take_argmax(token):
@@ -165,7 +185,7 @@ class Sampler:
         with the target's probability p(draft); else the token is drawn from p without it,
         renormalized (speculative sampling's rule for a one-hot draft distribution), so the
         token is distributed exactly as `sample` draws it."""
-        if self._greedy:
+        if self._greedy or (self.matcher is not None and self.forced):
             return self.sample(logits)
         probs = self.probs(logits)
         q = self._draft_probs.pop(0) if self._draft_probs else None
@@ -230,6 +250,8 @@ class Sampler:
     def _record(self, token: int) -> None:
         if self.matcher is not None:
             self.matcher.accept(token)
+            forced = self._forced
+            self._forced = forced[1:] if forced and forced[0] == token else None
         self.output_ids.append(token)
         if self._frequency:
             if not self._counts.numel():

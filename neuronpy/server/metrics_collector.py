@@ -150,6 +150,12 @@ ENGINE_COUNTERS = (
         "neuronpy_spec_decode_emitted_tokens",
         "Tokens the verifying rows emitted: drafts that stood and one of the model's own each.",
     ),
+    (
+        "jump_forward_tokens",
+        "neuronpy_jump_forward_tokens",
+        "Tokens a request's grammar forced (a tool call's markup, a schema's keys) that a "
+        "decode step fed at once, beside the row's own token.",
+    ),
 )
 
 

@@ -44,8 +44,8 @@ class DraftPlanner:
         by_method: dict[str, list[DraftRow]] = {}
         for i, (request, k) in enumerate(zip(rows, lengths, strict=True)):
             spec = request.speculation
-            if spec is None or request.done:
-                continue
+            if spec is None or request.done or request.forced:
+                continue  # (a row its grammar forces feeds those tokens instead)
             rides = spec.method in BATCHED and spec.method in drafting and spec.proposed
             if k or rides:
                 by_method.setdefault(spec.method, []).append(self._row(i, request, k))
@@ -55,7 +55,7 @@ class DraftPlanner:
         """How many tokens the request drafts for its next step: none once it is done, never
         past max_tokens or the context (the step emits one token of its own besides)."""
         spec = request.speculation
-        if spec is None or request.done:
+        if spec is None or request.done or request.forced:
             return 0
         room = min(
             request.params.max_tokens - len(request.output_ids),
