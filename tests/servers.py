@@ -154,3 +154,35 @@ def _wait_listening(server: RunningServer, timeout: float = 30) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def open_streams(
+    stack: contextlib.ExitStack,
+    server: RunningServer,
+    body: dict[str, Any],
+    key: str,
+    label: str,
+    n: int,
+    *,
+    wait: bool = True,
+    timeout: float = 60,
+) -> list[Iterator[str]]:
+    """`n` streamed chat requests kept open on `stack` (a stream let go cancels its request),
+    the i-th asking "{i} {key}" as `x-request-id` "{label}{i}"; `wait`: each has answered its
+    first line (it runs) before the next is sent. Their readers, to read on."""
+    readers = []
+    for i in range(n):
+        sent = {**body, "messages": [{"role": "user", "content": f"{i} {key}"}]}
+        stream = stack.enter_context(
+            httpx.stream(
+                "POST",
+                f"{server.v1}/chat/completions",
+                json=sent,
+                headers={"x-request-id": f"{label}{i}"},
+                timeout=timeout,
+            )
+        )
+        readers.append(stream.iter_lines())
+        if wait:
+            next(readers[-1])
+    return readers

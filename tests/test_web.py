@@ -19,7 +19,13 @@ import httpx
 import pytest
 
 from tests.scripted import Paced, Scripts
-from tests.servers import RunningServer, engine_loader, fixture_model, run_server
+from tests.servers import (
+    RunningServer,
+    engine_loader,
+    fixture_model,
+    open_streams,
+    run_server,
+)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
@@ -173,20 +179,8 @@ def test_the_batch_view_shows_a_running_request(browser: Any, served: Any) -> No
     engine = server.state.models["tiny-llama"].engine
     # (the batch held to the page's polls while the first runs: the three stay in it)
     with Paced(engine, "watch-0"), contextlib.ExitStack() as streams:
-        readers = []  # (kept: a reader let go closes its stream, which cancels the request)
-        for i in range(3):  # three rows in the batch
-            sent = {**body, "messages": [{"role": "user", "content": f"{i} [watch]"}]}
-            stream = streams.enter_context(
-                httpx.stream(
-                    "POST",
-                    f"{server.v1}/chat/completions",
-                    json=sent,
-                    headers={"x-request-id": f"watch-{i}"},
-                    timeout=60,
-                )
-            )
-            readers.append(stream.iter_lines())
-            next(readers[-1])  # it runs
+        # three rows in the batch (the readers kept: one let go cancels its request)
+        _readers = open_streams(streams, server, body, "[watch]", "watch-", 3)
         rows = page.locator("section.card[data-model='tiny-llama'] tr.request")
         page.wait_for_function(
             "() => document.querySelectorAll(\"section.card[data-model='tiny-llama'] "
@@ -974,20 +968,7 @@ def test_screenshots_for_the_docs(browser: Any, served: Any) -> None:
         page.goto(server.url + "/batch")
         page.wait_for_selector(f"section.card[data-model='{model}']")
         with Paced(engine, "shot-0"), contextlib.ExitStack() as streams:
-            readers = []
-            for i in range(3):
-                sent = {**body, "messages": [{"role": "user", "content": f"{i} [shot-batch]"}]}
-                stream = streams.enter_context(
-                    httpx.stream(
-                        "POST",
-                        f"{server.v1}/chat/completions",
-                        json=sent,
-                        headers={"x-request-id": f"shot-{i}"},
-                        timeout=60,
-                    )
-                )
-                readers.append(stream.iter_lines())
-                next(readers[-1])
+            _readers = open_streams(streams, server, body, "[shot-batch]", "shot-", 3)
             page.wait_for_function(
                 f"() => document.querySelectorAll(\"section.card[data-model='{model}'] "
                 'tr.request").length === 3'

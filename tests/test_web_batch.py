@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.scripted import Paced
+from tests.servers import open_streams
 from tests.test_web import browser, script, served  # noqa: F401  (the fixtures)
 
 CARD = "section.card[data-model='{}']"
@@ -349,19 +350,8 @@ def test_decode_steps_per_second_show_while_six_rows_decode_slower_than_the_poll
     with paced, batch_page(browser) as (page, errors), contextlib.ExitStack() as streams:
         page.goto(server.url + "/batch")
         page.wait_for_selector(CARD.format(model) + " svg.plot.batch-size")
-        readers = []  # (kept: a reader let go closes its stream, which cancels the request)
-        for i in range(6):
-            sent = {**body, "messages": [{"role": "user", "content": f"{i} [six]"}]}
-            stream = streams.enter_context(
-                httpx.stream(
-                    "POST",
-                    f"{server.v1}/chat/completions",
-                    json=sent,
-                    headers={"x-request-id": f"six-{i}"},
-                    timeout=120,
-                )
-            )
-            readers.append(stream.iter_lines())
+        # (the readers kept: one let go closes its stream, which cancels its request)
+        _readers = open_streams(streams, server, body, "[six]", "six-", 6, wait=False, timeout=120)
         # the six decoding, and a rate shown
         decoding = (
             "s.states.length === 6 && s.states.every((x) => x === 'decoding')"
