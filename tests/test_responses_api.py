@@ -395,3 +395,47 @@ def test_input_items_list_what_the_response_was_given(api: openai.OpenAI) -> Non
     assert [i.id for i in rest.data] == [i.id for i in listed.data[1:]] and not rest.has_more
     with pytest.raises(openai.NotFoundError):
         api.responses.input_items.list("resp_nope")
+
+
+def test_a_request_shaped_as_codex_cli_sends_it(server: RunningServer) -> None:
+    """What Codex CLI (0.171, with web search and its multi-agent tools off) sends: developer
+    messages, strict function tools and no tool_choice on a template that cannot show them,
+    store false with `include: ["reasoning.encrypted_content"]`, a reasoning summary,
+    prompt_cache_key and client_metadata; streamed."""
+    tool = {
+        "type": "function",
+        "name": "exec_command",
+        "description": "Runs a command",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {"cmd": {"type": "string", "maxLength": 8}},
+            "required": ["cmd"],
+        },
+    }
+    body = {
+        "model": MODEL,
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "Be brief."}],
+            },
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+        ],
+        "tools": [tool],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "session-1",
+        "client_metadata": {"x": "y"},
+        "max_output_tokens": 8,
+    }
+    with httpx.stream("POST", f"{server.v1}/responses", json=body, timeout=60) as reply:
+        assert reply.status_code == 200, reply.read()
+        events = [line for line in reply.iter_lines() if line.startswith("event:")]
+    assert events[0] == "event: response.created"
+    assert events[-1] in ("event: response.completed", "event: response.incomplete")  # (8 tokens)

@@ -277,6 +277,10 @@ class ResponsesRequest(WireModel):
                 "background",
             )
         for item in self.include or ():
+            if item == "reasoning.encrypted_content":
+                # (Codex asks it with store false: the reply's reasoning is in its content in
+                # the clear, and earlier reasoning is not given to the template either way)
+                continue
             raise InvalidRequestError(
                 f"'include' {item[:60]!r} is not supported by this server (nothing extra can "
                 "be included in a response: ask /v1/chat/completions for log-probabilities)",
