@@ -527,6 +527,26 @@ def test_tool_choice_auto_in_the_generic_format_is_free_until_a_call_begins(
     assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town"')
     assert not accepts(call[:-1] + "Sunny", end=True)  # the call must close before text
     assert not accepts('<tool_call>\n{"name": "get_time"', end=True)  # begun: no end yet
+    # keywords the grammar cannot hold: a call the model may choose is held to the rest of its
+    # schema (a forced one is refused, naming the field)
+    tags = {
+        "name": "tag",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "not": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+            },
+            "required": ["not"],
+        },
+    }
+    loose = {"tools": [tags], "parallel": True, "auto": True}
+    held = compiler.compile_grammar(grammar_of(Constraint("tools", json.dumps(loose))))
+    matcher = xgr.GrammarMatcher(held)
+    text = '<tool_call>\n{"name": "tag", "arguments": {"not": ["a", "a"]}}\n</tool_call>'
+    assert all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    forced = Constraint("tools", json.dumps({"tools": [tags]}), param="tool_choice")
+    with pytest.raises(InvalidRequestError, match="uniqueItems"):
+        grammar_of(forced)
     one = {**spec, "parallel": False}
     single = compiler.compile_grammar(grammar_of(Constraint("tools", json.dumps(one))))
     matcher = xgr.GrammarMatcher(single)

@@ -298,6 +298,29 @@ def _unenforced(schema: Any) -> tuple[str, str] | None:
     return None
 
 
+def _enforceable(schema: Any) -> Any:
+    """`schema` without the keywords the grammar would not enforce (an allOf of several
+    schemas dropped whole), for the calls a model may choose to write (tool_choice "auto"):
+    such a call is held to the rest of its schema, where a forced one is refused instead."""
+    if isinstance(schema, list):
+        return [_enforceable(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in UNENFORCED_KEYWORDS or (
+            key == "allOf" and isinstance(value, list) and len(value) > 1
+        ):
+            continue
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _enforceable(sub) for name, sub in value.items()}
+        elif key in (*_SUBSCHEMA, *_SUBSCHEMA_LISTS):
+            out[key] = _enforceable(value)
+        else:
+            out[key] = value
+    return out
+
+
 def _depth(value: Any) -> int:
     """Nesting depth of a JSON value, without recursing (a hostile schema is deep)."""
     deepest, stack = 0, [(value, 1)]
@@ -582,6 +605,8 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
     tags = []
     for tool in spec["tools"]:
         params = tool.get("parameters") or {"type": "object", "properties": {}}
+        if spec.get("auto"):  # the model's own choice: what can be held is held
+            params = _enforceable(params)
         if fmt.notation == "json":
             arguments = str(_json_grammar(_schema(json.dumps(params), c.param)))
             content = {"type": "grammar", "grammar": arguments}
