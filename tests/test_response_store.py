@@ -340,7 +340,7 @@ STORED_KINDS: dict[str, dict[str, Any]] = {
         "tools": [WEATHER],
         "tool_choice": {"type": "function", "name": "get_weather"},
         "parallel_tool_calls": False,
-        "max_output_tokens": 60,
+        "max_output_tokens": 120,  # (a character a token)
     },
     "reasoning": {"model": REASONING, "input": "Hi [think]", "max_output_tokens": 60},
     "streamed": {"input": "Hi", "stream": True, "metadata": {"k": "v"}, "top_p": 0.5},

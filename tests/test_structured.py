@@ -700,3 +700,21 @@ def test_a_grammar_that_cannot_start_is_a_400_before_admission(grammar: str) -> 
 
 def test_a_grammar_of_the_empty_text_is_taken() -> None:
     make_grammars().compile(Constraint("grammar", 'root ::= ""', param="guided_grammar"))
+
+
+def test_jump_forward_leaves_a_token_that_could_reach_past_the_forced_text() -> None:
+    """Qwen3's vocabulary has `<tool_call>` as one token: where a reasoning block may come
+    first, the text both allow is `<t`, and forcing `<` would make the reply spell the call's
+    markup in pieces; nothing is forced there. Without the block the markup is forced, as the
+    tokenizer writes it, up to the city's first character."""
+    from neuronpy.engine.grammar import Grammars
+
+    tok = tokenizer("tiny-qwen3-tools")
+    grammars = Grammars(tok, len(tok), [tok.eos_token_id])
+    spec = {"tools": [WEATHER_TOOL], "parallel": False}
+    constraint = Constraint("tools", json.dumps(spec))
+    assert grammars.matcher(constraint, ("think", False)).jump_forward() == ()
+    forced = grammars.matcher(constraint).jump_forward()
+    text = tok.decode(list(forced))
+    assert text == '<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
+    assert list(forced) == tok.encode(text)

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
@@ -212,21 +213,10 @@ class Grammars:
     def matcher(self, constraint: Constraint, reasoning: Reasoning | None = None) -> Matcher:
         """A fresh matcher at the start of `constraint`'s grammar."""
         compiled = self.compile(constraint, reasoning)
-        return Matcher(
-            compiled, self.vocab_size, self.token_seconds, self.encode, self.token_text
-        )
-
-    def token_text(self, token: int) -> str | None:
-        """One token's text (xgrammar's decoded vocabulary), None where its bytes are not
-        whole UTF-8 characters or it is not in the vocabulary."""
         self._ensure_compiler()
-        vocab = self._vocab_bytes
-        if not 0 <= token < len(vocab):
-            return None
-        try:
-            return vocab[token].decode("utf-8")
-        except UnicodeDecodeError:
-            return None
+        return Matcher(
+            compiled, self.vocab_size, self.token_seconds, self.encode, self._vocab_bytes
+        )
 
     def encode(self, text: str) -> list[int]:
         """`text`'s tokens as the tokenizer gives them (no special tokens added): the Rust
@@ -266,13 +256,13 @@ class Matcher:
         vocab_size: int,
         token_seconds: float = math.inf,
         encode: Callable[[str], list[int]] | None = None,
-        token_text: Callable[[int], str | None] | None = None,
+        vocab: Sequence[bytes] | None = None,
     ) -> None:
-        """`encode` and `token_text` (a token's text, None where it is not whole characters):
-        the tokenizer's, for jump-forward (None: no jump-forward)."""
+        """`encode` (text to tokens) and `vocab` (each token's bytes): the tokenizer's, for
+        jump-forward (None: no jump-forward)."""
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._encode = encode if token_text is not None else None
-        self._token_text = token_text
+        self._encode = encode
+        self._vocab = vocab
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self._vocab_size = vocab_size
         self._lock = threading.Lock()
@@ -369,12 +359,13 @@ class Matcher:
         """The tokens of the text the grammar allows next and nothing else (a forced tool
         call's fixed markup, a schema's keys and punctuation), as the tokenizer writes that
         text: the reply then carries them rather than the model's spelling of them, one
-        character at a time when it would never write them of its own accord. The text's last
-        token is left to the model, which may join it to what follows (`"` and `Paris` as
-        `"Paris`, as the tokenizer would); and nothing is forced where the tokenizer would join
-        the text's first token to the reply's `last` token. Empty where there is no such text
-        (or no tokenizer)."""
-        if self._encode is None:
+        character at a time when it would never write them of its own accord. A token is
+        forced only where every token the grammar allows there lies within the text: where one
+        reaches past it (`"Paris` past `"`, `<tool_call>` past `<t`) the model chooses, as the
+        tokenizer would join the text to what follows. Nothing is forced where the tokenizer
+        would join the text's first token to the reply's `last` token. Empty where there is no
+        such text (or no tokenizer)."""
+        if self._encode is None or self._vocab is None:
             return ()
         with self._lock:
             if self._stopped is not None or self._matcher.is_terminated():
@@ -382,26 +373,49 @@ class Matcher:
             text = self._matcher.find_jump_forward_string()
         if not text:
             return ()
-        tokens = self._encode(text)[:-1]
-        if not tokens:
-            return ()
+        tokens = self._encode(text)
         if last is not None and not self._joins_after(last, text, tokens):
             return ()
-        n = self.valid_prefix(tokens)
-        return tuple(tokens[:n])
+        return self._within(text.encode("utf-8"), tokens)
+
+    def _within(self, text: bytes, tokens: list[int]) -> tuple[int, ...]:
+        """The first of `tokens` (`text`'s) that the grammar allows, each where every token it
+        allows lies within the rest of `text` (the matcher is left where it was)."""
+        assert self._vocab is not None
+        vocab = self._vocab
+        mask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        taken: list[int] = []
+        with self._lock:
+            try:
+                for token in tokens:
+                    self._matcher.fill_next_token_bitmask(mask)
+                    bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")
+                    allowed = np.flatnonzero(bits[: self._vocab_size])
+                    if token not in allowed or any(
+                        a >= len(vocab) or not text.startswith(vocab[a]) for a in allowed.tolist()
+                    ):
+                        break
+                    if not self._matcher.accept_token(token):
+                        break
+                    taken.append(token)
+                    text = text[len(vocab[token]) :]
+            finally:
+                if taken:
+                    self._matcher.rollback(len(taken))
+        return tuple(taken)
 
     def _joins_after(self, last: int, text: str, tokens: list[int]) -> bool:
-        """Whether `tokens` (the start of `text`'s tokens) are what the tokenizer gives after
-        the token `last` when the two texts are written together."""
-        assert self._encode is not None
-        head = self._encode_one(last)
-        if head is None:
+        """Whether `tokens` (`text`'s) are what the tokenizer gives after the token `last`
+        when the two texts are written together (its first token not joined to `last`)."""
+        assert self._encode is not None and self._vocab is not None
+        if not 0 <= last < len(self._vocab):
+            return False
+        try:
+            head = self._vocab[last].decode("utf-8")
+        except UnicodeDecodeError:
             return False
         together = self._encode(head + text)
         return together[: 1 + len(tokens)] == [last, *tokens]
-
-    def _encode_one(self, token: int) -> str | None:
-        return None if self._token_text is None else self._token_text(token)
 
 
 def _refused(c: Constraint, exc: Exception) -> InvalidRequestError:
