@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -132,6 +133,8 @@ def load_pretrained(
 ) -> LoadedWeights:
     """Load a model and its tokenizer: the default GGUF (spec None), a local directory, a .gguf
     file or a Hugging Face hub id. Raises ModelLoadError with a message meant for a user."""
+    if not sys.stderr.isatty():  # a bar redrawn with carriage returns is noise in a log file
+        transformers.utils.logging.disable_progress_bar()
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     target, name, gguf = resolve_spec(spec)

@@ -543,6 +543,7 @@ def test_neuronpy_replicas_prints_a_line_per_replica_ready_no_colours_no_debug_n
     assert "\x1b[" not in text
     assert [line for line in lines if re.search(r"\bDEBUG\b", line)] == []
     assert [line for line in lines if "GET /health" in line] == []  # 200s and 503s alike
+    assert "Loading weights" not in text  # (no progress bar redrawn into a file)
     assert [line for line in lines if "vllm_router_rs" in line and " INFO " in line] == []
     ready = re.findall(r"replica (\d) ready on (\S+) \(pid \d+\): (\d) of 2 ready$", text, re.M)
     assert sorted(index for index, _, _ in ready) == ["0", "1"], text[-4000:]
