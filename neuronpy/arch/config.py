@@ -14,6 +14,8 @@ A family is a set of features over one forward (arch/llama.py), not a copy of it
   norms; Qwen3-Next's MoE with a shared expert), Granite 4 (Mamba2 beside attention without
   RoPE, MoE and a shared MLP, Granite's multipliers), LFM2 (gated short convolutions beside
   attention with q/k norms).
+- DeepSeek-V2 / V3 (and Kimi K2): multi-head latent attention (MlaConfig): each token caches
+  one compressed latent and a shared RoPE key instead of per-head K and V.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from neuronpy.errors import UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
 
+# multi-head latent attention (MlaConfig)
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 # model_type -> the family features it may use. Everything else is refused by name.
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -44,6 +48,7 @@ SUPPORTED_MODEL_TYPES = (
     *HYBRID_MOE_MODEL_TYPES,
     "qwen3_5_text",
     "lfm2",
+    *MLA_MODEL_TYPES,
 )
 # model_type -> {the config's name of a layer type: the layer it is (arch/mixer.py's kinds)}
 HYBRID_LAYERS = {
@@ -69,6 +74,48 @@ ROPE_TYPES = (*STATIC_ROPE_TYPES, "longrope")
 # hidden_act / hidden_activation -> the MLP's gate activation
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2 / V3). Each token's key and value for every
+    head come from one latent of `kv_lora_rank` values (plus a `rope_dim` key shared by the
+    heads), so the cache holds the latent and the shared key alone: one "KV head" of
+    kv_lora_rank + rope_dim keys and no values of its own (the latent is the values).
+
+    Attention runs in latent space: each head's query (its `nope_dim` part) is multiplied by
+    that head's key up-projection, so its scores are taken against the latent directly, and
+    the weighted sum of latents is multiplied by the head's value up-projection after. This is
+    the same sum as expanding every cached latent into per-head keys and values, in another
+    order, and it reads kv_lora_rank + rope_dim values per cached token instead of
+    heads * (nope_dim + rope_dim + v_dim)."""
+
+    q_lora_rank: int  # the query's own low-rank step (0: one q_proj)
+    kv_lora_rank: int
+    nope_dim: int  # each head's query/key dims without RoPE
+    rope_dim: int  # each head's rotated query dims, and the shared key's
+    v_dim: int  # each head's value dims (before o_proj)
+    # RoPE over interleaved pairs (x0, x1), (x2, x3)...: the checkpoint's rotated rows are put
+    # in half-split order at load (every even dim, then every odd one), the same rotation
+    interleaved: bool = True
+
+    @property
+    def key_dim(self) -> int:
+        """The cached width per token: the latent, then the shared RoPE key."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> MlaConfig:
+        return cls(
+            q_lora_rank=int(getattr(hf_config, "q_lora_rank", None) or 0),
+            kv_lora_rank=int(hf_config.kv_lora_rank),
+            nope_dim=int(hf_config.qk_nope_head_dim),
+            rope_dim=int(hf_config.qk_rope_head_dim),
+            v_dim=int(hf_config.v_head_dim),
+            # DeepSeek-V2 rotates interleaved pairs always (complex products); V3 as it says
+            interleaved=hf_config.model_type == "deepseek_v2"
+            or bool(getattr(hf_config, "rope_interleave", True)),
+        )
 
 
 @dataclass(frozen=True)
@@ -108,6 +155,9 @@ class ArchConfig:
     # per layer: "attention", or the fixed-size-state mixer it has instead (arch/mixer.py:
     # "gdn", "mamba2", "conv"); empty: every layer attends
     layer_types: tuple[str, ...] = ()
+    # DeepSeek's multi-head latent attention (then num_kv_heads is 1 and head_dim the cached
+    # width, MlaConfig.key_dim); None for every other family
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -115,6 +165,17 @@ class ArchConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+
+    @property
+    def value_dim(self) -> int:
+        """Each head's attention output width: head_dim, or an MLA model's latent width."""
+        return self.mla.kv_lora_rank if self.mla is not None else self.head_dim
+
+    @property
+    def cached_value_dim(self) -> int:
+        """The values' width in the KV cache per KV head: head_dim, or 0 for an MLA model
+        (its cached keys begin with the latent, which is its values)."""
+        return 0 if self.mla is not None else self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -205,13 +266,27 @@ class ArchConfig:
         if model_type == "granitemoehybrid" and hf_config.position_embedding_type != "rope":
             layer_rope = (None,) * layers  # Granite 4: attention without positions (NoPE)
         scalar = getattr(hf_config, "query_pre_attn_scalar", None)
+        mla = MlaConfig.from_hf(hf_config) if model_type in MLA_MODEL_TYPES else None
+        if mla is not None:
+            # one cached "KV head" of the latent and the shared RoPE key; RoPE is applied
+            # to the rotated parts alone (rotary_dim is theirs); the query scale as
+            # transformers' (YaRN's mscale folded in for every dim)
+            from transformers.modeling_rope_utils import yarn_apply_mscale
+
+            num_kv_heads, head_dim, rotary_dim = 1, mla.key_dim, mla.key_dim
+            scalar_mla = yarn_apply_mscale(
+                rope_parameters(hf_config), (mla.nope_dim + mla.rope_dim) ** -0.5
+            )
+        else:
+            num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+            scalar_mla = None
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             num_layers=layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             intermediate_size=mlp_size(hf_config),
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", None) or hf_config.norm_eps),
@@ -222,7 +297,7 @@ class ArchConfig:
             attn_scale=(
                 float(hf_config.attention_multiplier)
                 if granite
-                else (float(scalar) ** -0.5 if gemma and scalar else None)
+                else (float(scalar) ** -0.5 if gemma and scalar else scalar_mla)
             ),
             attn_softcap=_cap(getattr(hf_config, "attn_logit_softcapping", None)),
             final_softcap=_cap(getattr(hf_config, "final_logit_softcapping", None)),
@@ -244,6 +319,7 @@ class ArchConfig:
             qk_norm_full=model_type == "olmoe",
             attn_gate=qwen_next,
             layer_types=layer_types,
+            mla=mla,
         )
 
 

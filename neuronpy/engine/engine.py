@@ -56,6 +56,7 @@ class Outlet(Protocol):
 
     def close(self) -> None: ...
 
+
 log = logging.getLogger(__name__)
 
 # embedding inputs that may wait per admission slot (max_in_flight + max_queue)
@@ -64,9 +65,11 @@ MAX_INPUTS_PER_SLOT = 16
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
     """K and V, every attention layer: what one token of a sequence's context takes (a
-    hybrid's fixed-size states are per sequence, not per token: see `state_bytes`)."""
+    hybrid's fixed-size states are per sequence, not per token: see `state_bytes`; latent
+    attention caches its latent and shared key alone)."""
     c = model.config
-    return 2 * model.num_kv_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    width = c.head_dim + c.cached_value_dim
+    return model.num_kv_layers * c.num_kv_heads * width * model.dtype.itemsize
 
 
 # A reranker's answer tokens, in the order its scores read them: P(yes) = softmax(no, yes)[1]
