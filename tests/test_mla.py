@@ -210,5 +210,5 @@ def test_a_deepseek2_gguf_file_is_refused_with_what_to_serve_instead(tmp_path: P
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="deepseek2.*nor does transformers"):
+    with pytest.raises(ModelLoadError, match=r"deepseek2.*nor does transformers"):
         load_gguf_checkpoint(str(path))
