@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover
 
 import xgrammar as xgr
 
+from neuronpy.engine import harmony
 from neuronpy.engine.reasoning import REASONING_MARKERS
 from neuronpy.engine.tools import TOOL_FORMATS
 from neuronpy.engine.types import Constraint
@@ -602,6 +603,13 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
     _pythonic_arguments)."""
     spec = json.loads(c.spec)
     fmt = TOOL_FORMATS[spec.get("format", "hermes")]
+    if fmt.name == harmony.NAME:
+        # A call's framing is harmony's special tokens, which the grammar's text cannot spell.
+        raise InvalidRequestError(
+            "tool_choice 'required' or a named function is not supported for a model in "
+            "gpt-oss's harmony format: use tool_choice 'auto'",
+            c.param,
+        )
     tags = []
     for tool in spec["tools"]:
         params = tool.get("parameters") or {"type": "object", "properties": {}}
