@@ -357,20 +357,41 @@ async def test_chat_completions_streamed_and_not(harmony_server: HarmonyServer) 
 
 
 @pytest.mark.anyio
-async def test_forced_tool_choice_is_refused(harmony_server: HarmonyServer) -> None:
+async def test_forced_tool_choice_and_response_format(harmony_server: HarmonyServer) -> None:
+    """tool_choice required or named: the grammar holds the call to harmony's framing (the
+    analysis message before it optional); response_format: a final message's body."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
     async with api_of(harmony_server) as api:
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-            with pytest.raises(openai.BadRequestError, match="harmony") as caught:
-                await api.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": "Hi"}],
-                    tools=TOOLS,
-                    tool_choice=choice,  # type: ignore[arg-type]
-                )
-            assert caught.value.body["param"] == "tool_choice"  # type: ignore[index]
+        for key, choice in (("required", "required"), ("named", named)):
+            for text, expected in (
+                (THINK + CALL, Reply(CALLED.reasoning, "", WEATHER_CALL, "tool_calls")),
+                (CALL, Reply("", "", WEATHER_CALL, "tool_calls")),
+            ):
+                for stream in (False, True):
+                    messages = harmony_server.script(f"[{key}-{len(text)}-{stream}]", text)
+                    got = await ask(
+                        api, stream, model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice
+                    )
+                    assert got == expected, (key, text, stream)
+        # the grammar holds: a scripted answer cannot be written, the model's own tokens go
+        # on as a call after the analysis message
+        messages = harmony_server.script("[required-answer]", THINK + FINAL)
+        out = await api.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=80
+        )
+        message = out.choices[0].message
+        assert "sunny" not in (message.content or "")
+        assert out.choices[0].finish_reason in ("tool_calls", "length")
+        answer = THINK + FINAL.replace("It is sunny in Paris.", '{"sunny": true}')
+        for stream in (False, True):
+            messages = harmony_server.script(f"[json-{stream}]", answer)
+            got = await ask(
+                api, stream, model=MODEL, messages=messages, response_format={"type": "json_object"}
+            )
+            assert got == Reply(CALLED.reasoning, '{"sunny": true}', (), "stop"), stream
 
 
-def test_ollama_and_anthropic_answers(harmony_server: HarmonyServer) -> None:
+def test_ollama_anthropic_and_responses_answers(harmony_server: HarmonyServer) -> None:
     url = harmony_server.server.url
     call = THINK + PREAMBLE + CALL
     messages = harmony_server.script("[ollama]", call)
@@ -403,6 +424,17 @@ def test_ollama_and_anthropic_answers(harmony_server: HarmonyServer) -> None:
         ("tool_use", {"city": "Paris"}),
     ]
     assert out["stop_reason"] == "tool_use"
+
+    input_ = "Go " + "[responses]"
+    harmony_server.script("[responses]", call)
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    body = {"model": MODEL, "input": input_, "tools": tools, "max_output_tokens": 300}
+    items = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()["output"]
+    assert [item["type"] for item in items] == ["reasoning", "message", "function_call"]
+    assert items[0]["content"][0]["text"] == CALLED.reasoning
+    assert items[1]["content"][0]["text"] == "Let me check."
+    assert items[2]["name"] == "get_weather"
+    assert json.loads(items[2]["arguments"]) == {"city": "Paris"}
 
 
 def test_reasoning_effort_reaches_the_template(tokenizer: Any) -> None:

@@ -44,7 +44,21 @@ def grammar_of(c: Constraint, reasoning: Reasoning | None = None) -> xgr.Grammar
     """The grammar of what `c` allows, after the reply's reasoning block when it has one;
     InvalidRequestError naming c's field when c is refused before compiling."""
     grammar = _grammar(c)
+    if reasoning is not None and reasoning[0] == harmony.NAME and c.kind != "tools":
+        # a harmony reply's answer is a final message: its framing before what `c` allows
+        # (tool calls carry their own)
+        grammar = _after_text(grammar, harmony.FINAL_FRAME)
     return grammar if reasoning is None else _after_reasoning(grammar, *reasoning)
+
+
+def _after_text(grammar: xgr.Grammar, text: str) -> xgr.Grammar:
+    """`text`, then `grammar`."""
+    elements = [
+        {"type": "const_string", "value": text},
+        {"type": "grammar", "grammar": str(grammar)},
+    ]
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+    return xgr.Grammar.from_structural_tag(json.dumps(tag))
 
 
 def _nested_repetition(text: str, quoted: bool = False) -> int:
@@ -603,13 +617,6 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
     _pythonic_arguments)."""
     spec = json.loads(c.spec)
     fmt = TOOL_FORMATS[spec.get("format", "hermes")]
-    if fmt.name == harmony.NAME:
-        # A call's framing is harmony's special tokens, which the grammar's text cannot spell.
-        raise InvalidRequestError(
-            "tool_choice 'required' or a named function is not supported for a model in "
-            "gpt-oss's harmony format: use tool_choice 'auto'",
-            c.param,
-        )
     tags = []
     for tool in spec["tools"]:
         params = tool.get("parameters") or {"type": "object", "properties": {}}

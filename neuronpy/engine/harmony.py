@@ -38,6 +38,8 @@ REASONING_CHANNEL = "analysis"
 REASONING_START = f"{CHANNEL}{REASONING_CHANNEL}{MESSAGE}"
 # Where a call's recipient begins in its header (`to=functions.NAME`)
 FUNCTIONS = "functions."
+# What a constrained reply writes before its answer (after its analysis message, if any)
+FINAL_FRAME = f"{START}assistant{CHANNEL}final{MESSAGE}"
 
 
 def is_harmony_template(template: object) -> bool:

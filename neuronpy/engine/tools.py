@@ -187,7 +187,8 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
 # gpt-oss's harmony: a call is a message to `functions.NAME` on the commentary channel, its
 # arguments JSON, `<|call|>` its end. Its replies are read by engine/output.py's HarmonyParser
 # (the framing of the messages around a call is more than a start marker); the fields here say
-# what a call looks like written out in full.
+# what a forced call writes: its framing in full, and no end of its own, since <|call|> is a
+# stop token, which the grammar allows once the call is whole.
 TOOL_FORMATS[harmony.NAME] = ToolFormat(
     harmony.NAME,
     f" to={harmony.FUNCTIONS}",
@@ -195,7 +196,7 @@ TOOL_FORMATS[harmony.NAME] = ToolFormat(
     end=harmony.CALL,
     call_begin=f"{harmony.START}assistant{harmony.CHANNEL}commentary to={harmony.FUNCTIONS}",
     name_end=f" {harmony.CONSTRAIN}json{harmony.MESSAGE}",
-    call_end=harmony.CALL,
+    call_end="",
     separator="",
     quote_name=False,
 )
