@@ -26,6 +26,7 @@ from neuronpy.errors import InvalidRequestError
 from neuronpy.server.ollama_api.protocol import OllamaChatRequest
 from neuronpy.server.prompts import render_chat
 from neuronpy.server.protocol import ChatCompletionRequest
+from neuronpy.server.responses_api.protocol import parse_responses
 from neuronpy.server.schema import validate
 from tests.factories import skip_unless_built_with_this_transformers
 from tests.scripted import Scripts
@@ -446,7 +447,12 @@ def test_reasoning_effort_reaches_the_template(tokenizer: Any) -> None:
         assert f"Reasoning: {shown}\n" in prompt
     with pytest.raises(InvalidRequestError, match="reasoning_effort"):
         validate(ChatCompletionRequest, {**body, "reasoning_effort": "extreme"})
-    # Ollama's think levels mean the same
+    # the Responses API's reasoning.effort and Ollama's think levels mean the same
+    for reasoning, shown in (({"effort": "high", "summary": "auto"}, "high"), ("x", "medium")):
+        responses = parse_responses({"model": MODEL, "input": "Hi", "reasoning": reasoning})
+        chat = responses.chat([])
+        prompt = tokenizer.decode(chat.prompt_ids(tokenizer), skip_special_tokens=False)
+        assert f"Reasoning: {shown}\n" in prompt
     ollama = validate(OllamaChatRequest, {**body, "think": "low"}).chat()
     prompt = tokenizer.decode(ollama.prompt_ids(tokenizer), skip_special_tokens=False)
     assert "Reasoning: low\n" in prompt

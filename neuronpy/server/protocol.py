@@ -300,6 +300,11 @@ class SamplingRequest(WireModel):
         )
 
 
+# OpenAI's reasoning efforts (a chat request's `reasoning_effort`, a Responses request's
+# `reasoning.effort`): the chat template's `reasoning_effort` variable
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 class ChatCompletionRequest(SamplingRequest, ChatInput):
     """POST /v1/chat/completions: the conversation through the model's chat template."""
 
@@ -312,7 +317,7 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the template
     # OpenAI's; given to the template as `reasoning_effort`, as vLLM does (gpt-oss's harmony
     # template writes it into the system message: `Reasoning: high`); others ignore it
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
     # vLLM's: the reply goes on from the last (assistant) message instead of a new turn
     continue_final_message: bool | None = None
 
