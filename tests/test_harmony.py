@@ -262,12 +262,15 @@ async def test_router_keeps_the_framing_tokens_for_the_parser(tokenizer) -> None
         (THINK + FINAL, ()),
         (THINK + PREAMBLE + CALL, (("get_weather", {"city": "Paris"}),)),
     ):
+        content = "It is sunny in Paris." if not calls else "Let me check."
+        expected = Reply("The user wants the weather.", content, calls)
         ids = tokenizer.encode(text)
         assert tokenizer.convert_tokens_to_ids("<|message|>") in ids
-        events = await run_router(tokenizer, ids, params)
-        got = reply_of(events)
-        content = "It is sunny in Paris." if not calls else "Let me check."
-        assert got == Reply("The user wants the weather.", content, calls)
+        assert reply_of(await run_router(tokenizer, ids, params)) == expected
+        # cut anywhere: a marker cut in two is spelled in byte-level pieces, and reads the same
+        for head, tail in splits(text):
+            ids = [*tokenizer.encode(head), *tokenizer.encode(tail)]
+            assert reply_of(await run_router(tokenizer, ids, params)) == expected, (head, tail)
     # without a harmony format the special tokens are skipped, as for any model
     events = await run_router(tokenizer, tokenizer.encode(THINK + FINAL), SamplingParams())
     assert (
