@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.config import EngineConfig
+from neuronpy.engine import harmony
 from neuronpy.engine.admission import Admission
 from neuronpy.engine.compiles import Compiles
 from neuronpy.engine.counters import EngineStats, StepProfile
@@ -118,7 +119,9 @@ class Engine(Generates):
         self.config = config = config or EngineConfig()
         self.context_len = model.config.context_len
         self.vocab_size = model.config.vocab_size
-        self.eos_token_ids = frozenset(eos_token_ids)
+        # (a harmony tokenizer's reply-ending tokens, <|return|> and <|call|>, end every reply
+        # even where the checkpoint's generation config leaves them out)
+        self.eos_token_ids = harmony.stop_token_ids(tokenizer, eos_token_ids)
         self.max_running = config.max_in_flight if config.batching else 1
         self.kv_bytes_per_token = kv_bytes_per_token(model)
         kv_budget = int(config.kv_budget)
