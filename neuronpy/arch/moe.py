@@ -29,8 +29,13 @@ The experts run grouped: the step's N * k (token, expert) assignments are sorted
 counted, and each expert that some token chose runs once over all of its tokens (one gate/up
 and one down projection over a contiguous slice of the gathered inputs); experts nobody chose
 do not run at all. The weighted outputs are summed back into their tokens with one index_add_,
-each token's contributions in ascending expert order as transformers adds them. There is no
-per-token Python loop: one per expert present in the step.
+each token's contributions in ascending expert order. Where the weights are cast to the model's
+dtype first, the sum is in that dtype too (as transformers' per-expert loop adds them; k of 2
+adds alike in any order). Where they scale in float32 (Mixtral, DeepSeek's router), each
+token's weighted outputs are summed in float32 and rounded once, as transformers' default
+experts forward ("grouped_mm") does: rounding each to bfloat16 before the sum, as its
+per-expert loop does, gave Mixtral's bfloat16 logits 0.34 off the loaded model's, the float32
+sum none. There is no per-token Python loop: one per expert present in the step.
 
 Each expert's gate/up and down are linear layers of arch/linear.py (`make_linear`), so every
 `--quantize` mode applies to each expert (and the shared one) as to a dense projection, and a
@@ -249,7 +254,12 @@ class MoeBlock:
         scale = weights.reshape(-1)[order, None]
         if self.config.cast_weights:
             scale = scale.to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, (out * scale).to(x.dtype))
+            return torch.zeros_like(x).index_add_(0, tokens, (out * scale).to(x.dtype))
+        # float32 weights: each token's weighted outputs summed in float32, rounded to the
+        # model's dtype once (transformers' default experts forward, "grouped_mm", sums them
+        # so; its per-expert loop rounds each one first: the two part in bfloat16's last bit)
+        summed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return summed.index_add_(0, tokens, (out * scale).float()).to(x.dtype)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
