@@ -93,13 +93,20 @@ class Checkpoint(Protocol):
 
 
 class HFCheckpoint:
-    """The parameters of a loaded transformers `*ForCausalLM`, as they are (no copies)."""
+    """The parameters of a loaded transformers `*ForCausalLM`, as they are (no copies), and its
+    saved buffers (a router's e_score_correction_bias is one: DeepSeek-V3, GLM-4.5)."""
 
     def __init__(self, hf_model: Any) -> None:
         self.model = hf_model
         self.config = hf_model.config
         self._params = dict(hf_model.named_parameters(remove_duplicate=False))
+        # the model's dtype: its embedding's (some parameters are kept float32 in a bfloat16
+        # model, a router's weight among them)
         self.dtype = next(iter(self._params.values())).dtype
+        saved = set(hf_model.state_dict(keep_vars=True))
+        for name, buffer in hf_model.named_buffers(remove_duplicate=False):
+            if name in saved:  # a persistent buffer, not a cache such as RoPE's inv_freq
+                self._params.setdefault(name, buffer)
 
     def get(self, name: str) -> AnyWeight | None:
         t = self._params.get(name)
