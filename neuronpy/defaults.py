@@ -40,6 +40,7 @@ TOOL_CALL_PARSERS = (
     "mistral",
     "functiongemma",
     "qwen3_coder",
+    "glm45",
     "lfm2",
 )
 
