@@ -181,10 +181,11 @@ def test_weight_counts_include_every_expert() -> None:
     assert model.describe_weights().startswith("projections: 38 float32;")
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe"])
 def test_parity_expert_shards_in_threads_match_one_device(name: str) -> None:
-    """Every expert's intermediate columns split over 2 ranks, the router replicated: the
-    all-reduce after the MLP completes the block."""
+    """Every expert's intermediate columns split over 2 ranks (GLM-4.5's shared expert too),
+    the router and its score bias replicated: the all-reduce after the MLP completes the
+    block."""
     ids = tokenizer(name).encode(TEXT)
     model = native(name)
     expected = model.logits(model.prefill(ids)[1])
