@@ -43,6 +43,7 @@ TOOL_CALL_PARSERS = (
     "mistral",
     "functiongemma",
     "qwen3_coder",
+    "glm45",
     "lfm2",
 )
 

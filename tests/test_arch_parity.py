@@ -258,6 +258,7 @@ FEATURES = [
     ("tiny-gemma3", "layer_rope", ()),
     ("tiny-gemma3", "act", "silu"),
     ("tiny-phi3", "rotary_dim", 0),
+    ("tiny-glm4-moe", "rotary_dim", 0),
     ("tiny-smollm3", "layer_rope", ()),
     ("tiny-granite", "embed_scale", 1.0),
     ("tiny-granite", "residual_scale", 1.0),

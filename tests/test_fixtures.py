@@ -66,7 +66,8 @@ def test_fixture_loads_and_is_consistent(name: str) -> None:
     assert cfg.vocab_size == len(tok) == bf.VOCAB_SIZE
     # (Mixtral's and OLMoE's intermediate_size is each expert's; Qwen3-MoE's its dense layer's)
     # (and Granite 4's the experts'); the hybrids have a layer of each kind on either side
-    moe_only = name in (*bf.MOE_FIXTURES, "tiny-granite-hybrid") and name != "tiny-qwen3-moe"
+    dense_first = ("tiny-qwen3-moe", "tiny-glm4-moe")  # their intermediate_size: layer 0's
+    moe_only = name in (*bf.MOE_FIXTURES, "tiny-granite-hybrid") and name not in dense_first
     inter = bf.MOE_INTERMEDIATE_SIZE if moe_only else 128
     layers = bf.HYBRID_LAYERS if name in bf.HYBRID_FIXTURES else 2
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, layers, inter)
@@ -119,12 +120,12 @@ def test_qwen3_has_q_norm_k_norm_and_explicit_head_dim() -> None:
 
 
 def test_moe_fixtures_route_to_experts() -> None:
-    """8 experts, 2 per token; Qwen3-MoE's layer 0 dense; OLMoE's q/k norms over the whole
-    projection (not per head)."""
+    """8 experts, 2 per token; Qwen3-MoE's and GLM-4.5's layer 0 dense; OLMoE's q/k norms over
+    the whole projection (not per head)."""
     for name in bf.MOE_FIXTURES:
         model = _model(name)
         for i, layer in enumerate(model.model.layers):
-            if name == "tiny-qwen3-moe" and i == 0:
+            if name in ("tiny-qwen3-moe", "tiny-glm4-moe") and i == 0:
                 assert layer.mlp.gate_proj.weight.shape == (128, 64)
                 continue
             assert layer.mlp.gate.weight.shape == (8, 64)
@@ -133,6 +134,22 @@ def test_moe_fixtures_route_to_experts() -> None:
         assert model.config.num_experts_per_tok == 2
     attn = _model("tiny-olmoe").model.layers[0].self_attn
     assert attn.q_norm.weight.shape == (64,) and attn.k_norm.weight.shape == (32,)
+
+
+def test_glm4_moe_fixture_carries_its_features() -> None:
+    """DeepSeek's router with group limiting and a nonzero score bias, a shared expert, q/k/v
+    biases, per-head q/k norms, RoPE over half of each head."""
+    model = _model("tiny-glm4-moe")
+    cfg = model.config
+    assert (cfg.n_group, cfg.topk_group, cfg.first_k_dense_replace) == (bf.GLM_GROUPS, 1, 1)
+    assert cfg.routed_scaling_factor == bf.GLM_SCALING and cfg.norm_topk_prob
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.5 and cfg.use_qk_norm
+    mlp = model.model.layers[1].mlp
+    assert mlp.gate.e_score_correction_bias.abs().min() > 0
+    assert mlp.shared_experts.gate_proj.weight.shape == (bf.MOE_INTERMEDIATE_SIZE, 64)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is not None and attn.q_proj.bias.abs().min() > 0
+    assert attn.q_norm.weight.shape == (16,)
 
 
 def test_llama3_rope_scaling_changes_frequencies() -> None:

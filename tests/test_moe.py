@@ -71,6 +71,37 @@ def test_router_and_grouped_experts_equal_transformers_block(name: str) -> None:
             assert weights.sum(-1).max() < 1 - 1e-3
 
 
+def test_glm4_moe_fixture_routing_features_change_the_logits() -> None:
+    """GLM-4.5's fixture: layer 0 dense, layer 1 routed with a shared expert; its score bias,
+    group limiting and scaling each move the logits (parity on the fixture covers them)."""
+    config = ArchConfig.from_hf(hf_model("tiny-glm4-moe").config)
+    assert config.moe is not None and config.moe.sparse_layers == (1,)
+    assert (config.moe.n_group, config.moe.topk_group, config.moe.scoring) == (2, 1, "sigmoid")
+    assert config.qk_norm and config.rotary_dim == 8 and config.head_dim == 16
+    model = native("tiny-glm4-moe")
+    assert model.layers[0].moe is None and model.layers[0].gate_up is not None
+    block = model.layers[1].moe
+    assert block is not None and block.shared_gate_up is not None and block.shared_gate is None
+    ids = tokenizer("tiny-glm4-moe").encode(TEXT)
+    want = model.logits(model.prefill(ids)[1])
+    torch.testing.assert_close(
+        want, hf_model("tiny-glm4-moe")(torch.tensor([ids])).logits[0], atol=2e-4, rtol=1e-4
+    )
+    assert block.score_bias is not None
+    for change in (
+        {"score_bias": torch.zeros_like(block.score_bias)},
+        {"config": dataclasses.replace(block.config, topk_group=2)},
+        {"config": dataclasses.replace(block.config, routed_scaling_factor=1.0)},
+    ):
+        kept = {name: getattr(block, name) for name in change}
+        for name, value in change.items():
+            setattr(block, name, value)
+        moved = (model.logits(model.prefill(ids)[1]) - want).abs().max()
+        assert moved > 1e-2, change
+        for name, value in kept.items():
+            setattr(block, name, value)
+
+
 class Counted:
     """A projection that counts its calls and the rows it was given."""
 
@@ -115,20 +146,22 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-glm4-moe"])
 @pytest.mark.parametrize("mode", ["int8", "int8-weight", "int4"])
-def test_quantized_experts_stay_close_to_float(mode: str) -> None:
-    """Each expert quantized alike, the router kept float: each block routes random hidden
-    states as the float one does and computes nearly its output; int8's logits stay close to
-    the float model's (int4's, on these tiny random weights, are as rough as a dense
-    fixture's: not checked)."""
-    ids = tokenizer("tiny-qwen3-moe").encode(TEXT)
-    exact = native("tiny-qwen3-moe")
-    model = native("tiny-qwen3-moe", quantize=mode, calibration_ids=ids)
+def test_quantized_experts_stay_close_to_float(mode: str, name: str) -> None:
+    """Each expert quantized alike (GLM-4.5's shared expert too), the router kept float: each
+    block routes random hidden states as the float one does and computes nearly its output;
+    int8's logits stay close to the float model's (int4's, on these tiny random weights, are
+    as rough as a dense fixture's: not checked)."""
+    ids = tokenizer(name).encode(TEXT)
+    exact = native(name)
+    model = native(name, quantize=mode, calibration_ids=ids)
     x = torch.randn(64, 64, generator=torch.Generator().manual_seed(2))
     for (_, block), (_, float_block) in zip(
         sparse_blocks(model), sparse_blocks(exact), strict=True
     ):
-        kinds = {lin.kind for lin in block.gate_up + block.down}
+        shared = [lin for lin in (block.shared_gate_up, block.shared_down) if lin is not None]
+        kinds = {lin.kind for lin in block.gate_up + block.down + shared}
         assert len(kinds) == 1 and kinds != {"float32"}  # every expert quantized alike
         assert block.router.kind == "float32"  # the router never is
         assert torch.equal(block.route(x)[1], float_block.route(x)[1])
@@ -148,10 +181,11 @@ def test_weight_counts_include_every_expert() -> None:
     assert model.describe_weights().startswith("projections: 38 float32;")
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-glm4-moe"])
 def test_parity_expert_shards_in_threads_match_one_device(name: str) -> None:
-    """Every expert's intermediate columns split over 2 ranks, the router replicated: the
-    all-reduce after the MLP completes the block."""
+    """Every expert's intermediate columns split over 2 ranks (GLM-4.5's shared expert too),
+    the router and its score bias replicated: the all-reduce after the MLP completes the
+    block."""
     ids = tokenizer(name).encode(TEXT)
     model = native(name)
     expected = model.logits(model.prefill(ids)[1])

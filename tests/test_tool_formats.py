@@ -24,6 +24,7 @@ from neuronpy.engine.tools import (
     TOOL_FORMATS,
     parameter_types,
     parse_function_gemma,
+    parse_glm,
     parse_pythonic_calls,
     parse_qwen3_coder,
     resolve_tool_format,
@@ -82,6 +83,12 @@ REPLIES = {
         "<tool_call>\n<function=get_time>\n<parameter=tz>\nCET\n</parameter>\n"
         "</function>\n</tool_call>"
     ),
+    "glm45": (
+        "Let me check.\n"
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+        "</tool_call>\n"
+        "<tool_call>get_time\n<arg_key>tz</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>"
+    ),
     "lfm2": (
         "Let me check.\n<|tool_call_start|>"
         '[get_weather(city="Paris"), get_time(tz="CET")]<|tool_call_end|>'
@@ -104,6 +111,7 @@ TEXT = {
     "mistral": 'See [TOOL_CALLS] docs. [TOOL_CALLS][{"name": "f", "arguments": {}}',
     "functiongemma": "<start_function_call>call:f{x:<escape>1",
     "qwen3_coder": "I use <tool_call> tags: <tool_call>\n<function=f>\n<parameter=x>\n1",
+    "glm45": "I use <tool_call> tags: <tool_call>f\n<arg_key>x</arg_key>\n<arg_value>1",
     "lfm2": "The <|tool_call_start|> token. <|tool_call_start|>[f(x=1)",
     "harmony": "A <|channel|> token. <|channel|>commentary to=functions.f<|message|>{",
 }
@@ -256,6 +264,75 @@ def test_qwen3_coder_values_are_typed_by_the_tools_schemas() -> None:
         ("f", {"s": "1", "e": "2", "n": 3})
     ]
     assert calls_of(parse([text], output("qwen3_coder"))) == [("f", {"s": 1, "e": 2, "n": 3})]
+
+
+# ---- GLM-4.5: <tool_call>NAME, then <arg_key>KEY</arg_key><arg_value>VALUE</arg_value> -----
+
+
+@pytest.mark.parametrize(
+    ("body", "types", "expected"),
+    [
+        ("get_time\n", None, ("get_time", {})),
+        ("get_time", None, ("get_time", {})),
+        (
+            # a string with newlines and markup in it; JSON values: numbers, booleans, objects
+            "f\n<arg_key>s</arg_key>\n<arg_value>line 1\n<b>x</b> a < b\n</arg_value>\n"
+            "<arg_key>n</arg_key>\n<arg_value>-2.5</arg_value>\n"
+            "<arg_key>ok</arg_key>\n<arg_value>true</arg_value>\n"
+            '<arg_key>o</arg_key>\n<arg_value>{"a": [1, null]}</arg_value>\n'
+            "<arg_key>w</arg_key>\n<arg_value>Paris</arg_value>\n",
+            None,
+            (
+                "f",
+                {
+                    "s": "line 1\n<b>x</b> a < b\n",
+                    "n": -2.5,
+                    "ok": True,
+                    "o": {"a": [1, None]},
+                    "w": "Paris",
+                },
+            ),
+        ),
+        # GLM-4.7's, no newlines; the tools' types: a string stays text, True is a boolean
+        (
+            "f<arg_key>s</arg_key><arg_value>42</arg_value><arg_key>ok</arg_key>"
+            "<arg_value>True</arg_value><arg_key>n</arg_key><arg_value>7</arg_value>",
+            XML_TYPES,
+            ("f", {"s": "42", "ok": True, "n": 7}),
+        ),
+        ("f<arg_key>s</arg_key><arg_value>42</arg_value>", None, ("f", {"s": 42})),
+        ("f<arg_key>x</arg_key><arg_value>NaN</arg_value>", None, ("f", {"x": "NaN"})),
+        ("f\n<arg_key>x</arg_key>\n<arg_value>1", None, None),  # a value never closed
+        ("f\n<arg_key>x</arg_key>\n", None, None),  # a key without its value
+        ("f\n<arg_key>x\n<arg_value>1</arg_value>", None, None),  # a key never closed
+        ("f\n<arg_value>1</arg_value>", None, None),  # a value without its key
+        ("f\n<arg_key></arg_key><arg_value>1</arg_value>", None, None),  # an empty key
+        ("f\n<arg_key>x</arg_key><arg_value>1</arg_value> more", None, None),
+        ("get weather\nnow\n<arg_key>x</arg_key><arg_value>1</arg_value>", None, None),
+        ('{"name": "f", "arguments": {}}', None, None),  # Hermes' JSON
+        ("<function=f>\n</function>", None, None),  # Qwen3-Coder's
+        ("\n<arg_key>x</arg_key><arg_value>1</arg_value>", None, None),  # no name
+    ],
+)
+def test_glm_notation(body: str, types: Any, expected: tuple[str, Any] | None) -> None:
+    call = parse_glm(body, types)
+    assert (call and (call.name, json.loads(call.arguments))) == expected
+
+
+def test_glm_values_are_typed_by_the_tools_schemas_and_streamed_in_pieces() -> None:
+    types = (("f", "s", "string"), ("f", "n", "integer"))
+    text = (
+        "Sure.<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>1</arg_value>\n"
+        "<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    )
+    want = [("f", {"s": "1", "n": 3})]
+    assert calls_of(parse([text], output("glm45", types=types))) == want
+    assert calls_of(parse(list(text), output("glm45", types=types))) == want
+    assert calls_of(parse([text], output("glm45"))) == [("f", {"s": 1, "n": 3})]
+    # a malformed block is text, the calls around it read on
+    bad = "<tool_call>f\n<arg_value>1</arg_value>\n</tool_call>"
+    out = parse([bad + text], output("glm45", types=types))
+    assert (out.content, calls_of(out)) == (bad + "Sure.", want)
 
 
 # ---- LFM2: a Python list of calls between <|tool_call_start|> and <|tool_call_end|> ---------
@@ -416,6 +493,12 @@ def test_the_format_is_detected_from_the_chat_template() -> None:
             "<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n</function>\\n"
             "</tool_call>' }}"
         ): "qwen3_coder",
+        # GLM-4.5's: its argument tags, inside Hermes' <tool_call>
+        (
+            "{{ 'For each function call, output the function name and arguments within the "
+            "following XML format:\\n<tool_call>{function-name}\\n<arg_key>{arg-key-1}"
+            "</arg_key>\\n<arg_value>{arg-value-1}</arg_value>\\n...\\n</tool_call>' }}"
+        ): "glm45",
         # Qwen3's: JSON in <tool_call>
         (
             "{{- '<tools>' }}" + tools + "{{- '</tools>\\n\\nFor each function call, return a "
@@ -622,17 +705,81 @@ def test_a_forced_qwen3_coder_call_is_held_to_the_xml_notation() -> None:
         assert not accepts(text), text
 
 
+def test_a_forced_glm_call_is_held_to_its_notation() -> None:
+    """The grammar of a forced call in GLM-4.5's notation: as the XML notation's (the schema's
+    parameters in its order, the required ones present, a string's text without the markup
+    that ends it, other values JSON of their schema), in GLM's tags."""
+    tools = [
+        {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "unit": {"enum": ["c", "f"]},
+                },
+                "required": ["city"],
+            },
+        },
+        {"name": "get_time", "parameters": None},
+        {"name": "note", "parameters": {"type": "object"}},  # any keys
+    ]
+    spec = {"tools": tools, "format": "glm45"}
+    grammar = grammar_of(Constraint("tools", json.dumps(spec)))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(grammar)
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    def arg(key: str, value: str) -> str:
+        return f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n"
+
+    def weather(city: str, rest: str = "") -> str:
+        return f"<tool_call>get_weather\n{arg('city', city)}{rest}</tool_call>"
+
+    good = [
+        weather("Paris"),
+        weather("a <b>x</b>\nline 2 </tool", arg("days", "3") + arg("unit", "c")),
+        weather("P") + "\n<tool_call>get_time\n</tool_call>",
+        "<tool_call>note\n" + arg("any", "text") + arg("b", "2") + "</tool_call>",
+    ]
+    for text in good:
+        assert accepts(text), text
+        out = parse([text], output("glm45", types=parameter_types(tools)))
+        assert out.content == "" and out.tool_calls, text
+    bad = [
+        weather("P</arg_value>"),  # a string holding what ends it
+        weather("P</tool_call>"),
+        weather("P", arg("days", "three")),  # not an integer
+        weather("P", arg("unit", "k")),  # not in the enum
+        weather("P", arg("zone", "1")),  # not in the schema
+        weather("P", arg("unit", "c") + arg("days", "3")),  # out of order
+        "<tool_call>get_weather\n</tool_call>",  # city is required
+        "<tool_call>\n<function=get_time>\n</function>\n</tool_call>",  # Qwen3-Coder's
+        "<tool_call>get_date\n</tool_call>",  # no such tool
+        "<tool_call>get_time\n" + arg("any", "1") + "</tool_call>",  # it takes none
+    ]
+    for text in bad:
+        assert not accepts(text), text
+
+
 @pytest.mark.anyio
 async def test_markers_that_are_special_tokens_stay_in_the_text(tokenizer: Any) -> None:
-    """Granite's <|tool_call|>, FunctionGemma's and LFM2's markers are special tokens of those
-    models, which decoding skips: with tools on, the router keeps them (and skips the rest)."""
+    """Granite's <|tool_call|>, FunctionGemma's, LFM2's and GLM-4.5's markers are special
+    tokens of those models, which decoding skips: with tools on, the router keeps them (and
+    skips the rest)."""
     special = AutoTokenizer.from_pretrained(FIXTURES / MODEL)
     markers = ["<|tool_call|>", "<start_function_call>", "<end_function_call>"]
     markers += ["<|tool_call_start|>", "<|tool_call_end|>"]
+    # GLM-4.5's (its <tool_call> the fixture's Hermes token, made special here too)
+    markers += ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>"]
+    markers += ["</arg_value>"]
     special.add_special_tokens({"additional_special_tokens": markers})
     eos = special.eos_token_id
     im_end = special.convert_tokens_to_ids("<|im_end|>")
-    for fmt in ("granite", "functiongemma", "lfm2"):
+    for fmt in ("granite", "functiongemma", "lfm2", "glm45"):
         text = REPLIES[fmt]
         ids = [*special.encode(text), im_end, eos]
         assert all(special.convert_tokens_to_ids(m) in ids for m in TOOL_FORMATS[fmt].markers)

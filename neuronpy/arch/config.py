@@ -9,6 +9,9 @@ A family is a set of features over one forward (arch/llama.py), not a copy of it
 - Phi-3 / Phi-4-mini: q/k/v and gate/up fused in the checkpoint (split where a shard needs
   it), partial rotary embeddings, longrope (the context capped at its short-factor range).
 - SmolLM3: RoPE skipped on some layers. Granite 3: its four scalar multipliers.
+- Mixtures of experts (arch/moe.py): Qwen3-MoE, Mixtral, OLMoE (q/k norms over the whole
+  projection); GLM-4.5 (q/k/v biases, partial RoPE over the first half of each head's dims,
+  q/k norms where use_qk_norm says, DeepSeek's router and shared experts, dense first layers).
 - Hybrids, whose layers are attention or a fixed-size-state mixer (arch/mixer.py):
   Qwen3-Next and Qwen3.5 (Gated DeltaNet beside gated attention with partial RoPE, `(1 + w)`
   norms; Qwen3-Next's MoE with a shared expert), Granite 4 (Mamba2 beside attention without
@@ -45,6 +48,7 @@ SUPPORTED_MODEL_TYPES = (
     "smollm3",
     "granite",
     *MOE_MODEL_TYPES,
+    "glm4_moe",
     *HYBRID_MOE_MODEL_TYPES,
     "qwen3_5_text",
     "lfm2",
@@ -291,7 +295,7 @@ class ArchConfig:
             intermediate_size=mlp_size(hf_config),
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", None) or hf_config.norm_eps),
             context_len=int(context_len),
-            qk_norm=model_type in QK_NORM,
+            qk_norm=model_type in QK_NORM or _flag_qk_norm(hf_config),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             act=ACTIVATIONS[act],
             attn_scale=(
@@ -321,6 +325,11 @@ class ArchConfig:
             layer_types=layer_types,
             mla=mla,
         )
+
+
+def _flag_qk_norm(hf_config: Any) -> bool:
+    """GLM-4.5's per-head q/k RMSNorm, there where its config's use_qk_norm says."""
+    return hf_config.model_type == "glm4_moe" and bool(getattr(hf_config, "use_qk_norm", False))
 
 
 def hybrid_layer_types(hf_config: Any) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from keyword import iskeyword
 from typing import Any
 
@@ -403,8 +404,28 @@ def _gemma_arguments(params: dict[str, Any]) -> str:
 # string's value is any text without the markup that would end it (its maxLength kept: then
 # without "<" at all, FunctionGemma's bound), an enum of strings one of them, any other value
 # JSON valid against the property's schema. A schema without "properties" takes any keys.
-_XML_ENDS = ("</parameter>", "</tool_call>")  # what a raw string value may not hold
+# GLM-4.5's are alike, in its markup: `<arg_key>KEY</arg_key>\n<arg_value>` VALUE
+# `</arg_value>\n`.
 _XML_KEY = "[a-zA-Z_] [a-zA-Z0-9_.-]{0,63}"
+
+
+@dataclass(frozen=True)
+class _Markup:
+    """How a notation of tagged arguments writes one: `before` KEY `between` VALUE `after`;
+    `ends`: what a raw string value may not hold (its own end, the call's)."""
+
+    before: str
+    between: str
+    after: str
+    ends: tuple[str, ...]
+
+
+_MARKUPS = {
+    "xml": _Markup("<parameter=", ">\n", "\n</parameter>\n", ("</parameter>", "</tool_call>")),
+    "glm": _Markup(
+        "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n", ("</arg_value>", "</tool_call>")
+    ),
+}
 
 
 def _without(words: list[str], k: int = 0) -> str:
@@ -419,10 +440,12 @@ def _without(words: list[str], k: int = 0) -> str:
     return f"({' | '.join(options)})"
 
 
-_XML_TEXT = f'[^<]* ("<" {_without([w[1:] for w in _XML_ENDS])})*'
+def _xml_text(markup: _Markup) -> str:
+    """The rule of a raw string value: any text without the markup that would end it."""
+    return f'[^<]* ("<" {_without([w[1:] for w in markup.ends])})*'
 
 
-def _xml_value(prop: Any, param: str) -> dict[str, Any]:
+def _xml_value(prop: Any, param: str, markup: _Markup) -> dict[str, Any]:
     """The structural-tag format of one property's value."""
     prop = prop if isinstance(prop, dict) else {}
     enum = prop.get("enum")
@@ -431,17 +454,22 @@ def _xml_value(prop: Any, param: str) -> dict[str, Any]:
     elif prop.get("type") == "string" and isinstance(prop.get("maxLength"), int):
         rule = f"[^<]{{0,{max(0, prop['maxLength'])}}}"
     elif prop.get("type") == "string":
-        rule = _XML_TEXT
+        rule = _xml_text(markup)
     else:
         return {"type": "grammar", "grammar": str(_json_grammar(_schema(json.dumps(prop), param)))}
     return {"type": "grammar", "grammar": f"root ::= {rule}"}
 
 
-def _xml_arguments(params: dict[str, Any], param: str) -> dict[str, Any]:
-    """The structural-tag format of XML arguments for a tool's `params` schema."""
+def _xml_arguments(params: dict[str, Any], param: str, notation: str = "xml") -> dict[str, Any]:
+    """The structural-tag format of tagged arguments (`notation`: "xml", Qwen3-Coder's, or
+    "glm", GLM-4.5's) for a tool's `params` schema."""
+    markup = _MARKUPS[notation]
     properties = params.get("properties")
     if not isinstance(properties, dict):
-        free = f'("<parameter=" {_XML_KEY} ">\\n" {_XML_TEXT} "\\n</parameter>\\n"){{0,64}}'
+        before, between, after = (
+            _literal(t) for t in (markup.before, markup.between, markup.after)
+        )
+        free = f"({before} {_XML_KEY} {between} {_xml_text(markup)} {after}){{0,64}}"
         return {"type": "grammar", "grammar": f"root ::= {free}"}
     required = params.get("required")
     required = set(required) if isinstance(required, list) else set()
@@ -450,9 +478,9 @@ def _xml_arguments(params: dict[str, Any], param: str) -> dict[str, Any]:
         one: dict[str, Any] = {
             "type": "sequence",
             "elements": [
-                {"type": "const_string", "value": f"<parameter={key}>\n"},
-                _xml_value(prop, param),
-                {"type": "const_string", "value": "\n</parameter>\n"},
+                {"type": "const_string", "value": f"{markup.before}{key}{markup.between}"},
+                _xml_value(prop, param, markup),
+                {"type": "const_string", "value": markup.after},
             ],
         }
         elements.append(one if key in required else {"type": "optional", "content": one})
@@ -613,7 +641,7 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
     more (exactly one when parallel calls are off), each naming one of the tools, its
     arguments valid against that tool's parameters schema (FunctionGemma's, whose notation is
     not JSON: keys of the schema and values of their types, see _gemma_arguments; the XML
-    notation's: see _xml_arguments; LFM2's, a Python list of calls: see
+    notation's and GLM-4.5's: see _xml_arguments; LFM2's, a Python list of calls: see
     _pythonic_arguments)."""
     spec = json.loads(c.spec)
     fmt = TOOL_FORMATS[spec.get("format", "hermes")]
@@ -631,7 +659,7 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
             arguments = _pythonic_arguments(params, tool["name"], c.param)
             content = {"type": "grammar", "grammar": arguments}
         else:
-            content = _xml_arguments(params, c.param)
+            content = _xml_arguments(params, c.param, fmt.notation)
         name = json.dumps(tool["name"]) if fmt.quote_name else tool["name"]
         tags.append(
             {

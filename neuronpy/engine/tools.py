@@ -6,8 +6,9 @@ A format is the marker that opens a call and how the call's text after it ends:
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5/3, SmolLM3, Hermes) and
   FunctionGemma's `<start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>`,
   Qwen3-Coder / Qwen3.5's XML `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
-  </parameter>\n</function>\n</tool_call>`; LFM2's block holds a Python list of calls:
-  `<|tool_call_start|>[get_weather(city="Paris"), get_time()]<|tool_call_end|>`;
+  </parameter>\n</function>\n</tool_call>`, GLM-4.5's `<tool_call>NAME\n<arg_key>KEY
+  </arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>`; LFM2's block holds a Python list
+  of calls: `<|tool_call_start|>[get_weather(city="Paris"), get_time()]<|tool_call_end|>`;
 - gpt-oss's "harmony" writes a call as a message of its own (see engine/harmony.py):
   `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`;
 - "list" formats write one JSON array of `{"name", "arguments"}` objects after the marker:
@@ -73,15 +74,16 @@ class ToolFormat:
     call_end: str = "}"
     separator: str = ", "  # between a list's calls (tagged blocks: between blocks)
     quote_name: bool = True  # the name as a JSON string (FunctionGemma's and the XML's are bare)
-    # how the arguments are written: JSON, or FunctionGemma's, Qwen3-Coder's or LFM2's (Python
-    # literals) own notation
-    notation: Literal["json", "gemma", "xml", "python"] = "json"
+    # how the arguments are written: JSON, or FunctionGemma's, Qwen3-Coder's, GLM-4.5's or
+    # LFM2's (Python literals) own notation
+    notation: Literal["json", "gemma", "xml", "glm", "python"] = "json"
+    inner: tuple[str, ...] = ()  # the markup inside a call (GLM-4.5's argument tags)
 
     @property
     def markers(self) -> tuple[str, ...]:
         """The markers this format's replies hold (kept in the text even when they are
         special tokens)."""
-        return (self.start, self.end) if self.end else (self.start,)
+        return ((self.start, self.end) if self.end else (self.start,)) + self.inner
 
     def settle(self, text: str, final: bool, types: ParamTypes | None = None) -> Settled | None:
         """What `text`, everything after a start marker so far, settles into; None while more
@@ -116,6 +118,8 @@ class ToolFormat:
             return parse_function_gemma(body)
         if self.notation == "xml":
             return parse_qwen3_coder(body, types)
+        if self.notation == "glm":
+            return parse_glm(body, types)
         return parse_tool_call(body)
 
     def _settle_list(self, text: str, final: bool) -> Settled | None:
@@ -172,6 +176,19 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
         quote_name=False,
         notation="xml",
     ),
+    "glm45": ToolFormat(
+        "glm45",
+        "<tool_call>",
+        "tagged",
+        end="</tool_call>",
+        call_begin="<tool_call>",
+        name_end="\n",
+        call_end="</tool_call>",
+        separator="\n",
+        quote_name=False,
+        notation="glm",
+        inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    ),
     "lfm2": ToolFormat(
         "lfm2",
         "<|tool_call_start|>",
@@ -209,8 +226,10 @@ TOOL_CALL_START, TOOL_CALL_END = HERMES.start, HERMES.end
 # writes, so that it is read back).
 _TEMPLATE_SIGNS = (
     ("<start_function_call>", "functiongemma"),
-    # Qwen3-Coder / Qwen3.5's XML calls, inside the Hermes-like <tool_call> (so before it)
+    # Qwen3-Coder / Qwen3.5's XML calls and GLM-4.5's argument tags, inside the Hermes-like
+    # <tool_call> (so before it)
     ("<parameter=", "qwen3_coder"),
+    ("<arg_key>", "glm45"),
     # LFM2's template lists the tools between <|tool_list_start|> tags; LFM2.5's writes the
     # calls of the history between <|tool_call_start|> tags
     ("<|tool_call_start|>", "lfm2"),
@@ -495,6 +514,51 @@ def _xml_value(text: str, kind: str | None) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return text  # (NaN and Infinity are not JSON)
     return value
+
+
+# ---- GLM-4.5's notation: NAME, then <arg_key>KEY</arg_key> <arg_value>VALUE</arg_value> ----
+
+_ARG_KEY, _ARG_KEY_END = "<arg_key>", "</arg_key>"
+_ARG_VALUE, _ARG_VALUE_END = "<arg_value>", "</arg_value>"
+# a function's name: a word (dots, dashes, slashes and colons allowed), so that a block that
+# holds something else (JSON, other markup, a sentence) is text
+_GLM_NAME = re.compile(r"[\w.:/-]+")
+
+
+def parse_glm(body: str, types: ParamTypes | None = None) -> ParsedCall | None:
+    """The call in a GLM-4.5 block (the function's name, then `<arg_key>KEY</arg_key>` and
+    `<arg_value>VALUE</arg_value>` for each argument, whitespace between them; GLM-4.5's
+    template writes a newline after the name and after each tag pair, GLM-4.7's none), its
+    arguments as JSON; None when the block is not one (a name that is not one word included).
+
+    A value is the text between its tags as written (the template writes a string raw, any
+    other value as JSON, with nothing around it); it is typed as the Qwen3-Coder notation's
+    are (see parse_qwen3_coder): kept as text for a parameter `types` says is a "string",
+    read as JSON otherwise where it is JSON."""
+    text = body.strip()
+    at = text.find(_ARG_KEY)
+    name = (text if at < 0 else text[:at]).strip()
+    if _GLM_NAME.fullmatch(name) is None:
+        return None
+    known = {key: kind for tool, key, kind in types or () if tool == name}
+    arguments: dict[str, Any] = {}
+    i = len(text) if at < 0 else at
+    while i < len(text):
+        if not text.startswith(_ARG_KEY, i):
+            return None
+        end = text.find(_ARG_KEY_END, i)
+        if end < 0:
+            return None
+        key = text[i + len(_ARG_KEY) : end].strip()
+        i = _skip(text, end + len(_ARG_KEY_END))
+        if not key or not text.startswith(_ARG_VALUE, i):
+            return None
+        end = text.find(_ARG_VALUE_END, i)
+        if end < 0:
+            return None
+        arguments[key] = _xml_value(text[i + len(_ARG_VALUE) : end], known.get(key))
+        i = _skip(text, end + len(_ARG_VALUE_END))
+    return ParsedCall(name, json.dumps(arguments, ensure_ascii=False), None)
 
 
 # ---- LFM2's notation: a Python list of calls, [NAME(key=literal, ...), ...] ---------------------

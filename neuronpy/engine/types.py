@@ -58,7 +58,7 @@ class OutputFormat:
     parallel_tool_calls: bool = True  # False: only the first tool call is returned
     tool_format: str = "hermes"  # the markup's format, a name of engine/tools.py's TOOL_FORMATS
     # the request's tools' parameter types (engine/tools.py's parameter_types), for a format whose
-    # argument values are untyped text (qwen3_coder): a "string" parameter's value stays text
+    # argument values are untyped text (qwen3_coder, glm45): a "string" parameter's value stays text
     tool_types: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
