@@ -50,9 +50,44 @@ def deepseek_v3(vocab: int, eos: int, pad: int) -> PretrainedConfig:
     )
 
 
+def glm4_moe(vocab: int, eos: int, pad: int) -> PretrainedConfig:
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        vocab_size=vocab,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        hidden_size=80,
+        intermediate_size=144,
+        num_hidden_layers=3,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        head_dim=24,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 50000.0,
+            "partial_rotary_factor": 0.5,
+        },
+        use_qk_norm=True,
+        attention_bias=True,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=40,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.8,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+
+
 # model_type -> (its config builder, the seed its weights are drawn with)
 BUILDERS: dict[str, tuple[Callable[[int, int, int], PretrainedConfig], int]] = {
     "deepseek_v3": (deepseek_v3, 4242),
+    "glm4_moe": (glm4_moe, 4343),
 }
 
 
