@@ -44,6 +44,9 @@ TOOL_CALL_PARSERS = (
     "functiongemma",
     "qwen3_coder",
     "glm45",
+    "deepseek_v3",
+    "deepseek_v31",
+    "kimi_k2",
     "lfm2",
 )
 

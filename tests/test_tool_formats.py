@@ -27,6 +27,7 @@ from neuronpy.engine.tools import (
     parse_glm,
     parse_pythonic_calls,
     parse_qwen3_coder,
+    parse_section,
     resolve_tool_format,
 )
 from neuronpy.engine.types import Constraint, OutputFormat, SamplingParams
@@ -89,6 +90,24 @@ REPLIES = {
         "</tool_call>\n"
         "<tool_call>get_time\n<arg_key>tz</arg_key>\n<arg_value>CET</arg_value>\n</tool_call>"
     ),
+    "deepseek_v3": (
+        "Let me check.<｜tool▁calls▁begin｜>"
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n'
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n"
+        '```json\n{"tz": "CET"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    ),
+    "deepseek_v31": (
+        "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>'
+        '{"tz": "CET"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    ),
+    "kimi_k2": (
+        "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>"
+        '{"tz": "CET"}<|tool_call_end|><|tool_calls_section_end|>'
+    ),
     "lfm2": (
         "Let me check.\n<|tool_call_start|>"
         '[get_weather(city="Paris"), get_time(tz="CET")]<|tool_call_end|>'
@@ -112,6 +131,9 @@ TEXT = {
     "functiongemma": "<start_function_call>call:f{x:<escape>1",
     "qwen3_coder": "I use <tool_call> tags: <tool_call>\n<function=f>\n<parameter=x>\n1",
     "glm45": "I use <tool_call> tags: <tool_call>f\n<arg_key>x</arg_key>\n<arg_value>1",
+    "deepseek_v3": "<｜tool▁calls▁begin｜> opens; <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f",
+    "deepseek_v31": "Its <｜tool▁calls▁begin｜> marker, then <｜tool▁calls▁begin｜>f{",
+    "kimi_k2": "A <|tool_calls_section_begin|> marker. <|tool_calls_section_begin|><|tool_call",
     "lfm2": "The <|tool_call_start|> token. <|tool_call_start|>[f(x=1)",
     "harmony": "A <|channel|> token. <|channel|>commentary to=functions.f<|message|>{",
 }
@@ -341,6 +363,42 @@ DEEP = "[f(a=" + "[" * 150 + "]" * 150 + ")]"
 
 
 @pytest.mark.parametrize(
+    ("body", "notation", "expected"),
+    [
+        # whitespace between calls, an empty argument object, a name with dots
+        (
+            "<｜tool▁call▁begin｜>a.b<｜tool▁sep｜>{}<｜tool▁call▁end｜>\n",
+            "deepseek",
+            [("a.b", {})],
+        ),
+        # V3's fence without its language, and arguments that are not an object: text
+        (
+            '<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```\n{"x": 1}\n```<｜tool▁call▁end｜>',
+            "deepseek",
+            [("f", {"x": 1})],
+        ),
+        ("<｜tool▁call▁begin｜>f<｜tool▁sep｜>[1]<｜tool▁call▁end｜>", "deepseek", None),
+        ("<｜tool▁call▁begin｜>f{}<｜tool▁call▁end｜>", "deepseek", None),  # no separator
+        ("text <｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>", "deepseek", None),
+        ("<｜tool▁call▁begin｜>two words<｜tool▁sep｜>{}<｜tool▁call▁end｜>", "deepseek", None),
+        (
+            '<|tool_call_begin|>functions.f:3<|tool_call_argument_begin|>{"x": [1]}'
+            "<|tool_call_end|>",
+            "kimi",
+            [("f", {"x": [1]})],
+        ),
+        ("<|tool_call_begin|>functions.f:3<|tool_call_argument_begin|>{", "kimi", None),
+    ],
+)
+def test_deepseek_and_kimi_sections(
+    body: str, notation: str, expected: list[tuple[str, Any]] | None
+) -> None:
+    calls = parse_section(body, notation)
+    got = None if calls is None else [(c.name, json.loads(c.arguments)) for c in calls]
+    assert got == expected
+
+
+@pytest.mark.parametrize(
     ("body", "expected"),
     [
         ('[get_weather(city="Paris", days=3)]', [("get_weather", {"city": "Paris", "days": 3})]),
@@ -511,6 +569,17 @@ def test_the_format_is_detected_from_the_chat_template() -> None:
         + tools
         + "{{ ']<|tool_list_end|>' }}": "lfm2",
         "{{ 'List of tools: ' + (tools | tojson) }}{{ '<|tool_call_start|>[' }}": "lfm2",
+        # DeepSeek-V3 / R1: the history's calls with fenced arguments; V3.1: bare; Kimi K2
+        (
+            "{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+            "tool['function']['name'] + '\\n' + '```json' + '\\n' + "
+            "tool['function']['arguments'] + '\\n' + '```' + '<｜tool▁call▁end｜>' }}"
+        ): "deepseek_v3",
+        (
+            "{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
+            "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>' }}"
+        ): "deepseek_v31",
+        "{{ '<|tool_calls_section_begin|>' }}" + tools: "kimi_k2",
         "{{ '<tool_call>' }}" + tools: "hermes",
         tools: "hermes",  # a template that shows no format: the forced tool_choice's
     }

@@ -650,7 +650,7 @@ def _tool_calls(c: Constraint) -> xgr.Grammar:
         params = tool.get("parameters") or {"type": "object", "properties": {}}
         if spec.get("auto"):  # the model's own choice: what can be held is held
             params = _enforceable(params)
-        if fmt.notation == "json":
+        if fmt.notation in ("json", "deepseek", "kimi"):  # JSON arguments
             arguments = str(_json_grammar(_schema(json.dumps(params), c.param)))
             content = {"type": "grammar", "grammar": arguments}
         elif fmt.notation == "gemma":

@@ -9,6 +9,11 @@ A format is the marker that opens a call and how the call's text after it ends:
   </parameter>\n</function>\n</tool_call>`, GLM-4.5's `<tool_call>NAME\n<arg_key>KEY
   </arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>`; LFM2's block holds a Python list
   of calls: `<|tool_call_start|>[get_weather(city="Paris"), get_time()]<|tool_call_end|>`;
+- "sectioned" blocks hold one or more calls, each between markers of its own: DeepSeek-V3 /
+  R1's `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}
+  \n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>` (DeepSeek-V3.1's `...<｜tool▁call▁begin｜>NAME
+  <｜tool▁sep｜>{...}<｜tool▁call▁end｜>...`), Kimi K2's `<|tool_calls_section_begin|>
+  <|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|><|tool_calls_section_end|>`;
 - gpt-oss's "harmony" writes a call as a message of its own (see engine/harmony.py):
   `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`;
 - "list" formats write one JSON array of `{"name", "arguments"}` objects after the marker:
@@ -76,7 +81,8 @@ class ToolFormat:
     quote_name: bool = True  # the name as a JSON string (FunctionGemma's and the XML's are bare)
     # how the arguments are written: JSON, or FunctionGemma's, Qwen3-Coder's, GLM-4.5's or
     # LFM2's (Python literals) own notation
-    notation: Literal["json", "gemma", "xml", "glm", "python"] = "json"
+    # (DeepSeek's and Kimi K2's: JSON arguments, each call between markers in a section)
+    notation: Literal["json", "gemma", "xml", "glm", "python", "deepseek", "kimi"] = "json"
     inner: tuple[str, ...] = ()  # the markup inside a call (GLM-4.5's argument tags)
 
     @property
@@ -103,6 +109,8 @@ class ToolFormat:
         LFM2's list of them."""
         if self.notation == "python":
             return parse_pythonic_calls(body)
+        if self.notation in SECTIONS:
+            return parse_section(body, self.notation)
         call = self.parse_call(body, types)
         return None if call is None else (call,)
 
@@ -189,6 +197,47 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
         notation="glm",
         inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
     ),
+    # DeepSeek-V3 / R1: the call's type, its name, then its arguments in a fenced JSON block
+    "deepseek_v3": ToolFormat(
+        "deepseek_v3",
+        "<｜tool▁calls▁begin｜>",
+        "tagged",
+        end="<｜tool▁calls▁end｜>",
+        call_begin="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+        name_end="\n```json\n",
+        call_end="\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        separator="",
+        quote_name=False,
+        notation="deepseek",
+        inner=("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+    ),
+    # DeepSeek-V3.1 and later: the name, then the arguments as they are
+    "deepseek_v31": ToolFormat(
+        "deepseek_v31",
+        "<｜tool▁calls▁begin｜>",
+        "tagged",
+        end="<｜tool▁calls▁end｜>",
+        call_begin="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
+        name_end="<｜tool▁sep｜>",
+        call_end="<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        separator="",
+        quote_name=False,
+        notation="deepseek",
+        inner=("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+    ),
+    "kimi_k2": ToolFormat(
+        "kimi_k2",
+        "<|tool_calls_section_begin|>",
+        "tagged",
+        end="<|tool_calls_section_end|>",
+        call_begin="<|tool_calls_section_begin|><|tool_call_begin|>functions.",
+        name_end=":0<|tool_call_argument_begin|>",
+        call_end="<|tool_call_end|><|tool_calls_section_end|>",
+        separator="",
+        quote_name=False,
+        notation="kimi",
+        inner=("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+    ),
     "lfm2": ToolFormat(
         "lfm2",
         "<|tool_call_start|>",
@@ -226,6 +275,9 @@ TOOL_CALL_START, TOOL_CALL_END = HERMES.start, HERMES.end
 # writes, so that it is read back).
 _TEMPLATE_SIGNS = (
     ("<start_function_call>", "functiongemma"),
+    # DeepSeek's section (V3 / R1 fence each call's arguments as JSON: see resolve_tool_format)
+    ("<｜tool▁calls▁begin｜>", "deepseek_v31"),
+    ("<|tool_calls_section_begin|>", "kimi_k2"),
     # Qwen3-Coder / Qwen3.5's XML calls and GLM-4.5's argument tags, inside the Hermes-like
     # <tool_call> (so before it)
     ("<parameter=", "qwen3_coder"),
@@ -258,6 +310,8 @@ def resolve_tool_format(setting: str, tokenizer: object) -> ToolFormat:
     if isinstance(template, str):
         for sign, name in _TEMPLATE_SIGNS:
             if sign in template:
+                if name == "deepseek_v31" and "```json" in template:
+                    name = "deepseek_v3"  # V3 / R1: each call's arguments fenced as JSON
                 return TOOL_FORMATS[name]
     return HERMES
 
@@ -559,6 +613,62 @@ def parse_glm(body: str, types: ParamTypes | None = None) -> ParsedCall | None:
         arguments[key] = _xml_value(text[i + len(_ARG_VALUE) : end], known.get(key))
         i = _skip(text, end + len(_ARG_VALUE_END))
     return ParsedCall(name, json.dumps(arguments, ensure_ascii=False), None)
+
+
+# ---- DeepSeek's and Kimi K2's sections: calls between markers, JSON arguments -------------
+
+# notation -> a call's opening marker, the marker between its head and its arguments, its end
+SECTIONS = {
+    "deepseek": ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+    "kimi": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+}
+_FENCE = re.compile(r"\A```(?:json)?\s*\n(.*)\n\s*```\Z", re.S)
+_KIMI_ID = re.compile(r"\A(?:functions\.)?([\w.:/-]+?)(?::\d+)?\Z")
+
+
+def parse_section(body: str, notation: str) -> tuple[ParsedCall, ...] | None:
+    """The calls of a DeepSeek or Kimi K2 section (the text between its markers): each call
+    between its own markers, whitespace between calls; None when it is not that.
+
+    DeepSeek-V3 / R1 write a call's head as its type ("function"), then after the separator
+    the name on a line and the arguments fenced as JSON; V3.1 writes the name as the head and
+    the arguments bare after the separator. Kimi K2's head is `functions.NAME:INDEX`."""
+    begin, sep, end = SECTIONS[notation]
+    calls, i = [], _skip(body, 0)
+    while i < len(body):
+        if not body.startswith(begin, i):
+            return None
+        close = body.find(end, i)
+        if close < 0:
+            return None
+        head, found, rest = body[i + len(begin) : close].partition(sep)
+        call = _section_call(head.strip(), rest.strip(), notation) if found else None
+        if call is None:
+            return None
+        calls.append(call)
+        i = _skip(body, close + len(end))
+    return tuple(calls) or None
+
+
+def _section_call(head: str, rest: str, notation: str) -> ParsedCall | None:
+    if notation == "kimi":
+        match = _KIMI_ID.match(head)
+        name, arguments = (match[1] if match else ""), rest
+    elif head == "function":  # DeepSeek-V3 / R1: NAME, then the fenced arguments
+        name, _, fenced = rest.partition("\n")
+        match = _FENCE.match(fenced.strip())
+        name, arguments = name.strip(), (match[1] if match else "")
+    else:
+        name, arguments = head, rest
+    if not name or _GLM_NAME.fullmatch(name) is None:
+        return None
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(value, dict):
+        return None
+    return ParsedCall(name, arguments.strip() or "{}", None)
 
 
 # ---- LFM2's notation: a Python list of calls, [NAME(key=literal, ...), ...] ---------------------
