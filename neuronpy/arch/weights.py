@@ -59,6 +59,8 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
     # a layer whose state is fixed-size (arch/mixer.py) in place of attention
     mixer: Mixer | None = None
+    # gpt-oss: each query head's attention sink, a logit in every softmax's denominator
+    sinks: torch.Tensor | None = None  # [H] (this rank's heads)
 
 
 @dataclass
@@ -366,6 +368,8 @@ def take_weights(
     def norm(name: str) -> torch.Tensor:
         if config.norm_offset:  # Gemma's (1 + w), in float32 as it computes it
             return dequantized(tensor(name), torch.float32) + config.norm_offset
+        if config.norm_fp32:  # gpt-oss multiplies in float32 before it rounds
+            return dequantized(tensor(name), torch.float32).clone()
         # a copy of its own: the checkpoint's tensor may be a view of a memory-mapped
         # safetensors file, which it would keep resident whole (2.2 GB for a 1B bf16 model)
         return dequantized(tensor(name), dtype).clone()
@@ -392,6 +396,13 @@ def take_weights(
     def gate_up(mlp: str) -> list[tuple[str, int, int]]:
         modules = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
         return parts(f"{mlp}.gate_up_proj", modules, [(i_lo, i_hi, inter)] * 2)
+
+    def sinks(attn: str) -> torch.Tensor | None:
+        """gpt-oss's sink logits of this rank's query heads (split as the heads are)."""
+        if not config.attn_sinks:
+            return None
+        lo, hi = rank * local.num_heads, (rank + 1) * local.num_heads
+        return dequantized(tensor(f"{attn}.sinks"), dtype)[lo:hi].clone()
 
     def sandwich(name: str) -> torch.Tensor | None:
         return norm(name) if config.sandwich_norms else None
@@ -439,6 +450,7 @@ def take_weights(
                 moe=None if moe is None else moe_block(block, moe),
                 attn_out_norm=sandwich(f"{block}.post_attention_layernorm.weight"),
                 mlp_out_norm=sandwich(f"{block}.post_feedforward_layernorm.weight"),
+                sinks=sinks(attn) if attends else None,
             )
         )
     embed_weight = tensor("model.embed_tokens.weight")
