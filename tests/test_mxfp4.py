@@ -1,9 +1,11 @@
-"""arch/mxfp4.py: gpt-oss's MXFP4 expert weights read back exactly, and a checkpoint holding
-its experts packed so loaded end to end."""
+"""arch/mxfp4.py: gpt-oss's MXFP4 expert weights read back exactly; a checkpoint holding its
+experts packed so loaded end to end, read as stored and as a served model directory."""
 
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
-from tests.factories import hf_model
+from neuronpy.loading import load_pretrained
+from tests.factories import fixture_dir, hf_model
 
 
 def test_known_codes_and_scales_read_back_exactly() -> None:
@@ -60,10 +63,10 @@ class DictCheckpoint:
         return name in self.tensors
 
 
-def test_a_checkpoint_of_packed_experts_loads_end_to_end(tmp_path: Path) -> None:
+def packed_gpt_oss() -> tuple[Any, dict[str, torch.Tensor]]:
     """tiny-gpt-oss's experts packed as the released checkpoints ship them (`*_blocks` and
-    `*_scales` in place of gate_up_proj and down_proj), saved to a safetensors file and read
-    back: the model's logits are transformers' over the same weights dequantized."""
+    `*_scales` in place of gate_up_proj and down_proj): the tensors, and a transformers model
+    holding the same weights dequantized (the reference)."""
     hf = copy.deepcopy(hf_model("tiny-gpt-oss"))
     tensors = {}
     with torch.no_grad():
@@ -75,15 +78,53 @@ def test_a_checkpoint_of_packed_experts_loads_end_to_end(tmp_path: Path) -> None
                 p.copy_(dequantize_mxfp4(blocks, scales).transpose(1, 2))  # the reference's
             else:
                 tensors[name] = p.detach().clone()
+    return hf, tensors
+
+
+IDS = [5, 17, 42, 99, 3, 250, 71, 12, 8, 300, 1]
+
+
+def reference_logits(hf: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([IDS])).logits[0]
+
+
+def test_a_checkpoint_of_packed_experts_loads_end_to_end(tmp_path: Path) -> None:
+    """The packed tensors saved to a safetensors file and read back as stored: the model's
+    logits are transformers' over the same weights dequantized."""
+    hf, tensors = packed_gpt_oss()
     save_file(tensors, tmp_path / "model.safetensors")
     stored = load_file(tmp_path / "model.safetensors")
     assert stored["model.layers.0.mlp.experts.gate_up_proj_blocks"].dtype == torch.uint8
     model = LlamaModel.from_hf(DictCheckpoint(stored, hf.config))
-    ids = [5, 17, 42, 99, 3, 250, 71, 12, 8, 300, 1]
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0]
-    got = model.logits(model.prefill(ids)[1])
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    got = model.logits(model.prefill(IDS)[1])
+    torch.testing.assert_close(got, reference_logits(hf), atol=2e-4, rtol=1e-4)
     # and what transformers' float layout gives: the same weights, the same logits
     plain = LlamaModel.from_hf(hf)
-    torch.testing.assert_close(plain.logits(plain.prefill(ids)[1]), got, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain.logits(plain.prefill(IDS)[1]), got, atol=1e-5, rtol=1e-5)
+
+
+def test_an_mxfp4_checkpoint_directory_loads_dequantized(tmp_path: Path) -> None:
+    """A model directory as gpt-oss ships (the packed experts, `quant_method: mxfp4`) loaded
+    as a served model is: transformers dequantizes the experts (never its MXFP4 kernels, which
+    it would fetch from the Hub where they are installed), and the native model computes
+    transformers' logits."""
+    hf, tensors = packed_gpt_oss()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for f in fixture_dir("tiny-gpt-oss").iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # (as the released config.json: the attention, the router, embeddings and head unpacked)
+    unpacked = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"]
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [*unpacked, "lm_head"],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_pretrained(str(tmp_path), dtype="float32").hf_model
+    experts = loaded.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.float32
+    model = LlamaModel.from_hf(loaded)
+    got = model.logits(model.prefill(IDS)[1])
+    torch.testing.assert_close(got, reference_logits(hf), atol=2e-4, rtol=1e-4)
