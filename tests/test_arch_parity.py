@@ -325,6 +325,24 @@ def test_gpt_oss_reads_its_features_and_its_sinks_count() -> None:
     assert (model.logits(model.prefill(ids)[1]) - expected).abs().max() > 1.0
 
 
+def test_gpt_oss_sinks_outside_the_exact_attention() -> None:
+    """The written-out attention with sinks (the fused kernel has none), as packed sequences
+    (pooling) and as prefill with the exact attention turned off, gives transformers'
+    hidden states and logits."""
+    model = native("tiny-gpt-oss")
+    hf = hf_model("tiny-gpt-oss")
+    sequences = [PROMPTS[2] + PROMPTS[0], PROMPTS[1], [7] * 11]
+    pooled = model.pooled(sequences, "last", False)
+    for row, ids in enumerate(sequences):
+        with torch.no_grad():
+            want = hf.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(pooled[row], want, atol=1e-5, rtol=1e-5)
+    model.__dict__["exact"] = False  # (a cached property: as NEURON_EXACT_ATTENTION=0 sets it)
+    ids = sequences[0]
+    got = model.logits(model.prefill(ids, chunk_size=5)[1])
+    torch.testing.assert_close(got, reference_logits("tiny-gpt-oss", ids), atol=2e-4, rtol=1e-4)
+
+
 def test_longrope_caps_the_context_at_its_short_factors() -> None:
     config = ArchConfig.from_hf(hf_model("tiny-phi3").config)
     assert config.context_len == 256 and config.rotary_dim == 8
