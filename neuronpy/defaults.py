@@ -16,13 +16,15 @@ QUANTIZE_MODES = ("auto", "none", *WEIGHT_ONLY_MODES, "int8")
 # it is measured to pay; off elsewhere until it is), "on" or "off"
 COMPILE_MODES = ("auto", "on", "off")
 # What a model's `reasoning_parser` may be: "auto" (detected from the chat template), "none",
-# or a parser of neuronpy.engine.reasoning (the names of its REASONING_MARKERS).
-REASONING_PARSERS = ("auto", "none", "think")
+# or a parser of neuronpy.engine.reasoning (the names of its REASONING_MARKERS): "think"
+# (<think>...</think>), "harmony" (gpt-oss's analysis channel).
+REASONING_PARSERS = ("auto", "none", "think", "harmony")
 # What a model's `tool_call_parser` may be: "auto" (detected from the chat template) or the
 # markup of one family (neuronpy.engine.tools' TOOL_FORMATS: Hermes/Qwen's <tool_call>,
 # Granite's <|tool_call|>, Phi-4-mini's functools[...], Mistral's [TOOL_CALLS], FunctionGemma's
 # <start_function_call>, Qwen3-Coder / Qwen3.5's <tool_call><function=...> XML, LFM2's
-# <|tool_call_start|>[NAME(key=value)]<|tool_call_end|>).
+# <|tool_call_start|>[NAME(key=value)]<|tool_call_end|>; gpt-oss's harmony messages to
+# functions.NAME on the commentary channel).
 # What a model serves: "generate" (chat and completions; embeddings too, pooling its hidden
 # states), "embed" (embeddings, scores and reranking by their cosine: an embedding
 # checkpoint), "rerank" (scores and reranking by the model's "yes" against "no" after a
@@ -34,6 +36,7 @@ TASKS = ("auto", "generate", "embed", "rerank")
 POOLINGS = ("auto", "last", "mean", "cls")
 TOOL_CALL_PARSERS = (
     "auto",
+    "harmony",
     "hermes",
     "granite",
     "phi4_mini",

@@ -178,10 +178,16 @@ def load_gguf_checkpoint(
     fields, _ = read_index(path)
     arch = fields.get("general.architecture")
     if arch not in NATIVE_ARCHITECTURES:
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        where = (
+            "pass --quantize none to load it through transformers"
+            if str(arch).replace("-", "_") in GGUF_CONFIG_MAPPING
+            else "nor does transformers read it: serve the model's safetensors checkpoint"
+        )
         raise ModelLoadError(
             f"{path.name}: GGUF architecture {arch!r} is not read as it is stored (neuronpy "
-            f"reads {', '.join(NATIVE_ARCHITECTURES)} files so); pass --quantize none to load "
-            "it through transformers"
+            f"reads {', '.join(NATIVE_ARCHITECTURES)} files so); {where}"
         )
     with _TRANSFORMERS:
         config, tokenizer = _gguf_metadata(path, cache_dir or default_cache_dir(), log)

@@ -71,7 +71,11 @@ def test_fixture_loads_and_is_consistent(name: str) -> None:
     layers = bf.HYBRID_LAYERS if name in bf.HYBRID_FIXTURES else 2
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, layers, inter)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads, head_dim) == (4, 2, 16)
+    if name in bf.MLA_FIXTURES:  # latent attention: one latent of 32 for the 4 heads
+        latent = (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+        assert (cfg.num_attention_heads, *latent) == (4, 32, 16, 8, 16)
+    else:
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, head_dim) == (4, 2, 16)
     assert cfg.max_position_embeddings == 512
     assert cfg.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert cfg.pad_token_id == tok.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>") == 0

@@ -242,3 +242,145 @@ async def test_parity_concurrent_equals_sequential_on_an_moe_model(compile: str)
         assert engine.stats().max_batch_size >= 3
     assert [summary(c) for c in got] == [summary(c) for c in expected]
     assert all(c.completion_tokens for c in got)
+
+
+# DeepSeek's MoE block (DeepSeek-V2, DeepSeek-V3, GLM-4.5), each routing variant against
+# transformers' own block module: (model_type, config fields)
+DEEPSEEK_BLOCKS = {
+    "glm4_moe": (  # sigmoid scores, a score bias, 2 groups of which 1 kept
+        "glm4_moe",
+        dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1),
+        dict(norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1),
+    ),
+    "deepseek_v3": (  # 4 groups of which 2 kept, 4 of 16 chosen, not renormalized
+        "deepseek_v3",
+        dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2),
+        dict(norm_topk_prob=False, routed_scaling_factor=2.5, n_shared_experts=2),
+    ),
+    "deepseek_v2_greedy": (  # softmax scores, the top-k of all
+        "deepseek_v2",
+        dict(n_routed_experts=8, num_experts_per_tok=2, topk_method="greedy"),
+        dict(routed_scaling_factor=1.0, n_shared_experts=2),
+    ),
+    "deepseek_v2_grouped": (  # softmax scores within the 2 of 4 groups of the best scores
+        "deepseek_v2",
+        dict(n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2),
+        dict(topk_method="group_limited_greedy", routed_scaling_factor=16.0, n_shared_experts=1),
+    ),
+}
+
+
+def deepseek_block(variant: str, dtype: torch.dtype) -> tuple[Any, MoeBlock]:
+    """transformers' MoE block of `variant` with random weights (its router's weight and score
+    bias float32, as transformers keeps them in a bfloat16 model), and neuronpy's of the same
+    tensors."""
+    import transformers
+
+    from neuronpy.arch.moe import moe_config, take_moe_block
+
+    model_type, routing, rest = DEEPSEEK_BLOCKS[variant]
+    config_class, block_class = {
+        "glm4_moe": (transformers.Glm4MoeConfig, "Glm4MoeMoE"),
+        "deepseek_v3": (transformers.DeepseekV3Config, "DeepseekV3MoE"),
+        "deepseek_v2": (transformers.DeepseekV2Config, "DeepseekV2Moe"),
+    }[model_type]
+    config = config_class(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        hidden_act="silu",
+        **routing,
+        **rest,
+    )
+    # the experts forward a loaded model runs by default (a block built alone would run the
+    # per-expert loop, which rounds each expert's weighted output to bfloat16 before the sum)
+    config._experts_implementation = "grouped_mm"
+    module = getattr(transformers.models, model_type)
+    reference = getattr(getattr(module, f"modeling_{model_type}"), block_class)(config).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.25 if "gate." not in name else 0.5))
+        if hasattr(reference.gate, "e_score_correction_bias"):
+            reference.gate.e_score_correction_bias.copy_(torch.randn(config.n_routed_experts) * 0.1)
+        reference.to(dtype)
+        reference.gate.float()  # transformers keeps the router float32 in any dtype
+    tensors = {f"mlp.{k}": v for k, v in reference.state_dict().items()}
+
+    def tensor(name: str) -> torch.Tensor:
+        return tensors[name]
+
+    moe = moe_config(config)
+    assert moe is not None and moe.sparse_layers == (1, 2)  # layer 0 dense
+    return reference, take_moe_block(tensor, "mlp", moe, dtype=dtype)
+
+
+@pytest.mark.parametrize("variant", DEEPSEEK_BLOCKS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deepseek_routing_equals_transformers_block(variant: str, dtype: torch.dtype) -> None:
+    """Random hidden states through transformers' block of each routing variant and
+    neuronpy's: the same experts for every token, the same weights (float32, as transformers
+    computes them whatever the dtype), and the same output (float32: within rounding;
+    bfloat16: the same bits, as transformers' default experts forward sums in float32)."""
+    reference, block = deepseek_block(variant, dtype)
+    assert block.router is not None and block.router.kind == "float32"
+    x = torch.randn(97, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    with torch.no_grad():
+        _, ref_weights, ref_experts = reference.gate(x)
+        expected = reference(x[None])[0]
+    weights, experts = block.route(x)
+    assert torch.equal(experts.sort(-1).values, ref_experts.sort(-1).values)
+    assert weights.dtype == ref_weights.dtype == torch.float32
+    torch.testing.assert_close(
+        weights.gather(1, experts.argsort(-1)),
+        ref_weights.gather(1, ref_experts.argsort(-1)),
+        atol=1e-6,
+        rtol=1e-6,
+    )
+    got = block(x)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    else:
+        # (a unit of bfloat16 at the output's size at most, should the projections' sums
+        # round otherwise)
+        torch.testing.assert_close(got.float(), expected.float(), atol=0.1, rtol=1e-2)
+    c = block.config
+    if c.topk_group < c.n_group:  # group limiting bites: every token's experts in kept groups
+        groups = experts // (c.num_experts // c.n_group)
+        assert all(len(set(row)) <= c.topk_group for row in groups.tolist())
+
+
+def test_deepseek_score_bias_chooses_but_does_not_weigh() -> None:
+    """The score bias moves which experts are chosen; the weights are the unbiased scores."""
+    _, block = deepseek_block("glm4_moe", torch.float32)
+    assert block.score_bias is not None
+    x = torch.randn(200, 64, generator=torch.Generator().manual_seed(5))
+    experts = block.route(x)[1]
+    block.score_bias = block.score_bias + torch.linspace(-2, 2, 8)  # favours the last experts
+    moved_weights, moved = block.route(x)
+    assert not torch.equal(moved.sort(-1).values, experts.sort(-1).values)
+    scores = block.router(x).sigmoid().gather(1, moved)  # type: ignore[misc]
+    want = scores / scores.sum(-1, keepdim=True) * block.config.routed_scaling_factor
+    torch.testing.assert_close(moved_weights, want)
+
+
+def test_deepseek_configs_refuse_what_transformers_would_build_otherwise() -> None:
+    import transformers
+
+    from neuronpy.arch.moe import moe_config
+
+    base = dict(hidden_size=64, moe_intermediate_size=16, num_hidden_layers=4)
+    base["num_experts_per_tok"] = 2
+    v2 = moe_config(transformers.DeepseekV2Config(**base, first_k_dense_replace=2, n_group=2))
+    assert v2 is not None and v2.sparse_layers == (2, 3)
+    assert (v2.scoring, v2.n_group, v2.norm_topk_prob) == ("softmax", 1, False)  # greedy
+    with pytest.raises(ValueError, match="moe_layer_freq 2"):
+        moe_config(transformers.DeepseekV2Config(**base, moe_layer_freq=2))
+    with pytest.raises(ValueError, match="topk_method 'noaux_tc'"):
+        moe_config(transformers.DeepseekV2Config(**base, topk_method="noaux_tc"))
+    v3 = moe_config(transformers.DeepseekV3Config(**base, n_shared_experts=2))
+    assert v3 is not None and v3.shared_intermediate_size == 32 and not v3.shared_gate
+    assert (v3.scoring, v3.score_bias, v3.group_score) == ("sigmoid", True, "top2")

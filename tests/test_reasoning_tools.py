@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from neuronpy.config import EngineConfig, load_config
-from neuronpy.engine.output import OutputParser, Parsed
+from neuronpy.engine.output import Parsed, output_parser
 from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.request import Finish, RouterMessage
 from neuronpy.engine.router import route
@@ -83,7 +83,7 @@ def splits(text: str) -> Iterator[tuple[str, str]]:
 
 
 def parse(pieces: Sequence[str], output: OutputFormat = THINK_AND_TOOLS, opened: bool = False):
-    parser = OutputParser(output, opened=opened)
+    parser = output_parser(output, opened=opened)
     out = Parsed()
     for piece in pieces:
         out.extend(parser.push(piece))

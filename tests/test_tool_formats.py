@@ -86,6 +86,14 @@ REPLIES = {
         "Let me check.\n<|tool_call_start|>"
         '[get_weather(city="Paris"), get_time(tz="CET")]<|tool_call_end|>'
     ),
+    # gpt-oss's: a commentary preamble, then a message to functions.NAME per call
+    "harmony": (
+        "<|channel|>commentary<|message|>Let me check.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Paris"}<|call|>'
+        "<|start|>assistant to=functions.get_time<|channel|>commentary json"
+        '<|message|>{"tz": "CET"}<|call|>'
+    ),
 }
 CALLS = [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})]
 # Lookalikes that stay text: a marker that opens no call, a call never closed.
@@ -97,6 +105,7 @@ TEXT = {
     "functiongemma": "<start_function_call>call:f{x:<escape>1",
     "qwen3_coder": "I use <tool_call> tags: <tool_call>\n<function=f>\n<parameter=x>\n1",
     "lfm2": "The <|tool_call_start|> token. <|tool_call_start|>[f(x=1)",
+    "harmony": "A <|channel|> token. <|channel|>commentary to=functions.f<|message|>{",
 }
 
 

@@ -140,7 +140,7 @@ class UniformStep:
         out = model.sdpa(
             layer, q_g, k_cache[:, :, : col + 1], v_cache[:, :, : col + 1], self.mask, self.banded
         )  # [B_g, KVH, G, D]: one query per row and head
-        return out.reshape(hi - lo, c.num_heads * c.head_dim)
+        return out.reshape(hi - lo, c.num_heads * c.value_dim)
 
     def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """This group's rows, one token each, through their own states: [B_g, hidden]."""
@@ -336,7 +336,7 @@ class NoAttention:
     def attend(
         self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        return q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+        return q.new_zeros(q.shape[0], q.shape[1] * model.config.value_dim)
 
     def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)

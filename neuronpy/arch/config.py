@@ -17,6 +17,8 @@ A family is a set of features over one forward (arch/llama.py), not a copy of it
 - gpt-oss: attention sinks (a learned logit per query head in every softmax's denominator),
   sliding-window layers beside full ones, q/k/v and o_proj biases, yarn RoPE, norms that
   multiply in float32; routed experts with biases and a clamped SwiGLU (arch/moe.py).
+- DeepSeek-V2 / V3 (and Kimi K2): multi-head latent attention (MlaConfig): each token caches
+  one compressed latent and a shared RoPE key instead of per-head K and V.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from neuronpy.errors import UnsupportedArchitectureError
 
 log = logging.getLogger(__name__)
 
+# multi-head latent attention (MlaConfig)
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 # model_type -> the family features it may use. Everything else is refused by name.
 SUPPORTED_MODEL_TYPES = (
     "llama",
@@ -47,6 +51,7 @@ SUPPORTED_MODEL_TYPES = (
     *HYBRID_MOE_MODEL_TYPES,
     "qwen3_5_text",
     "lfm2",
+    *MLA_MODEL_TYPES,
     "gpt_oss",
 )
 # model_type -> {the config's name of a layer type: the layer it is (arch/mixer.py's kinds)}
@@ -75,6 +80,48 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "g
 GEMMA = ("gemma2", "gemma3_text")
 # families whose config's layer_types mix sliding-window layers with full ones
 MIXED_WINDOW = (*GEMMA, "gpt_oss")
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2 / V3). Each token's key and value for every
+    head come from one latent of `kv_lora_rank` values (plus a `rope_dim` key shared by the
+    heads), so the cache holds the latent and the shared key alone: one "KV head" of
+    kv_lora_rank + rope_dim keys and no values of its own (the latent is the values).
+
+    Attention runs in latent space: each head's query (its `nope_dim` part) is multiplied by
+    that head's key up-projection, so its scores are taken against the latent directly, and
+    the weighted sum of latents is multiplied by the head's value up-projection after. This is
+    the same sum as expanding every cached latent into per-head keys and values, in another
+    order, and it reads kv_lora_rank + rope_dim values per cached token instead of
+    heads * (nope_dim + rope_dim + v_dim)."""
+
+    q_lora_rank: int  # the query's own low-rank step (0: one q_proj)
+    kv_lora_rank: int
+    nope_dim: int  # each head's query/key dims without RoPE
+    rope_dim: int  # each head's rotated query dims, and the shared key's
+    v_dim: int  # each head's value dims (before o_proj)
+    # RoPE over interleaved pairs (x0, x1), (x2, x3)...: the checkpoint's rotated rows are put
+    # in half-split order at load (every even dim, then every odd one), the same rotation
+    interleaved: bool = True
+
+    @property
+    def key_dim(self) -> int:
+        """The cached width per token: the latent, then the shared RoPE key."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> MlaConfig:
+        return cls(
+            q_lora_rank=int(getattr(hf_config, "q_lora_rank", None) or 0),
+            kv_lora_rank=int(hf_config.kv_lora_rank),
+            nope_dim=int(hf_config.qk_nope_head_dim),
+            rope_dim=int(hf_config.qk_rope_head_dim),
+            v_dim=int(hf_config.v_head_dim),
+            # DeepSeek-V2 rotates interleaved pairs always (complex products); V3 as it says
+            interleaved=hf_config.model_type == "deepseek_v2"
+            or bool(getattr(hf_config, "rope_interleave", True)),
+        )
 
 
 @dataclass(frozen=True)
@@ -117,6 +164,9 @@ class ArchConfig:
     attn_sinks: bool = False  # gpt-oss: a learned sink logit per query head (self_attn.sinks)
     # gpt-oss: norms multiply in float32, then round (`(w * x).to(dtype)`): weights kept float32
     norm_fp32: bool = False
+    # DeepSeek's multi-head latent attention (then num_kv_heads is 1 and head_dim the cached
+    # width, MlaConfig.key_dim); None for every other family
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -124,6 +174,17 @@ class ArchConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+
+    @property
+    def value_dim(self) -> int:
+        """Each head's attention output width: head_dim, or an MLA model's latent width."""
+        return self.mla.kv_lora_rank if self.mla is not None else self.head_dim
+
+    @property
+    def cached_value_dim(self) -> int:
+        """The values' width in the KV cache per KV head: head_dim, or 0 for an MLA model
+        (its cached keys begin with the latent, which is its values)."""
+        return 0 if self.mla is not None else self.head_dim
 
     @property
     def group_size(self) -> int:
@@ -214,13 +275,27 @@ class ArchConfig:
         if model_type == "granitemoehybrid" and hf_config.position_embedding_type != "rope":
             layer_rope = (None,) * layers  # Granite 4: attention without positions (NoPE)
         scalar = getattr(hf_config, "query_pre_attn_scalar", None)
+        mla = MlaConfig.from_hf(hf_config) if model_type in MLA_MODEL_TYPES else None
+        if mla is not None:
+            # one cached "KV head" of the latent and the shared RoPE key; RoPE is applied
+            # to the rotated parts alone (rotary_dim is theirs); the query scale as
+            # transformers' (YaRN's mscale folded in for every dim)
+            from transformers.modeling_rope_utils import yarn_apply_mscale
+
+            num_kv_heads, head_dim, rotary_dim = 1, mla.key_dim, mla.key_dim
+            scalar_mla = yarn_apply_mscale(
+                rope_parameters(hf_config), (mla.nope_dim + mla.rope_dim) ** -0.5
+            )
+        else:
+            num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+            scalar_mla = None
         return cls(
             model_type=model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             num_layers=layers,
             num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             intermediate_size=mlp_size(hf_config),
             rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", None) or hf_config.norm_eps),
@@ -231,7 +306,7 @@ class ArchConfig:
             attn_scale=(
                 float(hf_config.attention_multiplier)
                 if granite
-                else (float(scalar) ** -0.5 if gemma and scalar else None)
+                else (float(scalar) ** -0.5 if gemma and scalar else scalar_mla)
             ),
             attn_softcap=_cap(getattr(hf_config, "attn_logit_softcapping", None)),
             final_softcap=_cap(getattr(hf_config, "final_logit_softcapping", None)),
@@ -255,6 +330,7 @@ class ArchConfig:
             layer_types=layer_types,
             attn_sinks=model_type == "gpt_oss",
             norm_fp32=model_type == "gpt_oss",
+            mla=mla,
         )
 
 

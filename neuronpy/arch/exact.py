@@ -72,8 +72,9 @@ def step_attention(
         mask = F.pad(mask, (0, pad), value=False)
         k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
     n, length, g = b * h, k.shape[2], nq // tokens
+    dv = v.shape[-1]  # the values' width (latent attention's differs from the keys')
     keys = k.reshape(n, length, d)  # [n, L, D]: views (B and KVH merge)
-    values = v.reshape(n, length, d)
+    values = v.reshape(n, length, dv)
     queries = (q * scale).reshape(n, g, tokens, d)
     blocked = None  # what each token's query heads may not see, broadcasting to [B, KVH, G, L]
     if mask is not None:
@@ -104,8 +105,8 @@ def step_attention(
         parts = [torch.bmm(weights[:, lo : lo + NARROW], values) for lo in range(0, g, NARROW)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [n, G, D]
         outs.append(out / total[..., None])
-    out = outs[0] if tokens == 1 else torch.stack(outs, dim=2)  # [n, G, T, D]
-    return out.reshape(b, h, nq, d)
+    out = outs[0] if tokens == 1 else torch.stack(outs, dim=2)  # [n, G, T, Dv]
+    return out.reshape(b, h, nq, dv)
 
 
 @torch.profiler.record_function("exact_attention")
@@ -130,7 +131,7 @@ def chunk_attention(
     pad_keys, pad_rows = blocks * KEY_BLOCK - length, rows - nq
     queries = F.pad(q * scale, (0, 0, 0, pad_rows))  # [B, KVH, rows, D]
     keys = F.pad(k, (0, 0, 0, pad_keys)).reshape(b, h, blocks, KEY_BLOCK, d)
-    values = F.pad(v, (0, 0, 0, pad_keys)).reshape(b, h, blocks, KEY_BLOCK, d)
+    values = F.pad(v, (0, 0, 0, pad_keys)).reshape(b, h, blocks, KEY_BLOCK, v.shape[-1])
     mask = mask.expand(b, h, nq, length)
     # padding rows see every key (a row that saw none would be NaN); padding keys none
     mask = F.pad(F.pad(mask, (0, 0, 0, pad_rows), value=True), (0, pad_keys), value=False)

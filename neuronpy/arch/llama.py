@@ -37,12 +37,20 @@ from neuronpy.arch.mixer import Mixer
 from neuronpy.arch.moe import MoeBlock
 from neuronpy.arch.quant import QuantEmbedding
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
-from neuronpy.arch.weights import AnyLinear, LayerWeights, ModelWeights, take_weights
+from neuronpy.arch.weights import (
+    AnyLinear,
+    LayerWeights,
+    MlaWeights,
+    ModelWeights,
+    take_weights,
+)
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.envflags import env_flag
 
 AttentionForm = Literal["step", "chunk", "packed"]
 
+# projections per layer in the compiled graph's numbering (see LlamaModel._linear)
+SLOTS = 5
 # leading logits of a row a quantized tied head recomputes in fp32 (see LlamaModel._refine)
 REFINED_LOGITS = 16
 
@@ -295,12 +303,17 @@ class LlamaModel:
         self._compiled = compiled
 
     def linear_at(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Projection `index` (4 per layer: qkv, o_proj, gate_up, down) over x (arch/ops)."""
+        """Projection `index` (SLOTS per layer: qkv, o_proj, gate_up, down, an MLA query's
+        second step) over x (arch/ops)."""
         return self._projections[index](x)
 
     @functools.cached_property
     def _projections(self) -> list[AnyLinear]:
-        return [p for lw in self.layers for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down)]
+        return [
+            p
+            for lw in self.layers
+            for p in (lw.qkv, lw.o_proj, lw.gate_up, lw.down, lw.mla and lw.mla.q_b)
+        ]
 
     def mix_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """The running forward's fixed-size-state layer `layer` over x (arch/ops), as
@@ -338,10 +351,16 @@ class LlamaModel:
             else:
                 rope = c.rope_of(layer)
                 cos_sin = None if rope is None else tables[rope]
-                q, k, v, gate = self._qkv(layer, lw, x, cos_sin)  # q [N, H, D]; k, v [N, KVH, D]
-                attn = self._attend(layer, q, k, v)
-                if gate is not None:  # Qwen3-Next's output gate, per head and dim
-                    attn = attn * torch.sigmoid(gate)
+                if lw.mla is not None:  # latent attention: its own query, key and output
+                    assert cos_sin is not None
+                    q, k, v = self._mla_qkv(layer, lw, x, cos_sin)
+                    attn = self._mla_output(lw.mla, self._attend(layer, q, k, v))
+                else:
+                    # q [N, H, D]; k, v [N, KVH, D]
+                    q, k, v, gate = self._qkv(layer, lw, x, cos_sin)
+                    attn = self._attend(layer, q, k, v)
+                    if gate is not None:  # Qwen3-Next's output gate, per head and dim
+                        attn = attn * torch.sigmoid(gate)
                 out = self._linear(layer, 1, lw.o_proj, attn)
             x = self._finish_layer(layer, lw, x, out)
         return rms_norm(x, self.norm, c.rms_norm_eps)
@@ -361,15 +380,17 @@ class LlamaModel:
         """This forward's attention in one layer: [N, H * D]."""
         if torch.compiler.is_compiling():
             assert self._handle is not None
-            return ops.attend(q, k, v, self._handle, layer)
+            width = self.config.num_heads * self.config.value_dim
+            return ops.attend(q, k, v, self._handle, layer, width)
         assert self._attention is not None
         return self._attention.attend(self, layer, q, k, v)
 
     def _linear(self, layer: int, slot: int, lin: AnyLinear, x: torch.Tensor) -> torch.Tensor:
-        """Layer `layer`'s projection `slot` (0 qkv, 1 o_proj, 2 gate_up, 3 down) over x."""
+        """Layer `layer`'s projection `slot` (0 qkv, 1 o_proj, 2 gate_up, 3 down, 4 an MLA
+        query's second step) over x."""
         if torch.compiler.is_compiling():
             assert self._handle is not None
-            return ops.linear(x, self._handle, 4 * layer + slot, lin.out_features)
+            return ops.linear(x, self._handle, SLOTS * layer + slot, lin.out_features)
         return lin(x)
 
     def _moe(self, layer: int, block: MoeBlock, x: torch.Tensor) -> torch.Tensor:
@@ -422,6 +443,45 @@ class LlamaModel:
             return q, k, v, gate
         cos, sin = cos_sin
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def _mla_qkv(
+        self,
+        layer: int,
+        lw: LayerWeights,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Multi-head latent attention's inputs (see MlaConfig): x [N, hidden] -> the query in
+        latent space [N, H, kv_lora_rank + rope], the cached key [N, 1, kv_lora_rank + rope]
+        (the normed latent, then the shared key after RoPE) and no values of its own [N, 1, 0]
+        (sdpa reads the latent as the values)."""
+        c = self.config
+        m, mw = c.mla, lw.mla
+        assert m is not None and mw is not None and lw.qkv is not None
+        n, r = x.shape[0], m.kv_lora_rank
+        first = self._linear(layer, 0, lw.qkv, rms_norm(x, lw.input_norm, c.rms_norm_eps))
+        q, latent, k_rope = first.split([first.shape[-1] - m.key_dim, r, m.rope_dim], dim=-1)
+        if mw.q_b is not None:
+            assert mw.q_norm is not None
+            q = self._linear(layer, 4, mw.q_b, rms_norm(q, mw.q_norm, c.rms_norm_eps))
+        q_nope, q_rope = q.view(n, c.num_heads, m.nope_dim + m.rope_dim).split(
+            [m.nope_dim, m.rope_dim], dim=-1
+        )
+        cos, sin = cos_sin
+        q_rope = apply_rope(q_rope, cos, sin)
+        # each head's query through its key up-projection: [H, N, nope] @ [H, nope, r]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), mw.w_uk).transpose(0, 1)
+        latent = rms_norm(latent, mw.kv_norm, c.rms_norm_eps)
+        k_rope = apply_rope(k_rope.view(n, 1, m.rope_dim), cos, sin)
+        k = torch.cat((latent.view(n, 1, r), k_rope), dim=-1)
+        return torch.cat((q_latent, q_rope), dim=-1), k, k.new_empty(n, 1, 0)
+
+    def _mla_output(self, mw: MlaWeights, attn: torch.Tensor) -> torch.Tensor:
+        """Attention's weighted latents [N, H * kv_lora_rank] through each head's value
+        up-projection -> [N, H * v_dim], what o_proj reads."""
+        n, heads = attn.shape[0], mw.w_uv.shape[0]
+        out = torch.bmm(attn.view(n, heads, -1).transpose(0, 1), mw.w_uv)  # [H, N, v_dim]
+        return out.transpose(0, 1).reshape(n, heads * mw.w_uv.shape[2])
 
     def _finish_layer(
         self, layer: int, lw: LayerWeights, x: torch.Tensor, out: torch.Tensor
@@ -477,6 +537,8 @@ class LlamaModel:
         c = self.config
         if c.window(layer) is not None:
             mask = banded
+        if c.mla is not None:  # latent attention: the cached latent is the values
+            v = k[..., : c.mla.kv_lora_rank]
         scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
         sinks = self.layers[layer].sinks  # gpt-oss: a logit per query head, or None
         if self.exact and form != "packed":
@@ -559,8 +621,8 @@ class LlamaModel:
         """[B, KVH, G * T, D] -> [B * T, H * D]."""
         b = out.shape[0]
         c = self.config
-        out = out.reshape(b, c.num_heads, t, c.head_dim).transpose(1, 2)
-        return out.reshape(b * t, c.num_heads * c.head_dim)
+        out = out.reshape(b, c.num_heads, t, c.value_dim).transpose(1, 2)
+        return out.reshape(b * t, c.num_heads * c.value_dim)
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -633,13 +695,13 @@ class LlamaModel:
         if extend and past is not None and past.buffers and past.capacity >= total:
             return past.buffers  # the prefix is in place already
         capacity = min(max(total, reserve), c.context_len)
-        keys = [
-            torch.empty(
-                1, c.num_kv_heads, capacity, c.head_dim, device=self.device, dtype=self.dtype
-            )
-            for _ in range(self.num_kv_layers)
-        ]
-        values = [torch.empty_like(k) for k in keys]
+        keys, values = (
+            [
+                torch.empty(1, c.num_kv_heads, capacity, dim, device=self.device, dtype=self.dtype)
+                for _ in range(self.num_kv_layers)
+            ]
+            for dim in (c.head_dim, c.cached_value_dim)
+        )
         if capacity > total:  # room to grow into: zeroed, as a live batch's headroom is
             for t in (*keys, *values):
                 t[:, :, total:].zero_()

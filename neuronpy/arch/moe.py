@@ -1,15 +1,24 @@
-"""Mixture-of-experts MLP blocks (Qwen3-MoE, Mixtral, OLMoE; the hybrid families' Qwen3-Next,
-Qwen3.5-MoE and Granite-4.0-H): a router picks, per token, the top-k of E experts (each a
-SiLU-gated MLP of its own), and the token's output is their outputs weighted by the router's
-probabilities, plus, where the family has one, a shared expert's output.
+"""Mixture-of-experts MLP blocks (Qwen3-MoE, Mixtral, OLMoE, GLM-4.5; the hybrid families'
+Qwen3-Next, Qwen3.5-MoE and Granite-4.0-H; DeepSeek-V2/V3's blocks): a router picks, per
+token, the top-k of E experts (each a SiLU-gated MLP of its own), and the token's output is
+their outputs weighted by the router's probabilities, plus, where the family has one, a shared
+expert's output.
 
 The router computes as transformers does: its logits in the model's dtype (the router weight
-is kept as the checkpoint holds it, never quantized), then one of two orders:
+is kept as the checkpoint holds it, never quantized), then one of these orders:
 - softmax, then top-k (Qwen3-MoE, Mixtral, OLMoE, Qwen3-Next, Qwen3.5-MoE): the softmax over
   the E experts in float32, top-k, renormalized over the k where the family does (Mixtral and
   Qwen3.5-MoE always, Qwen3-MoE, OLMoE and Qwen3-Next as `norm_topk_prob` says);
 - top-k, then softmax (Granite): the top-k of the logits (upcast to float32), and the softmax
-  over those k alone, so the k weights always sum to one.
+  over those k alone, so the k weights always sum to one;
+- DeepSeek's router (DeepSeek-V2, DeepSeek-V3, GLM-4.5), all in float32, its weight kept
+  float32 in any model (as transformers keeps it): scores, a softmax (V2) or a sigmoid (V3,
+  GLM) of the logits; the scores to choose by, the scores plus a per-expert bias
+  (`e_score_correction_bias`, V3 and GLM); where only topk_group of n_group groups are kept,
+  the groups scored (V3, GLM: the sum of each group's two best; V2's group_limited_greedy:
+  its best) and the experts of the others left out; the top-k of the rest; their weights the
+  scores without the bias, renormalized where norm_topk_prob says, times
+  routed_scaling_factor. These are MoeConfig fields, not a family's switch: MoeBlock.route.
 The k weights are cast back to the model's dtype before they scale the experts' outputs
 (every family but Mixtral, which scales in float32). In float32 models all of this is
 float32. (A router kept in float32 in a bfloat16 model was measured against transformers'
@@ -17,7 +26,8 @@ bfloat16 forward of the tiny OLMoE fixture: its experts' choices part from the r
 near-ties at bfloat16's resolution, and the logits with them, 1.7 off where the router in the
 model's dtype stays within 0.63; so the reference's arithmetic it is.)
 
-A shared expert (Qwen3-Next, Qwen3.5-MoE: `mlp.shared_expert`; Granite: the layer's
+A shared expert (Qwen3-Next, Qwen3.5-MoE: `mlp.shared_expert`; DeepSeek and GLM:
+`mlp.shared_experts`, their n_shared_experts fused into one; Granite: the layer's
 `shared_mlp`) is one more SiLU-gated MLP, of its own intermediate size, that every token runs
 through; its output is added to the routed experts' sum, scaled first by a per-token
 sigmoid(`shared_expert_gate`(x)) where the family has that gate (the Qwens; the gate, a
@@ -29,8 +39,13 @@ The experts run grouped: the step's N * k (token, expert) assignments are sorted
 counted, and each expert that some token chose runs once over all of its tokens (one gate/up
 and one down projection over a contiguous slice of the gathered inputs); experts nobody chose
 do not run at all. The weighted outputs are summed back into their tokens with one index_add_,
-each token's contributions in ascending expert order as transformers adds them. There is no
-per-token Python loop: one per expert present in the step.
+each token's contributions in ascending expert order. Where the weights are cast to the model's
+dtype first, the sum is in that dtype too (as transformers' per-expert loop adds them; k of 2
+adds alike in any order). Where they scale in float32 (Mixtral, DeepSeek's router), each
+token's weighted outputs are summed in float32 and rounded once, as transformers' default
+experts forward ("grouped_mm") does: rounding each to bfloat16 before the sum, as its
+per-expert loop does, gave Mixtral's bfloat16 logits 0.34 off the loaded model's, the float32
+sum none. There is no per-token Python loop: one per expert present in the step.
 
 Each expert's gate/up and down are linear layers of arch/linear.py (`make_linear`), so every
 `--quantize` mode applies to each expert (and the shared one) as to a dense projection, and a
@@ -85,6 +100,14 @@ MOE_MODEL_TYPES = {
 # moe_config reads and take_moe_block builds. They are not in MOE_MODEL_TYPES, which
 # arch/config.py serves whole: their token mixers are another module's.
 HYBRID_MOE_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "granitemoehybrid")
+# The families of DeepSeek's MoE block: DeepSeek's router, shared experts without a gate, the
+# first layers dense. Only GLM-4.5 is served whole (arch/config.py); the DeepSeeks' attention
+# (multi-head latent attention) is another module's, so for them moe_config and
+# take_moe_block are the MoE side alone.
+DEEPSEEK_MOE_MODEL_TYPES = ("glm4_moe", "deepseek_v3", "deepseek_v2")
+# DeepSeek-V2's ways of choosing the top-k (its config's topk_method): "greedy", the top-k of
+# all the experts; "group_limited_greedy", within the best topk_group groups
+DEEPSEEK_V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
 @dataclass(frozen=True)
@@ -106,6 +129,14 @@ class MoeConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    # DeepSeek's router (DeepSeek-V2, DeepSeek-V3, GLM-4.5): see MoeBlock.route
+    float32_router: bool = False  # logits of the float32 input by a float32 weight
+    scoring: str = "softmax"  # how the logits become scores: "softmax" or "sigmoid"
+    score_bias: bool = False  # a per-expert bias added to the scores, for choosing only
+    n_group: int = 1  # the experts split into this many groups of consecutive ones...
+    topk_group: int = 1  # ...of which each token chooses within this many only
+    group_score: str = "max"  # a group's score: its best ("max") or its two best summed ("top2")
+    routed_scaling_factor: float = 1.0  # the k weights times this, after renormalizing
 
     def shard(self, world_size: int) -> MoeConfig:
         """One tensor-parallel rank's: its share of every expert's intermediate columns."""
@@ -135,6 +166,8 @@ def moe_config(hf_config: Any) -> MoeConfig | None:
     model_type = getattr(hf_config, "model_type", None)
     if model_type in HYBRID_MOE_MODEL_TYPES:
         return _hybrid_moe_config(hf_config)
+    if model_type in DEEPSEEK_MOE_MODEL_TYPES:
+        return _deepseek_moe_config(hf_config)
     if model_type == "gpt_oss":
         return _gpt_oss_moe_config(hf_config)
     if model_type not in MOE_MODEL_TYPES:
@@ -190,6 +223,64 @@ def _hybrid_moe_config(hf_config: Any) -> MoeConfig:
     )
 
 
+def _deepseek_moe_config(hf_config: Any) -> MoeConfig:
+    """DeepSeek-V2's, DeepSeek-V3's or GLM-4.5's MoE settings, as transformers builds the
+    blocks: layers from first_k_dense_replace on have experts (the first ones a dense MLP of
+    intermediate_size), each with n_shared_experts shared experts fused into one MLP of
+    moe_intermediate_size * n_shared_experts, added without a gate.
+
+    DeepSeek-V3 and GLM-4.5 score with a sigmoid, choose with e_score_correction_bias added
+    (the routing weights are the unbiased scores), within the topk_group best of n_group
+    groups (a group's score: the sum of its two best biased scores). DeepSeek-V2 scores with a
+    softmax and chooses among all ("greedy") or within the topk_group groups whose best score
+    is highest ("group_limited_greedy"); transformers never renormalizes its k weights, whatever
+    norm_topk_prob says, so neither does this."""
+    model_type = hf_config.model_type
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"a {model_type} MoE block with hidden_act {act!r} is not supported")
+    v2 = model_type == "deepseek_v2"
+    if v2 and getattr(hf_config, "mlp_bias", False):
+        raise ValueError("a deepseek_v2 MoE block with mlp_bias is not supported")
+    # DeepSeek's own code (not transformers') has experts only in every moe_layer_freq-th
+    # layer; transformers builds them in every layer past the dense ones. The two agree at 1,
+    # which is what the released models use; any other value is refused rather than guessed.
+    freq = int(getattr(hf_config, "moe_layer_freq", 1) or 1)
+    if freq != 1:
+        raise ValueError(f"{model_type}: moe_layer_freq {freq} is not supported (only 1)")
+    method = getattr(hf_config, "topk_method", None) or "greedy"
+    if v2 and method not in DEEPSEEK_V2_TOPK_METHODS:
+        raise ValueError(f"deepseek_v2: topk_method {method!r} is not supported")
+    num_experts = int(hf_config.n_routed_experts)
+    first_dense = int(getattr(hf_config, "first_k_dense_replace", 0) or 0)
+    grouped = not v2 or method == "group_limited_greedy"
+    n_group = int(getattr(hf_config, "n_group", None) or 1) if grouped else 1
+    topk_group = int(getattr(hf_config, "topk_group", None) or n_group) if grouped else 1
+    if num_experts % n_group or not 0 < topk_group <= n_group:
+        raise ValueError(
+            f"{model_type}: {num_experts} experts in {n_group} groups, {topk_group} of them "
+            "kept, is not a valid grouping"
+        )
+    shared = int(getattr(hf_config, "n_shared_experts", None) or 0)
+    inter = int(hf_config.moe_intermediate_size)
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=int(hf_config.num_experts_per_tok),
+        intermediate_size=inter,
+        norm_topk_prob=not v2 and bool(getattr(hf_config, "norm_topk_prob", False)),
+        sparse_layers=tuple(range(first_dense, int(hf_config.num_hidden_layers))),
+        cast_weights=False,  # the float32 weights scale each expert's output
+        shared_intermediate_size=inter * shared,
+        float32_router=True,
+        scoring="softmax" if v2 else "sigmoid",
+        score_bias=not v2,
+        n_group=n_group,
+        topk_group=topk_group,
+        group_score="max" if v2 else "top2",
+        routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
+    )
+
+
 def _gpt_oss_moe_config(hf_config: Any) -> MoeConfig:
     """gpt-oss: experts in every layer, top-k then softmax, biases, the clamped SwiGLU."""
     return MoeConfig(
@@ -227,6 +318,7 @@ class MoeBlock:
         shared_gate_up: AnyLinear | None = None,
         shared_down: AnyLinear | None = None,
         shared_gate: Linear | None = None,
+        score_bias: torch.Tensor | None = None,
     ) -> None:
         routers = 0 if router is None else router.out_features
         if not len(gate_up) == len(down) == config.num_experts == routers:
@@ -239,6 +331,10 @@ class MoeBlock:
             raise ValueError("a shared expert's gate is there where the config says it is")
         if not config.num_experts and shared_gate_up is None:
             raise ValueError("a MoE block of no routed experts needs a shared expert")
+        if (score_bias is not None) != config.score_bias or (
+            score_bias is not None and score_bias.shape != (config.num_experts,)
+        ):
+            raise ValueError("a score bias, one per expert, is there where the config says")
         self.config = config
         self.router = router  # hidden -> experts (None: no routed experts)
         self.gate_up = list(gate_up)  # per expert: hidden -> 2 * inter (gate, then up)
@@ -246,6 +342,7 @@ class MoeBlock:
         self.shared_gate_up = shared_gate_up  # hidden -> 2 * shared inter (gate, then up)
         self.shared_down = shared_down  # shared inter -> hidden
         self.shared_gate = shared_gate  # hidden -> 1: sigmoid-scales the shared expert
+        self.score_bias = score_bias  # [E] float32, added to the scores for choosing only
 
     def linears(self) -> list[Any]:
         """Every projection of the block: the router, each expert's two, the shared expert's
@@ -260,6 +357,8 @@ class MoeBlock:
         or (topk_then_softmax) the top-k logits and a float32 softmax over them."""
         if self.router is None:
             raise ValueError("a MoE block of no routed experts routes nothing")
+        if self.config.float32_router:
+            return self._route_float32(x)
         logits = self.router(x)  # [N, E]
         if self.config.topk_then_softmax:
             top, experts = logits.float().topk(self.config.top_k, dim=-1)
@@ -269,6 +368,44 @@ class MoeBlock:
         if self.config.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
+
+    def _route_float32(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's router (DeepSeek-V2/V3, GLM-4.5), in transformers' order of operations,
+        all in float32: the logits of the float32 input by the float32 weight; scores, their
+        softmax or sigmoid; the scores to choose by, the scores plus the bias where there is
+        one; where only some groups are kept, each group scored (its best, or its two best
+        summed) and the experts outside the topk_group best groups masked out (to -inf, or to
+        0 under a softmax, whose scores are all above it); the top-k of what is left (unsorted,
+        as transformers takes it); their weights, the unbiased scores of the chosen, then
+        renormalized (over the sum plus 1e-20) where norm_topk_prob says, then times
+        routed_scaling_factor."""
+        assert self.router is not None
+        c = self.config
+        logits = self.router(x.float())  # [N, E]
+        if c.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1, dtype=torch.float32)
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        if c.topk_group < c.n_group:  # (keeping every group masks nothing: skipped)
+            grouped = choice.view(-1, c.n_group, c.num_experts // c.n_group)
+            if c.group_score == "top2":
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            else:
+                group_scores = grouped.max(dim=-1).values
+            kept = torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1]
+            mask = torch.zeros_like(group_scores).scatter_(1, kept, 1)
+            mask = mask.unsqueeze(-1).expand_as(grouped).reshape(-1, c.num_experts)
+            fill = 0.0 if c.scoring == "softmax" else float("-inf")
+            choice = choice.masked_fill(~mask.bool(), fill)
+        experts = torch.topk(choice, k=c.top_k, dim=-1, sorted=False)[1]
+        # a softmax's weights are the masked scores (DeepSeek-V2 takes the top-k's values: an
+        # expert of a masked group, chosen only where the kept groups hold fewer than k,
+        # weighs 0); a sigmoid's, the scores as they were before bias and mask
+        weights = (choice if c.scoring == "softmax" else scores).gather(1, experts)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shared = self._shared(x)
@@ -294,7 +431,12 @@ class MoeBlock:
         scale = weights.reshape(-1)[order, None]
         if self.config.cast_weights:
             scale = scale.to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, tokens, (out * scale).to(x.dtype))
+            return torch.zeros_like(x).index_add_(0, tokens, (out * scale).to(x.dtype))
+        # float32 weights: each token's weighted outputs summed in float32, rounded to the
+        # model's dtype once (transformers' default experts forward, "grouped_mm", sums them
+        # so; its per-expert loop rounds each one first: the two part in bfloat16's last bit)
+        summed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return summed.index_add_(0, tokens, (out * scale).float()).to(x.dtype)
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
@@ -397,12 +539,16 @@ def take_moe_block(
     - the Qwens' files' per-expert `{prefix}.experts.{e}.gate_proj.weight`, `up_proj` [I,
       hidden] and `down_proj` [hidden, I].
     The shared expert (where config.shared_intermediate_size says there is one), at
-    `shared_prefix` (by default `{prefix}.shared_expert`, the Qwens'; Granite's is the layer's
+    `shared_prefix` (by default `{prefix}.shared_expert`, the Qwens', or
+    `{prefix}.shared_experts`, DeepSeek's and GLM's; Granite's is the layer's
     "model.layers.3.shared_mlp"), one of: `{shared_prefix}.gate_proj.weight`, `up_proj` and
     `down_proj` apart, or `{shared_prefix}.input_linear.weight` [2 * S, hidden] (gate rows,
     then up) and `{shared_prefix}.output_linear.weight` [hidden, S]. Quantized ones apart (a
     GGUF file's, gate and up of one layout) are kept so on one rank, gate and up fused. Its
     gate (where config.shared_gate says) is `{prefix}.shared_expert_gate.weight` [1, hidden].
+    The score bias (where config.score_bias says) is `{prefix}.gate.e_score_correction_bias`
+    [E] (or `{prefix}.e_score_correction_bias`); it and, under config.float32_router, the
+    router weight are kept float32.
 
     A config of 0 routed experts (Granite's dense hybrids) reads the shared expert alone."""
     router: Linear | None = None
@@ -412,15 +558,22 @@ def take_moe_block(
         name, w = _first(
             tensor, [f"{prefix}.{r}.weight" for r in ("gate", "router", "router.layer")]
         )
+        # DeepSeek's router computes in float32 whatever the model's dtype (transformers keeps
+        # its weight and bias float32 in a bfloat16 model): so is it kept here
+        router_dtype = torch.float32 if config.float32_router else dtype
         bias = None
         if config.router_bias:  # gpt-oss
-            bias = _gate_tensor(tensor(name.removesuffix("weight") + "bias"), dtype)
-        router = Linear(_gate_tensor(w, dtype), bias)
+            bias = _gate_tensor(tensor(name.removesuffix("weight") + "bias"), router_dtype)
+        router = Linear(_gate_tensor(w, router_dtype), bias)
         experts = _biased_experts if config.expert_bias else _routed_experts
         ups, downs = experts(tensor, prefix, config, rank, world_size, quantize, dtype)
+    score_bias = None
+    if config.score_bias:
+        names = [f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias"]
+        score_bias = _gate_tensor(_first(tensor, names)[1], torch.float32)
     shared_gate_up = shared_down = shared_gate = None
     if config.shared_intermediate_size:
-        at = f"{prefix}.shared_expert" if shared_prefix is None else shared_prefix
+        at = shared_prefix or _shared_prefix(tensor, prefix)
         shared_gate_up, shared_down = _shared_expert(
             tensor, at, config.shared_intermediate_size, rank, world_size, quantize, dtype
         )
@@ -428,8 +581,27 @@ def take_moe_block(
             name = f"{prefix}.shared_expert_gate.weight"
             shared_gate = Linear(_gate_tensor(tensor(name), dtype))
     return MoeBlock(
-        config.shard(world_size), router, ups, downs, shared_gate_up, shared_down, shared_gate
+        config.shard(world_size),
+        router,
+        ups,
+        downs,
+        shared_gate_up,
+        shared_down,
+        shared_gate,
+        score_bias,
     )
+
+
+def _shared_prefix(tensor: Callable[[str], Any], prefix: str) -> str:
+    """Where the MoE module at `prefix` keeps its shared expert: `{prefix}.shared_expert` (the
+    Qwens') or `{prefix}.shared_experts` (DeepSeek's and GLM's, the n_shared_experts fused)."""
+    for at in (f"{prefix}.shared_expert", f"{prefix}.shared_experts"):
+        try:
+            _first(tensor, [f"{at}.gate_proj.weight", f"{at}.input_linear.weight"])
+        except KeyError:
+            continue
+        return at
+    return f"{prefix}.shared_expert"  # (its absence is reported by name when read)
 
 
 def _weight(tensor: Callable[[str], Any], name: str) -> torch.Tensor:

@@ -28,7 +28,7 @@ class Opaque(Protocol):
     """What the operators call on the model a handle names."""
 
     def linear_at(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """Projection `index` (4 per layer: qkv, o_proj, gate_up, down) over x."""
+        """Projection `index` (LlamaModel's numbering) over x."""
         ...
 
     def attend_at(
@@ -66,7 +66,7 @@ def _model(handle: torch.Tensor) -> Opaque:
 
 _LIB = torch.library.Library("neuronpy", "DEF")
 _LIB.define("linear(Tensor x, Tensor model, int index, int out_features) -> Tensor")
-_LIB.define("attend(Tensor q, Tensor k, Tensor v, Tensor model, int layer) -> Tensor")
+_LIB.define("attend(Tensor q, Tensor k, Tensor v, Tensor model, int layer, int width) -> Tensor")
 _LIB.define("moe(Tensor x, Tensor model, int layer) -> Tensor")
 _LIB.define("mix(Tensor x, Tensor model, int layer) -> Tensor")
 
@@ -76,7 +76,12 @@ def _linear(x: torch.Tensor, model: torch.Tensor, index: int, out_features: int)
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: torch.Tensor, layer: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    model: torch.Tensor,
+    layer: int,
+    width: int,
 ) -> torch.Tensor:
     return _model(model).attend_at(layer, q, k, v)
 
@@ -105,9 +110,14 @@ def _linear_shape(
 
 @torch.library.register_fake("neuronpy::attend")
 def _attend_shape(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: torch.Tensor, layer: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    model: torch.Tensor,
+    layer: int,
+    width: int,
 ) -> torch.Tensor:
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    return q.new_empty(q.shape[0], width)
 
 
 @torch.library.register_fake("neuronpy::moe")
@@ -126,10 +136,16 @@ def linear(x: torch.Tensor, model: torch.Tensor, index: int, out_features: int) 
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: torch.Tensor, layer: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    model: torch.Tensor,
+    layer: int,
+    width: int,
 ) -> torch.Tensor:
-    """In a compiled graph: the model's running attention in `layer` ([N, H * D])."""
-    return torch.ops.neuronpy.attend(q, k, v, model, layer)
+    """In a compiled graph: the model's running attention in `layer` ([N, width]: each token's
+    heads' outputs side by side, H * D, or H * kv_lora_rank for latent attention)."""
+    return torch.ops.neuronpy.attend(q, k, v, model, layer, width)
 
 
 def moe(x: torch.Tensor, model: torch.Tensor, layer: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from neuronpy.arch.config import ArchConfig, layer_ropes, rope_inv_freq
+from neuronpy.arch.config import ArchConfig, MlaConfig, layer_ropes, rope_inv_freq
 from neuronpy.arch.gdn import take_gdn
 from neuronpy.arch.linear import (
     AnyLinear,
@@ -43,6 +43,20 @@ class TensorParallelError(NeuronError, ValueError):
 
 
 @dataclass
+class MlaWeights:
+    """A multi-head latent attention layer's own parts (arch/config.py's MlaConfig). Its
+    first projection (LayerWeights.qkv) gives the query (or its low-rank step) beside the
+    latent and the shared RoPE key; the key and value up-projections are kept apart, per head,
+    for attention in latent space."""
+
+    q_b: AnyLinear | None  # q_lora_rank -> H * (nope + rope) (None: the query came whole)
+    q_norm: torch.Tensor | None  # [q_lora_rank]: the norm between the query's two steps
+    kv_norm: torch.Tensor  # [kv_lora_rank]: the latent's norm
+    w_uk: torch.Tensor  # [H, nope, kv_lora_rank]: each head's key up-projection
+    w_uv: torch.Tensor  # [H, kv_lora_rank, v_dim]: each head's value up-projection
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
     # hidden -> (H + 2*KVH) * D: q, k and v fused into one weight read (None beside `mixer`)
@@ -59,6 +73,8 @@ class LayerWeights:
     mlp_out_norm: torch.Tensor | None = None  # [hidden]
     # a layer whose state is fixed-size (arch/mixer.py) in place of attention
     mixer: Mixer | None = None
+    # multi-head latent attention's parts (DeepSeek): then qkv gives [q or q_a; latent; key]
+    mla: MlaWeights | None = None
     # gpt-oss: each query head's attention sink, a logit in every softmax's denominator
     sinks: torch.Tensor | None = None  # [H] (this rank's heads)
 
@@ -95,13 +111,20 @@ class Checkpoint(Protocol):
 
 
 class HFCheckpoint:
-    """The parameters of a loaded transformers `*ForCausalLM`, as they are (no copies)."""
+    """The parameters of a loaded transformers `*ForCausalLM`, as they are (no copies), and its
+    saved buffers (a router's e_score_correction_bias is one: DeepSeek-V3, GLM-4.5)."""
 
     def __init__(self, hf_model: Any) -> None:
         self.model = hf_model
         self.config = hf_model.config
         self._params = dict(hf_model.named_parameters(remove_duplicate=False))
+        # the model's dtype: its embedding's (some parameters are kept float32 in a bfloat16
+        # model, a router's weight among them)
         self.dtype = next(iter(self._params.values())).dtype
+        saved = set(hf_model.state_dict(keep_vars=True))
+        for name, buffer in hf_model.named_buffers(remove_duplicate=False):
+            if name in saved:  # a persistent buffer, not a cache such as RoPE's inv_freq
+                self._params.setdefault(name, buffer)
 
     def get(self, name: str) -> AnyWeight | None:
         t = self._params.get(name)
@@ -194,6 +217,11 @@ def check_divisible(config: ArchConfig, world_size: int) -> None:
         counts["moe_intermediate_size"] = config.moe.intermediate_size
         if config.moe.shared_intermediate_size:  # a shared expert splits as the routed ones
             counts["shared_expert_intermediate_size"] = config.moe.shared_intermediate_size
+    if config.mla is not None and world_size > 1:
+        raise TensorParallelError(
+            f"{config.model_type}: tensor parallelism over multi-head latent attention is not "
+            "supported (every head reads the one latent: each rank would hold all of it)"
+        )
     if config.qk_norm_full and world_size > 1:
         raise TensorParallelError(
             "cannot split this model over tensor-parallel ranks: its q/k norm spans every "
@@ -259,6 +287,78 @@ def take_mixer(
     if kind == "mamba2":
         return take_mamba2(tensor, f"{block}.mamba", hf_config, quantize, dtype)
     raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def rope_rows(mla: MlaConfig) -> torch.Tensor:
+    """The order MLA's rotated rows are put in at load: interleaved pairs (x0, x1), (x2, x3)...
+    become the half-split layout apply_rope rotates (every even dim, then every odd one).
+    A query and a key permuted alike have the same dot products, and each rotated output is
+    the same sum as the interleaved rotation's, so nothing else changes."""
+    dims = torch.arange(mla.rope_dim)
+    return torch.cat((dims[0::2], dims[1::2])) if mla.interleaved else dims
+
+
+def _query_rows(w: torch.Tensor, heads: int, mla: MlaConfig) -> torch.Tensor:
+    """A query projection's rows [H * (nope + rope), ...] with each head's rotated rows in
+    rope_rows' order."""
+    qk = mla.nope_dim + mla.rope_dim
+    per_head = w.reshape(heads, qk, *w.shape[1:])
+    rope = per_head[:, mla.nope_dim :][:, rope_rows(mla)]
+    return torch.cat((per_head[:, : mla.nope_dim], rope), dim=1).reshape(w.shape)
+
+
+def take_mla(
+    tensor: Callable[[str], AnyWeight],
+    get: Callable[[str], AnyWeight | None],
+    attn: str,
+    config: ArchConfig,
+    quantize: str,
+    dtype: torch.dtype,
+    stats: Mapping[str, torch.Tensor],
+) -> tuple[AnyLinear, MlaWeights, AnyLinear]:
+    """A multi-head latent attention layer under `attn` (e.g. "model.layers.0.self_attn"):
+    its first projection (q_a_proj or q_proj, then kv_a_proj_with_mqa, fused: both read the
+    normed hidden state), its MlaWeights and its o_proj. `get` answers None for a tensor the
+    checkpoint does not hold (the biases). The up-projections stay in `dtype`: they are
+    multiplied head by head (a batched product), not as a linear layer."""
+    mla = config.mla
+    assert mla is not None
+    heads, r = config.num_heads, mla.kv_lora_rank
+    q_name = f"{attn}.q_a_proj" if mla.q_lora_rank else f"{attn}.q_proj"
+    kv_name = f"{attn}.kv_a_proj_with_mqa"
+    order = torch.cat((torch.arange(r), r + rope_rows(mla)))
+    wq = dequantized(tensor(f"{q_name}.weight"), dtype)
+    if not mla.q_lora_rank:
+        wq = _query_rows(wq, heads, mla)
+    wkv = dequantized(tensor(f"{kv_name}.weight"), dtype)[order]
+    bq, bkv = (_plain(get(f"{m}.bias"), dtype) for m in (q_name, kv_name))
+    bias = None
+    if bq is not None or bkv is not None:
+        bq = torch.zeros(wq.shape[0], dtype=dtype) if bq is None else bq
+        bkv = torch.zeros(wkv.shape[0], dtype=dtype) if bkv is None else bkv[order]
+        if not mla.q_lora_rank:
+            bq = _query_rows(bq, heads, mla)
+        bias = torch.cat((bq, bkv))
+    first = make_linear(torch.cat((wq, wkv)), bias, quantize, stats.get(q_name), dtype=dtype)
+    q_b = q_norm = None
+    if mla.q_lora_rank:
+        wb = _query_rows(dequantized(tensor(f"{attn}.q_b_proj.weight"), dtype), heads, mla)
+        q_b = make_linear(wb, None, quantize, stats.get(f"{attn}.q_b_proj"), dtype=dtype)
+        q_norm = dequantized(tensor(f"{attn}.q_a_layernorm.weight"), dtype).clone()
+    kv_b = dequantized(tensor(f"{attn}.kv_b_proj.weight"), dtype)
+    kv_b = kv_b.reshape(heads, mla.nope_dim + mla.v_dim, r)
+    o_bias = _plain(get(f"{attn}.o_proj.bias"), dtype)
+    o_proj = make_linear(
+        tensor(f"{attn}.o_proj.weight"), o_bias, quantize, stats.get(f"{attn}.o_proj"), dtype=dtype
+    )
+    weights = MlaWeights(
+        q_b=q_b,
+        q_norm=q_norm,
+        kv_norm=dequantized(tensor(f"{attn}.kv_a_layernorm.weight"), dtype).clone(),
+        w_uk=kv_b[:, : mla.nope_dim].contiguous(),
+        w_uv=kv_b[:, mla.nope_dim :].transpose(1, 2).contiguous(),
+    )
+    return first, weights, o_proj
 
 
 def _rows(t: AnyWeight | None, lo: int, hi: int) -> AnyWeight | None:
@@ -436,13 +536,19 @@ def take_weights(
         if kind != "attention":
             mixer = take_mixer(kind, tensor, block, hf_config, quantize, dtype)
         attends = mixer is None
+        if attends and config.mla is not None:
+            first, mla, o_proj = take_mla(tensor, ckpt.get, attn, config, quantize, dtype, stats)
+        else:
+            first = column(qkv(attn)) if attends else None
+            o_proj = row(f"{attn}.o_proj", q_lo, q_hi) if attends else None
+            mla = None
         layers.append(
             LayerWeights(
                 input_norm=norm(f"{block}.input_layernorm.weight"),
-                qkv=column(qkv(attn)) if attends else None,
+                qkv=first,
                 q_norm=norm(f"{attn}.q_norm.weight") if config.qk_norm and attends else None,
                 k_norm=norm(f"{attn}.k_norm.weight") if config.qk_norm and attends else None,
-                o_proj=row(f"{attn}.o_proj", q_lo, q_hi) if attends else None,
+                o_proj=o_proj,
                 mixer=mixer,
                 post_norm=norm(f"{block}.{pre_mlp}.weight"),
                 gate_up=None if moe else column(gate_up(mlp)),
@@ -450,6 +556,7 @@ def take_weights(
                 moe=None if moe is None else moe_block(block, moe),
                 attn_out_norm=sandwich(f"{block}.post_attention_layernorm.weight"),
                 mlp_out_norm=sandwich(f"{block}.post_feedforward_layernorm.weight"),
+                mla=mla,
                 sinks=sinks(attn) if attends else None,
             )
         )

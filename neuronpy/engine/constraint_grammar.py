@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover
 
 import xgrammar as xgr
 
+from neuronpy.engine import harmony
 from neuronpy.engine.reasoning import REASONING_MARKERS
 from neuronpy.engine.tools import TOOL_FORMATS
 from neuronpy.engine.types import Constraint
@@ -43,7 +44,21 @@ def grammar_of(c: Constraint, reasoning: Reasoning | None = None) -> xgr.Grammar
     """The grammar of what `c` allows, after the reply's reasoning block when it has one;
     InvalidRequestError naming c's field when c is refused before compiling."""
     grammar = _grammar(c)
+    if reasoning is not None and reasoning[0] == harmony.NAME and c.kind != "tools":
+        # a harmony reply's answer is a final message: its framing before what `c` allows
+        # (tool calls carry their own)
+        grammar = _after_text(grammar, harmony.FINAL_FRAME)
     return grammar if reasoning is None else _after_reasoning(grammar, *reasoning)
+
+
+def _after_text(grammar: xgr.Grammar, text: str) -> xgr.Grammar:
+    """`text`, then `grammar`."""
+    elements = [
+        {"type": "const_string", "value": text},
+        {"type": "grammar", "grammar": str(grammar)},
+    ]
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+    return xgr.Grammar.from_structural_tag(json.dumps(tag))
 
 
 def _nested_repetition(text: str, quoted: bool = False) -> int:

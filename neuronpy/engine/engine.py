@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.config import EngineConfig
+from neuronpy.engine import harmony
 from neuronpy.engine.admission import Admission
 from neuronpy.engine.compiles import Compiles
 from neuronpy.engine.counters import EngineStats, StepProfile
@@ -56,6 +57,7 @@ class Outlet(Protocol):
 
     def close(self) -> None: ...
 
+
 log = logging.getLogger(__name__)
 
 # embedding inputs that may wait per admission slot (max_in_flight + max_queue)
@@ -64,9 +66,11 @@ MAX_INPUTS_PER_SLOT = 16
 
 def kv_bytes_per_token(model: LlamaModel) -> int:
     """K and V, every attention layer: what one token of a sequence's context takes (a
-    hybrid's fixed-size states are per sequence, not per token: see `state_bytes`)."""
+    hybrid's fixed-size states are per sequence, not per token: see `state_bytes`; latent
+    attention caches its latent and shared key alone)."""
     c = model.config
-    return 2 * model.num_kv_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+    width = c.head_dim + c.cached_value_dim
+    return model.num_kv_layers * c.num_kv_heads * width * model.dtype.itemsize
 
 
 # A reranker's answer tokens, in the order its scores read them: P(yes) = softmax(no, yes)[1]
@@ -115,7 +119,9 @@ class Engine(Generates):
         self.config = config = config or EngineConfig()
         self.context_len = model.config.context_len
         self.vocab_size = model.config.vocab_size
-        self.eos_token_ids = frozenset(eos_token_ids)
+        # (a harmony tokenizer's reply-ending tokens, <|return|> and <|call|>, end every reply
+        # even where the checkpoint's generation config leaves them out)
+        self.eos_token_ids = harmony.stop_token_ids(tokenizer, eos_token_ids)
         self.max_running = config.max_in_flight if config.batching else 1
         self.kv_bytes_per_token = kv_bytes_per_token(model)
         kv_budget = int(config.kv_budget)

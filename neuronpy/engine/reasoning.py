@@ -7,10 +7,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from neuronpy.defaults import REASONING_PARSERS
+from neuronpy.engine import harmony
 
 # name -> (start marker, end marker). "think": Qwen3, QwQ, DeepSeek-R1 and their distills.
+# "harmony": gpt-oss's analysis message (its reply is read by engine/output.py's
+# HarmonyParser, which knows the framing between messages; the markers serve what only needs
+# the block's ends: a prompt that opened it, a constrained reply's optional block).
 # (neuronpy.defaults.REASONING_PARSERS lists these names, with "auto" and "none".)
-REASONING_MARKERS: dict[str, tuple[str, str]] = {"think": ("<think>", "</think>")}
+REASONING_MARKERS: dict[str, tuple[str, str]] = {
+    "think": ("<think>", "</think>"),
+    harmony.NAME: (harmony.REASONING_START, harmony.END),
+}
 
 # Prompt ids decoded to see whether the chat template left a thinking block open.
 PROMPT_TAIL_IDS = 8
@@ -18,7 +25,8 @@ PROMPT_TAIL_IDS = 8
 
 def resolve_reasoning_parser(setting: str, tokenizer: object) -> str | None:
     """The reasoning parser a model's `setting` means: None for "none"; for "auto", the parser
-    whose two markers the model's chat template writes (None when it writes none of them).
+    whose two markers the model's chat template writes (None when it writes none of them);
+    "harmony" for a template that writes harmony's framing.
     `tokenizer`: a transformers tokenizer (its `chat_template` is read)."""
     if setting not in REASONING_PARSERS:
         raise ValueError(
@@ -31,6 +39,8 @@ def resolve_reasoning_parser(setting: str, tokenizer: object) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):
         return None
+    if harmony.is_harmony_template(template):  # (its markers are built of several tokens)
+        return harmony.NAME
     for name, (start, end) in REASONING_MARKERS.items():
         if start in template and end in template:
             return name

@@ -12,8 +12,9 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from transformers import PreTrainedTokenizerBase
 
+from neuronpy.engine import harmony
 from neuronpy.engine.detokenize import IncrementalDetokenizer, marker_ids
-from neuronpy.engine.output import OutputParser, Parsed
+from neuronpy.engine.output import HarmonyParser, OutputParser, Parsed, output_parser, uses_harmony
 from neuronpy.engine.reasoning import prompt_opens_reasoning
 from neuronpy.engine.request import Finish, RouterMessage
 from neuronpy.engine.stop import StopMatcher
@@ -77,7 +78,9 @@ async def route(
     async with inbox, outbox:
         try:
             keep: frozenset[int] = frozenset()
-            if params.output.tool_calls:  # the markers stay text even as special tokens
+            if uses_harmony(params.output):  # its framing is read: it stays in the text
+                keep = marker_ids(tokenizer, harmony.TOKENS)
+            elif params.output.tool_calls:  # the markers stay text even as special tokens
                 keep = marker_ids(tokenizer, TOOL_FORMATS[params.output.tool_format].markers)
             detok = IncrementalDetokenizer(tokenizer, prompt_ids, keep_special=keep)
             stop = StopMatcher(params.stop)
@@ -143,8 +146,8 @@ async def route(
 
 def _parser(
     tokenizer: PreTrainedTokenizerBase, prompt_ids: tuple[int, ...], params: SamplingParams
-) -> OutputParser:
+) -> OutputParser | HarmonyParser:
     """The reply's parser; it starts inside the reasoning block if the prompt opened one."""
     output = params.output
     opened = prompt_opens_reasoning(tokenizer, prompt_ids, output.reasoning)
-    return OutputParser(output, opened=opened)
+    return output_parser(output, opened=opened)

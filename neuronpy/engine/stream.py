@@ -123,4 +123,3 @@ class Generates:
             out.tool_calls.extend(event.tool_calls)
             out.logprobs.extend(event.logprobs)
         return out
-

@@ -8,6 +8,8 @@ A format is the marker that opens a call and how the call's text after it ends:
   Qwen3-Coder / Qwen3.5's XML `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n
   </parameter>\n</function>\n</tool_call>`; LFM2's block holds a Python list of calls:
   `<|tool_call_start|>[get_weather(city="Paris"), get_time()]<|tool_call_end|>`;
+- gpt-oss's "harmony" writes a call as a message of its own (see engine/harmony.py):
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`;
 - "list" formats write one JSON array of `{"name", "arguments"}` objects after the marker:
   Granite 3's `<|tool_call|>[...]`, Phi-4-mini's `functools[...]`, Mistral's `[TOOL_CALLS][...]`.
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from neuronpy.defaults import TOOL_CALL_PARSERS
+from neuronpy.engine import harmony
 
 _DECODER = json.JSONDecoder()
 _ARGUMENT_KEYS = ("arguments", "parameters")  # some Hermes fine-tunes write "parameters"
@@ -181,6 +184,22 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
         notation="python",
     ),
 }
+# gpt-oss's harmony: a call is a message to `functions.NAME` on the commentary channel, its
+# arguments JSON, `<|call|>` its end. Its replies are read by engine/output.py's HarmonyParser
+# (the framing of the messages around a call is more than a start marker); the fields here say
+# what a forced call writes: its framing in full, and no end of its own, since <|call|> is a
+# stop token, which the grammar allows once the call is whole.
+TOOL_FORMATS[harmony.NAME] = ToolFormat(
+    harmony.NAME,
+    f" to={harmony.FUNCTIONS}",
+    "tagged",
+    end=harmony.CALL,
+    call_begin=f"{harmony.START}assistant{harmony.CHANNEL}commentary to={harmony.FUNCTIONS}",
+    name_end=f" {harmony.CONSTRAIN}json{harmony.MESSAGE}",
+    call_end="",
+    separator="",
+    quote_name=False,
+)
 assert set(TOOL_FORMATS) == set(TOOL_CALL_PARSERS) - {"auto"}
 HERMES = TOOL_FORMATS["hermes"]
 TOOL_CALL_START, TOOL_CALL_END = HERMES.start, HERMES.end
@@ -215,6 +234,8 @@ def resolve_tool_format(setting: str, tokenizer: object) -> ToolFormat:
     if setting != "auto":
         return TOOL_FORMATS[setting]
     template = getattr(tokenizer, "chat_template", None)
+    if harmony.is_harmony_template(template):
+        return TOOL_FORMATS[harmony.NAME]
     if isinstance(template, str):
         for sign, name in _TEMPLATE_SIGNS:
             if sign in template:

@@ -300,6 +300,11 @@ class SamplingRequest(WireModel):
         )
 
 
+# OpenAI's reasoning efforts (a chat request's `reasoning_effort`, a Responses request's
+# `reasoning.effort`): the chat template's `reasoning_effort` variable
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 class ChatCompletionRequest(SamplingRequest, ChatInput):
     """POST /v1/chat/completions: the conversation through the model's chat template."""
 
@@ -310,6 +315,9 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the template
+    # OpenAI's; given to the template as `reasoning_effort`, as vLLM does (gpt-oss's harmony
+    # template writes it into the system message: `Reasoning: high`); others ignore it
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None  # type: ignore[valid-type]
     # vLLM's: the reply goes on from the last (assistant) message instead of a new turn
     continue_final_message: bool | None = None
 
@@ -365,16 +373,15 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
         tools = self.chat_tools
         continue_final = bool(self.continue_final_message)
         generic = self._generic_tools and bool(tools.tools)
+        variables = self.chat_template_kwargs
+        if self.reasoning_effort is not None:  # (chat_template_kwargs may name it too: theirs)
+            variables = {"reasoning_effort": self.reasoning_effort, **(variables or {})}
 
         def render(messages: list[dict[str, Any]], system: bool = True) -> list[int]:
             if generic:
                 shown = messages_with_tools(messages, tools.tools or [], tools.choice, system)
-                return render_chat(
-                    tokenizer, shown, None, self.chat_template_kwargs, continue_final
-                )
-            return render_chat(
-                tokenizer, messages, tools.tools, self.chat_template_kwargs, continue_final
-            )
+                return render_chat(tokenizer, shown, None, variables, continue_final)
+            return render_chat(tokenizer, messages, tools.tools, variables, continue_final)
 
         messages = self.template_messages()
         try:

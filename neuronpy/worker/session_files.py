@@ -94,6 +94,7 @@ class SessionHeader:
     modified: float  # seconds since the epoch
     # (name, absolute offset of its data, its bytes), in file order
     tensors: tuple[tuple[str, int, int], ...]
+    value_dim: int  # the values' width: head_dim, or 0 (latent attention keeps none apart)
     # per fixed-size-state layer, its tensors' (shape, safetensors dtype code), in index order
     states: tuple[tuple[tuple[tuple[int, ...], str], ...], ...] = ()
 
@@ -163,6 +164,7 @@ def read_session(
     kv_heads: int,
     head_dim: int,
     states: Sequence[Sequence[tuple[tuple[int, ...], torch.dtype]]] = (),
+    value_dim: int | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[tuple[torch.Tensor, ...]]]:
     """A session's KV on `device`, its token ids and its fixed-size states (per such layer,
     each tensor's shape without the leading 1, and dtype: `states`, the model's), checked
@@ -174,7 +176,7 @@ def read_session(
             raise SessionFileError("it was saved from another model")
         expected = (layers, kv_heads, head_dim, str(dtype).removeprefix("torch."))
         got = (header.layers, header.kv_heads, header.head_dim, header.dtype)
-        if got != expected:
+        if got != expected or header.value_dim != (head_dim if value_dim is None else value_dim):
             raise SessionFileError(
                 f"it holds {got[0]} layers x {got[1]} KV heads x {got[2]} dims in {got[3]}, "
                 f"the model {expected[0]} x {expected[1]} x {expected[2]} in {expected[3]}"
@@ -193,9 +195,11 @@ def read_session(
             for i, (shape, code) in enumerate(st)
         }
         shape = (1, kv_heads, len(header.token_ids), head_dim)
+        value_shape = (*shape[:3], header.value_dim)
         tensors = {}
         for name, offset, nbytes in header.tensors:
-            shaped, typed = shapes.get(name, (shape, dtype))
+            kv_shape = value_shape if name.endswith(".values") else shape
+            shaped, typed = shapes.get(name, (kv_shape, dtype))
             tensors[name] = _read_into(fd, offset, nbytes).view(typed).reshape(shaped).to(device)
         after = os.fstat(fd)
         if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
@@ -299,7 +303,9 @@ def _parse_header(fd: int, st: os.stat_result) -> SessionHeader:
     if len(meta.get("created", "")) > MAX_CREATED:
         raise SessionFileError("its creation time is not a time")
     states, state_tensors = _state_layout(header)
-    layers, kv_heads, head_dim, tensors = _layout(header, DTYPE_CODES[dtype], len(token_ids))
+    layers, kv_heads, head_dim, value_dim, tensors = _layout(
+        header, DTYPE_CODES[dtype], len(token_ids)
+    )
     tensors = sorted(tensors + state_tensors, key=lambda t: t[1])
     data_start = 8 + length
     end = data_start
@@ -320,6 +326,7 @@ def _parse_header(fd: int, st: os.stat_result) -> SessionHeader:
         size=size,
         modified=st.st_mtime,
         tensors=tuple((name, data_start + offset, nbytes) for name, offset, nbytes in tensors),
+        value_dim=value_dim,
         states=states,
     )
 
@@ -365,10 +372,11 @@ def _state_layout(
 
 def _layout(
     header: dict[str, Any], code: str, tokens: int
-) -> tuple[int, int, int, list[tuple[str, int, int]]]:
-    """(layers, kv heads, head dim, the tensors sorted by offset: name, offset in the data,
-    bytes) of a header whose entries are exactly layers.N.keys and layers.N.values for N in
-    0..layers-1, each `code` of shape [1, kv_heads, tokens, head_dim]."""
+) -> tuple[int, int, int, int, list[tuple[str, int, int]]]:
+    """(layers, kv heads, head dim, the values' dim, the tensors sorted by offset: name,
+    offset in the data, bytes) of a header whose entries are exactly layers.N.keys and
+    layers.N.values for N in 0..layers-1, each `code`, the keys of shape [1, kv_heads, tokens,
+    head_dim] and the values the same or of width 0 (latent attention's)."""
     layers = len(header) // 2
     names = {f"layers.{i}.{kind}" for i in range(layers) for kind in ("keys", "values")}
     if not 0 < layers <= MAX_LAYERS or set(header) != names:
@@ -381,13 +389,18 @@ def _layout(
         raise SessionFileError(
             f"its KV shape {_short(shape)} is not [1, kv_heads, {tokens} tokens, head_dim]"
         )
-    nbytes = math.prod(shape) * DTYPES[code].itemsize
+    values = header["layers.0.values"]
+    value_shape = values.get("shape") if isinstance(values, dict) else None
+    if value_shape != shape and value_shape != [*shape[:3], 0]:
+        raise SessionFileError(f"its values' shape {_short(value_shape)} is not its keys'")
     tensors = []
     for name in sorted(names):
         entry = header[name]
         if not isinstance(entry, dict) or set(entry) != _TENSOR_FIELDS:
             raise SessionFileError(f"its tensor {name} is not described as safetensors does")
-        if entry["dtype"] != code or entry["shape"] != shape:
+        want = value_shape if name.endswith(".values") else shape
+        nbytes = math.prod(want) * DTYPES[code].itemsize
+        if entry["dtype"] != code or entry["shape"] != want:
             raise SessionFileError(
                 f"its tensor {name} is {_short(entry['dtype'])} {_short(entry['shape'])}, "
                 f"the others {code} {shape}"
@@ -397,7 +410,7 @@ def _layout(
             raise SessionFileError(f"its tensor {name} has offsets {_short(offsets)}")
         tensors.append((name, offsets[0], nbytes))
     tensors.sort(key=lambda t: t[1])
-    return layers, shape[1], shape[3], tensors
+    return layers, shape[1], shape[3], value_shape[3], tensors
 
 
 def _ints(value: object, n: int, bound: int) -> bool:

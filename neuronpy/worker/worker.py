@@ -349,6 +349,7 @@ class DeviceWorker:
                 layers=self.model.num_kv_layers,
                 kv_heads=c.num_kv_heads,
                 head_dim=c.head_dim,
+                value_dim=c.cached_value_dim,
                 states=self.model.state_layout(),
             )
         except SESSION_ERRORS as exc:  # (their messages never name the path; nor does this)

@@ -200,6 +200,8 @@ class OllamaBase(WireModel):
             values["logprobs"] = True
             if self.top_logprobs:
                 values["top_logprobs"] = self.top_logprobs
+        if isinstance(self.think, str):  # a level: the template's reasoning effort (gpt-oss's)
+            values["reasoning_effort"] = self.think
         return values
 
 

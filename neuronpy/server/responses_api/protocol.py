@@ -26,7 +26,7 @@ from neuronpy.server.chat_input import (
     check_toolbox,
 )
 from neuronpy.server.constraints import tool_constraint
-from neuronpy.server.protocol import ChatCompletionRequest
+from neuronpy.server.protocol import REASONING_EFFORTS, ChatCompletionRequest
 from neuronpy.server.schema import (
     FieldError,
     WireModel,
@@ -209,6 +209,9 @@ class ResponsesRequest(WireModel):
     store: bool | None = None
     previous_response_id: str | None = None
     metadata: Any = None  # echoed and stored: check_metadata's limits
+    # {"effort": ...}: the chat template's reasoning_effort (gpt-oss's writes it into its system
+    # message); what else it holds, or an effort that is not OpenAI's, is ignored
+    reasoning: Any = None
     # asked for but not served: refused by name rather than ignored
     background: bool | None = None
     include: list[str] | None = None
@@ -384,6 +387,9 @@ class ResponsesRequest(WireModel):
         for name in ("temperature", "top_p", "top_k", "seed", "stop", "speculative"):
             values[name] = getattr(self, name)
         values["parallel_tool_calls"] = self.parallel_tool_calls
+        effort = self.reasoning.get("effort") if isinstance(self.reasoning, dict) else None
+        if effort in REASONING_EFFORTS:
+            values["reasoning_effort"] = effort
         return validate(ResponsesChat, values)
 
 

@@ -1,0 +1,119 @@
+"""Random-weight checkpoints built by transformers, of shapes and seeds no other test uses,
+served as a user serves a model directory: the `openai` client's replies, alone and four at
+once, are transformers' greedy replies to the chat template's prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from tests.factories import fixture_builder, tokenizer
+from tests.servers import engine_loader, run_server
+from tests.test_engine_parity import TEXTS
+
+MAX_TOKENS = 16
+
+
+def deepseek_v3(vocab: int, eos: int, pad: int) -> PretrainedConfig:
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=vocab,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        q_lora_rank=40,
+        kv_lora_rank=48,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=16,
+        v_head_dim=24,
+        n_routed_experts=6,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        n_group=3,
+        topk_group=2,
+        routed_scaling_factor=1.5,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+
+
+# model_type -> (its config builder, the seed its weights are drawn with)
+BUILDERS: dict[str, tuple[Callable[[int, int, int], PretrainedConfig], int]] = {
+    "deepseek_v3": (deepseek_v3, 4242),
+}
+
+
+def build(model_type: str, out: Path) -> Path:
+    builder = fixture_builder()
+    tok = tokenizer("tiny-llama")
+    eos = tok.convert_tokens_to_ids(builder.EOS_TOKEN)
+    pad = tok.convert_tokens_to_ids(builder.PAD_TOKEN)
+    make, seed = BUILDERS[model_type]
+    model = AutoModelForCausalLM.from_config(make(len(tok), eos, pad)).to(torch.float32).eval()
+    builder.init_weights(model, seed)
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def transformers_reply(path: Path, prompt: list[int]) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("model_type", list(BUILDERS))
+def test_served_as_a_user_would_alone_and_four_at_once(model_type: str, tmp_path: Path) -> None:
+    path = build(model_type, tmp_path / model_type)
+    tok = tokenizer("tiny-llama")
+    messages = [[{"role": "user", "content": t}] for t in TEXTS[:4]]
+
+    async def ask(api: openai.AsyncOpenAI, m: list[dict[str, str]]) -> str:
+        out = await api.chat.completions.create(
+            model=model_type,
+            messages=m,  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
+        return out.choices[0].message.content or ""
+
+    async def run(url: str) -> tuple[list[str], list[str]]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x") as api:
+            alone = [await ask(api, m) for m in messages]
+            together: list[str] = [""] * 4
+
+            async def one(i: int) -> None:
+                together[i] = await ask(api, messages[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+        return alone, together
+
+    with run_server({model_type: engine_loader(path)}) as server:
+        alone, together = anyio.run(run, server.url)
+    assert together == alone
+    for m, reply in zip(messages, alone, strict=True):
+        prompt = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+        ids = tok.encode(prompt, add_special_tokens=False)
+        assert reply == tok.decode(transformers_reply(path, ids), skip_special_tokens=True)
