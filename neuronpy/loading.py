@@ -386,7 +386,7 @@ def _from_pretrained(
         with _TRANSFORMERS:
             tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, **kwargs)
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch_dtype, **kwargs
+                model_dir, dtype=torch_dtype, **kwargs, **_dequantizing(model_dir, **kwargs)
             )
     except Exception as exc:  # transformers and huggingface_hub raise many types; one message
         reason = _reason(exc)
@@ -401,6 +401,20 @@ def _from_pretrained(
             ) from exc
         raise ModelLoadError(f"could not load the model in '{model_dir}': {reason}") from exc
     return model, tokenizer
+
+
+def _dequantizing(model_dir: str, **kwargs: Any) -> dict[str, Any]:
+    """The options that have transformers dequantize a checkpoint's MXFP4 experts (gpt-oss)
+    as it loads them: where its MXFP4 kernels are installed it would keep them packed for
+    those (and fetch them from the Hub), which the native forward cannot compute with. The
+    values are exact in bfloat16 (see arch/mxfp4.py). Nothing for other checkpoints."""
+    config = transformers.AutoConfig.from_pretrained(model_dir, **kwargs)
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    method = method or getattr(quant, "quant_method", None)
+    if getattr(method, "value", method) != "mxfp4":  # (a QuantizationMethod, or its string)
+        return {}
+    return {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
 
 
 def _lone_gguf(directory: Path) -> Path | None:

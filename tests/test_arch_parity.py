@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, GptOssConfig
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-from neuronpy.arch.config import ArchConfig
+from neuronpy.arch.config import ArchConfig, rope_inv_freq
 from neuronpy.arch.kv import KvSnapshot, assemble_batch, batch_decode_mask, extract_row
 from neuronpy.arch.llama import LlamaModel, PrefillChunk
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
@@ -264,6 +265,7 @@ FEATURES = [
     ("tiny-granite", "residual_scale", 1.0),
     ("tiny-granite", "attn_scale", None),
     ("tiny-granite", "logits_scale", 1.0),
+    ("tiny-gpt-oss", "sliding_layers", ()),
 ]
 
 
@@ -296,6 +298,50 @@ def test_gemma_sliding_layers_see_only_their_window() -> None:
     model.config = dataclasses.replace(model.config, sliding_layers=())  # no window: it moves
     a, b = model.prefill(ids)[0], model.prefill(other)[0]
     assert not torch.allclose(a.keys[1][:, :, 8:], b.keys[1][:, :, 8:])
+
+
+def test_gpt_oss_reads_its_features_and_its_sinks_count() -> None:
+    """gpt-oss's config: sliding layers from its layer_types (the released models' alternate,
+    a window of 128, the context not capped), sinks and float32 norms, yarn RoPE as
+    transformers computes it (with `truncate` either way); the fixture's sinks move its
+    logits (and they were drawn to)."""
+    released = ArchConfig.from_hf(GptOssConfig())  # the 120B model's shape
+    assert released.sliding_layers == (True, False) * 18 and released.sliding_window == 128
+    assert released.context_len == 131072 and released.attn_sinks and released.norm_fp32
+    assert released.moe is not None and released.moe.swiglu_limit == 7.0
+    assert (released.moe.num_experts, released.moe.top_k) == (128, 4)
+    for truncate in (False, True):
+        hf_config = GptOssConfig(
+            rope_parameters={**GptOssConfig().rope_parameters, "truncate": truncate}
+        )
+        inv_freq, scale = rope_inv_freq(hf_config)
+        want = GptOssRotaryEmbedding(hf_config)
+        assert torch.equal(inv_freq, want.inv_freq) and scale == want.attention_scaling
+    model = native("tiny-gpt-oss")
+    ids = PROMPTS[2] + PROMPTS[0]
+    expected = reference_logits("tiny-gpt-oss", ids)
+    for lw in model.layers:
+        assert lw.sinks is not None
+        lw.sinks = None
+    assert (model.logits(model.prefill(ids)[1]) - expected).abs().max() > 1.0
+
+
+def test_gpt_oss_sinks_outside_the_exact_attention() -> None:
+    """The written-out attention with sinks (the fused kernel has none), as packed sequences
+    (pooling) and as prefill with the exact attention turned off, gives transformers'
+    hidden states and logits."""
+    model = native("tiny-gpt-oss")
+    hf = hf_model("tiny-gpt-oss")
+    sequences = [PROMPTS[2] + PROMPTS[0], PROMPTS[1], [7] * 11]
+    pooled = model.pooled(sequences, "last", False)
+    for row, ids in enumerate(sequences):
+        with torch.no_grad():
+            want = hf.model(torch.tensor([ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(pooled[row], want, atol=1e-5, rtol=1e-5)
+    model.__dict__["exact"] = False  # (a cached property: as NEURON_EXACT_ATTENTION=0 sets it)
+    ids = sequences[0]
+    got = model.logits(model.prefill(ids, chunk_size=5)[1])
+    torch.testing.assert_close(got, reference_logits("tiny-gpt-oss", ids), atol=2e-4, rtol=1e-4)
 
 
 def test_longrope_caps_the_context_at_its_short_factors() -> None:

@@ -114,12 +114,20 @@ async def test_parity_concurrent_equals_sequential(family: str, compile: str) ->
 
 @pytest.mark.parametrize(
     "family",
-    ["tiny-gemma2", "tiny-gemma3", "tiny-phi3", "tiny-smollm3", "tiny-granite", "tiny-glm4-moe"],
+    [
+        "tiny-gemma2",
+        "tiny-gemma3",
+        "tiny-phi3",
+        "tiny-smollm3",
+        "tiny-granite",
+        "tiny-glm4-moe",
+        "tiny-gpt-oss",
+    ],
 )
 async def test_parity_every_family_concurrent_equals_sequential(family: str) -> None:
     """Each family's features (sliding windows past their width, soft-caps, partial rotary
-    embeddings, layers without RoPE, scalar multipliers, GLM-4.5's grouped routing) keep
-    batched == alone."""
+    embeddings, layers without RoPE, scalar multipliers, GLM-4.5's grouped routing, attention
+    sinks) keep batched == alone."""
     tok = tokenizer(family)
     jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
     async with make_engine(family, max_in_flight=1, compile="off") as serial:

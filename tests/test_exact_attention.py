@@ -107,3 +107,64 @@ def test_soft_capped_scores_match_the_capped_reference() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     mask = torch.ones(6, 40, dtype=torch.bool)
     torch.testing.assert_close(chunk_attention(q, k, v, mask, SCALE, cap), expected)
+
+
+def sink_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, sinks, g: int):
+    """transformers' gpt-oss attention (eager_attention_forward): each query head's sink one
+    more column of scores, the max taken over all, softmaxed, the column dropped. q is
+    grouped [B, KVH, G * T, D]; sinks [KVH * G]."""
+    b, h, rows, _ = q.shape
+    scores = q @ k.transpose(-1, -2) * SCALE
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    column = sinks.reshape(h, g, 1).expand(h, g, rows // g).reshape(1, h, rows, 1)
+    combined = torch.cat((scores, column.expand(b, h, rows, 1)), dim=-1)
+    combined = combined - combined.amax(-1, keepdim=True)
+    return torch.softmax(combined, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("heads_per_kv", [1, 3, 4])
+def test_attention_sinks_join_the_denominator_and_keep_exactness(heads_per_kv: int) -> None:
+    """gpt-oss's sinks: a step's and a chunk's attention equal the reference's within float32's
+    rounding; a verify step's tokens each get their decode step's bits, a padded batch row its
+    own row's alone, a chunk's positions theirs however the prompt is cut."""
+    torch.manual_seed(heads_per_kv)
+    kv_heads, length, t = 2, 90, 4
+    sinks = torch.randn(kv_heads * heads_per_kv) * 2 + 3  # as large as the top scores
+    k, v = torch.randn(3, kv_heads, length, D), torch.randn(3, kv_heads, length, D)
+    q = torch.randn(3, kv_heads, heads_per_kv, t, D)
+    sees = torch.arange(length)[None, :] <= torch.arange(length - t, length)[:, None]  # [T, L]
+    mask = sees.repeat(heads_per_kv, 1)[None, None]
+    flat = q.reshape(3, kv_heads, heads_per_kv * t, D)
+    verify = step_attention(flat, k, v, mask, SCALE, tokens=t, sinks=sinks)
+    expected = sink_reference(flat, k, v, mask, sinks, heads_per_kv)
+    torch.testing.assert_close(verify, expected, rtol=1e-5, atol=1e-5)
+    without = step_attention(flat, k, v, mask, SCALE, tokens=t)
+    assert (verify - without).abs().max() > 1e-2  # the sinks take their share
+    verify = verify.reshape(q.shape)
+    for i in range(t):
+        alone = step_attention(q[:, :, :, i], k, v, sees[i][None, None, None], SCALE, sinks=sinks)
+        assert torch.equal(verify[:, :, :, i], alone), i
+        # row 1 alone in its batch, its keys followed by masked padding
+        padded_k = torch.cat((k[1:2], torch.randn(1, kv_heads, 30, D)), dim=2)
+        padded_v = torch.cat((v[1:2], torch.randn(1, kv_heads, 30, D)), dim=2)
+        padded = torch.nn.functional.pad(sees[i], (0, 30))[None, None, None]
+        row = step_attention(q[1:2, :, :, i], padded_k, padded_v, padded, SCALE, sinks=sinks)
+        assert torch.equal(row, alone[1:2]), i
+
+    qs = torch.randn(1, kv_heads, heads_per_kv, length, D)
+
+    def run(lo: int, hi: int) -> torch.Tensor:
+        q = qs[..., lo:hi, :].reshape(1, kv_heads, heads_per_kv * (hi - lo), D)
+        pos = torch.arange(lo, hi).repeat(heads_per_kv)
+        mask = torch.arange(hi)[None, :] <= pos[:, None]
+        out = chunk_attention(q, k[:1, :, :hi], v[:1, :, :hi], mask, SCALE, sinks=sinks)
+        return out.reshape(1, kv_heads, heads_per_kv, hi - lo, D)
+
+    whole = run(0, length)
+    q_all = qs.reshape(1, kv_heads, heads_per_kv * length, D)
+    causal = torch.arange(length)[None, :] <= torch.arange(length).repeat(heads_per_kv)[:, None]
+    want = sink_reference(q_all, k[:1], v[:1], causal, sinks, heads_per_kv)
+    torch.testing.assert_close(whole, want.reshape(whole.shape), rtol=1e-5, atol=1e-5)
+    for lo, hi in [(length - 1, length), (length // 2, length), (length // 3, length // 2 + 1)]:
+        assert torch.equal(run(lo, hi), whole[..., lo:hi, :]), (lo, hi)

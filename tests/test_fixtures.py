@@ -121,8 +121,10 @@ def test_qwen3_has_q_norm_k_norm_and_explicit_head_dim() -> None:
 
 def test_moe_fixtures_route_to_experts() -> None:
     """8 experts, 2 per token; Qwen3-MoE's and GLM-4.5's layer 0 dense; OLMoE's q/k norms over
-    the whole projection (not per head)."""
+    the whole projection (not per head). (gpt-oss's: test_gpt_oss_fixture_carries_its_features.)"""
     for name in bf.MOE_FIXTURES:
+        if name == "tiny-gpt-oss":
+            continue
         model = _model(name)
         for i, layer in enumerate(model.model.layers):
             if name in ("tiny-qwen3-moe", "tiny-glm4-moe") and i == 0:
@@ -182,6 +184,27 @@ def test_gemma_fixtures_carry_their_features() -> None:
     g3 = _model("tiny-gemma3").config
     assert g3.rope_parameters["full_attention"]["rope_type"] == "linear"
     assert g3.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+
+
+def test_gpt_oss_fixture_carries_its_features() -> None:
+    """Sinks and biases drawn non-zero, a sliding layer of a window the parity prompts pass
+    beside a full one, yarn RoPE, 4 experts of 2 per token in transformers' [E, hidden, 2I]
+    layout, a SwiGLU limit below 7."""
+    model = _model("tiny-gpt-oss")
+    cfg = model.config
+    assert cfg.layer_types == ["sliding_attention", "full_attention"]
+    assert cfg.sliding_window == bf.SLIDING_WINDOW < 18
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.attention_bias
+    assert (cfg.num_local_experts, cfg.num_experts_per_tok) == (bf.GPT_OSS_EXPERTS, 2)
+    assert cfg.swiglu_limit == bf.GPT_OSS_SWIGLU_LIMIT < 7
+    for layer in model.model.layers:
+        attn, experts = layer.self_attn, layer.mlp.experts
+        assert attn.sinks.shape == (4,) and attn.sinks.abs().min() > 0
+        for bias in (attn.q_proj.bias, attn.o_proj.bias, layer.mlp.router.bias):
+            assert bias.abs().min() > 0
+        assert experts.gate_up_proj.shape == (4, 64, 2 * bf.MOE_INTERMEDIATE_SIZE)
+        assert experts.down_proj.shape == (4, bf.MOE_INTERMEDIATE_SIZE, 64)
+        assert experts.gate_up_proj_bias.abs().min() > 0 < experts.down_proj_bias.abs().min()
 
 
 def test_phi3_smollm3_and_granite_fixtures_carry_their_features() -> None:

@@ -203,7 +203,7 @@ async def run(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gpt-oss"])
 async def test_parity_greedy_ngram_equals_no_speculation(name: str) -> None:
     prompts = [encode(p, name) for p in PROMPTS]
     want, _ = await run(prompts, greedy(), name=name, together=False)

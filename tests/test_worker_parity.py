@@ -53,13 +53,13 @@ def reference(worker: DeviceWorker, ids: list[int]) -> torch.Tensor:
         "tiny-lfm2",
         "tiny-deepseek-v3",
         "tiny-glm4-moe",
+        "tiny-gpt-oss",
     ]
 )
 def family_worker(request: pytest.FixtureRequest) -> Iterator[DeviceWorker]:
     """A worker over one family's fixture (Gemma's sliding windows and soft-caps, Phi-3's
     partial rotary embeddings, the hybrids' fixed-size states, DeepSeek's latent cache,
-    GLM-4.5's grouped routing,
-    through the jobs)."""
+    GLM-4.5's grouped routing, gpt-oss's attention sinks, through the jobs)."""
     w = DeviceWorker(LlamaModel.from_hf(hf_model(request.param)), prefill_chunk=4).start()
     yield w
     w.shutdown(timeout=10)

@@ -17,6 +17,9 @@ A family is a set of features over one forward (arch/llama.py), not a copy of it
   norms; Qwen3-Next's MoE with a shared expert), Granite 4 (Mamba2 beside attention without
   RoPE, MoE and a shared MLP, Granite's multipliers), LFM2 (gated short convolutions beside
   attention with q/k norms).
+- gpt-oss: attention sinks (a learned logit per query head in every softmax's denominator),
+  sliding-window layers beside full ones, q/k/v and o_proj biases, yarn RoPE, norms that
+  multiply in float32; routed experts with biases and a clamped SwiGLU (arch/moe.py).
 - DeepSeek-V2 / V3 (and Kimi K2): multi-head latent attention (MlaConfig): each token caches
   one compressed latent and a shared RoPE key instead of per-head K and V.
 """
@@ -53,6 +56,7 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_5_text",
     "lfm2",
     *MLA_MODEL_TYPES,
+    "gpt_oss",
 )
 # model_type -> {the config's name of a layer type: the layer it is (arch/mixer.py's kinds)}
 HYBRID_LAYERS = {
@@ -78,6 +82,8 @@ ROPE_TYPES = (*STATIC_ROPE_TYPES, "longrope")
 # hidden_act / hidden_activation -> the MLP's gate activation
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 GEMMA = ("gemma2", "gemma3_text")
+# families whose config's layer_types mix sliding-window layers with full ones
+MIXED_WINDOW = (*GEMMA, "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,9 @@ class ArchConfig:
     # per layer: "attention", or the fixed-size-state mixer it has instead (arch/mixer.py:
     # "gdn", "mamba2", "conv"); empty: every layer attends
     layer_types: tuple[str, ...] = ()
+    attn_sinks: bool = False  # gpt-oss: a learned sink logit per query head (self_attn.sinks)
+    # gpt-oss: norms multiply in float32, then round (`(w * x).to(dtype)`): weights kept float32
+    norm_fp32: bool = False
     # DeepSeek's multi-head latent attention (then num_kv_heads is 1 and head_dim the cached
     # width, MlaConfig.key_dim); None for every other family
     mla: MlaConfig | None = None
@@ -252,7 +261,7 @@ class ArchConfig:
         if model_type in ("qwen2", "smollm3") and not getattr(hf_config, "use_sliding_window", 0):
             window = None  # a window in the config that the model does not use
         sliding: tuple[bool, ...] = ()
-        if model_type in GEMMA and window:
+        if model_type in MIXED_WINDOW and window:
             # sliding-window layers mixed with global ones: a banded mask per layer, over the
             # full KV (exact; the cache keeps every column of the sliding layers too)
             types = getattr(hf_config, "layer_types", None) or [
@@ -323,6 +332,8 @@ class ArchConfig:
             qk_norm_full=model_type == "olmoe",
             attn_gate=qwen_next,
             layer_types=layer_types,
+            attn_sinks=model_type == "gpt_oss",
+            norm_fp32=model_type == "gpt_oss",
             mla=mla,
         )
 

@@ -14,6 +14,11 @@ exact, and `tests/test_exact_attention.py` holds each one to it:
   others; one of fixed shape (KEY_BLOCK keys) is the same whatever else is computed beside it;
 - `amax` is exact in any order; `exp` gives each element the same value wherever it lies;
 - `cumsum` accumulates in order (in double on the CPU): a sum that zeros cannot change.
+
+Attention sinks (gpt-oss): a learned logit per query head that joins every softmax's
+denominator and nothing else (a column of scores whose value is dropped). The max a row's
+weights are taken against includes it, and its exp(sink - max) is added to the row's sum after
+the keys' in-order sum: both elementwise, so the properties above hold as they are.
 """
 
 from __future__ import annotations
@@ -32,6 +37,15 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+def grouped_sinks(sinks: torch.Tensor, kv_heads: int, rows: int) -> torch.Tensor:
+    """Per query head sinks [H] -> [KVH, rows], one per grouped query row: `rows` is G * T,
+    each KV head's G query heads with their T tokens each, head-major (as
+    LlamaModel.group_queries lays them), so row g * T + t holds head h * G + g's sink."""
+    g = sinks.shape[0] // kv_heads
+    per = sinks.reshape(kv_heads, g, 1)
+    return per.expand(kv_heads, g, rows // g).reshape(kv_heads, rows)
+
+
 @torch.profiler.record_function("exact_attention")
 def step_attention(
     q: torch.Tensor,
@@ -41,11 +55,13 @@ def step_attention(
     scale: float,
     cap: float | None = None,
     tokens: int = 1,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A decode or verify step's attention: q [B, KVH, G * T, D] (`tokens` T per row, each
     with its G query heads, head-major as LlamaModel.group_queries lays them), k and v
     [B, KVH, L, D] (views of the live batch's buffers, gap included), mask broadcasting to
-    [B, KVH, G * T, L] (True = attend; None: every key) -> [B, KVH, G * T, D]. Each query's
+    [B, KVH, G * T, L] (True = attend; None: every key), `sinks` [H] float32 (gpt-oss: each
+    query head's sink logit; None: none) -> [B, KVH, G * T, D]. Each query's
     output is what it would be with its row alone in the batch and its token alone in the
     step, whatever the gap, the padded length or the other rows."""
     b, h, nq, d = q.shape
@@ -65,6 +81,9 @@ def step_attention(
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         mb, mh, mq, _ = mask.shape
         blocked = ~(mask if mq == 1 else mask.reshape(mb, mh, g, tokens, length))
+    sink = None  # [n, G, 1]: each of a token's query heads' sink (the same for every token)
+    if sinks is not None:
+        sink = sinks.reshape(1, h, g).expand(b, h, g).reshape(n, g, 1)
     outs = []
     for t in range(tokens):
         # [n, L, G]: keys as rows, one token's query heads as the columns (a transposed view);
@@ -76,8 +95,13 @@ def step_attention(
         if blocked is not None:
             scores = scores.masked_fill(blocked if mq == 1 else blocked[..., t, :], float("-inf"))
         scores = scores.reshape(n, g, length)
-        weights = torch.exp(scores - scores.amax(-1, keepdim=True))  # [n, G, L]
+        top = scores.amax(-1, keepdim=True)
+        if sink is not None:  # the sink joins the max, and the sum after the keys'
+            top = torch.maximum(top, sink)
+        weights = torch.exp(scores - top)  # [n, G, L]
         total = weights.cumsum(-1)[..., -1]  # [n, G]: in key order
+        if sink is not None:
+            total = total + torch.exp(sink - top)[..., 0]
         parts = [torch.bmm(weights[:, lo : lo + NARROW], values) for lo in range(0, g, NARROW)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [n, G, D]
         outs.append(out / total[..., None])
@@ -93,9 +117,11 @@ def chunk_attention(
     mask: torch.Tensor,
     scale: float,
     cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A prompt chunk's attention over its own sequence (no gap): q [B, KVH, Q, D], k and v
-    [B, KVH, L, D], mask broadcasting to [B, KVH, Q, L] (True = attend) -> [B, KVH, Q, D].
+    [B, KVH, L, D], mask broadcasting to [B, KVH, Q, L] (True = attend), `sinks` [H] float32
+    (each query head's sink logit, Q being G * T grouped rows; None: none) -> [B, KVH, Q, D].
     Each query's output is the same however the prompt was cut into chunks (a prefix-cache
     restore, a chunk riding a decode step) and whatever keys past its own the call holds."""
     b, h, nq, d = q.shape
@@ -114,8 +140,15 @@ def chunk_attention(
     if cap is not None:
         scores = soft_cap(scores, cap)
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.exp(scores - scores.amax(dim=(2, 4), keepdim=True))
+    top = scores.amax(dim=(2, 4), keepdim=True)  # [B, KVH, 1, rows, 1]
+    sink = None
+    if sinks is not None:  # (padding rows get sink 0: their output is dropped)
+        sink = F.pad(grouped_sinks(sinks, h, nq), (0, pad_rows))[None, :, None, :, None]
+        top = torch.maximum(top, sink)
+    weights = torch.exp(scores - top)
     partial = torch.matmul(weights, values)  # [B, KVH, nb, rows, D]: a block's share
     out = partial.cumsum(2)[:, :, -1]  # [B, KVH, rows, D]: the blocks in order
     total = weights.transpose(2, 3).reshape(b, h, rows, blocks * KEY_BLOCK).cumsum(-1)[..., -1:]
+    if sink is not None:  # its share of the denominator, after the keys' sum
+        total = total + torch.exp(sink - top)[:, :, 0]
     return (out / total)[:, :, :nq]

@@ -30,7 +30,7 @@ from neuronpy.arch.attention import (
     window_decode_mask,
 )
 from neuronpy.arch.config import ArchConfig
-from neuronpy.arch.exact import chunk_attention, soft_cap, step_attention
+from neuronpy.arch.exact import chunk_attention, grouped_sinks, soft_cap, step_attention
 from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch, States
 from neuronpy.arch.linear import Linear
 from neuronpy.arch.mixer import Mixer
@@ -162,12 +162,13 @@ class LlamaModel:
 
     def identity(self) -> dict[str, torch.Tensor]:
         """Tensors that tell this model's weights from another's (saved sessions' fingerprint):
-        the embedding table (its stored values when quantized) and every norm."""
+        the embedding table (its stored values when quantized), every norm and every layer's
+        attention sinks (gpt-oss)."""
         embed = self.embed if isinstance(self.embed, torch.Tensor) else self.embed.values
         norms = {
             f"{i}.{name}": t
             for i, lw in enumerate(self.layers)
-            for name in ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm")
+            for name in ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "sinks")
             if (t := getattr(lw, name)) is not None
         }
         return {"embed": embed, "norm": self.norm, **norms}
@@ -183,7 +184,7 @@ class LlamaModel:
         head = getattr(self.lm_head, "nbytes", 0)
         if getattr(self.embed, "values", None) is getattr(self.lm_head, "_q", False):
             head = 0  # a tied head computing with the embedding's own int8 values
-        # (identity() holds the embedding's table and every norm)
+        # (identity() holds the embedding's table, every norm and the sinks)
         tables = sum(t.nbytes for name, t in self.identity().items() if name != "embed")
         return self.embed.nbytes + sum(lin.nbytes for lin in self._linears()) + head + tables
 
@@ -531,26 +532,36 @@ class LlamaModel:
         packed whole sequences ("packed"). In the exact mode (see `exact`) steps and chunks
         run arch/exact.py's attention, whose result for a query does not depend on the batch,
         the padding or the chunking; else PyTorch's fused kernel, at the family's query scale,
-        and with Gemma 2's soft-capped scores (the kernel has no cap) written out and
-        softmaxed in float32."""
+        and with Gemma 2's soft-capped scores or gpt-oss's attention sinks (the kernel has
+        neither) written out and softmaxed in float32."""
         c = self.config
         if c.window(layer) is not None:
             mask = banded
         if c.mla is not None:  # latent attention: the cached latent is the values
             v = k[..., : c.mla.kv_lora_rank]
         scale = c.attn_scale if c.attn_scale is not None else c.head_dim**-0.5
+        sinks = self.layers[layer].sinks  # gpt-oss: a logit per query head, or None
         if self.exact and form != "packed":
+            exact_sinks = None if sinks is None else sinks.float()
             if form == "chunk":
                 assert mask is not None  # a chunk's queries are causal
-                return chunk_attention(q, k, v, mask, scale, c.attn_softcap)
+                return chunk_attention(q, k, v, mask, scale, c.attn_softcap, exact_sinks)
             tokens = q.shape[2] // c.group_size
-            return step_attention(q, k, v, mask, scale, c.attn_softcap, tokens)
-        if c.attn_softcap is None:
+            return step_attention(q, k, v, mask, scale, c.attn_softcap, tokens, exact_sinks)
+        if c.attn_softcap is None and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=c.attn_scale)
-        scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, c.attn_softcap)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if c.attn_softcap is not None:
+            scores = soft_cap(scores, c.attn_softcap)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # one more column of scores, in the softmax's sum only
+            column = grouped_sinks(sinks.to(scores.dtype), c.num_kv_heads, q.shape[2])
+            column = column[None, :, :, None].expand(*scores.shape[:-1], 1)
+            scores = torch.cat((scores, column), dim=-1)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is not None:
+            weights = weights[..., :-1]
         return torch.matmul(weights, v)
 
     @functools.cached_property

@@ -54,6 +54,17 @@ batched matmul would need every expert's tokens padded to the largest group, or 
 kernel plain PyTorch does not offer on the CPU; per-expert packed linears over exact slices do
 no wasted work and keep the quantized kinds.)
 
+gpt-oss (`gpt_oss`) routes as Granite does (the top-k of the logits, a softmax over the k,
+in the model's dtype as transformers' GptOssTopKRouter computes it), its router's logits with
+a bias. Its experts have biases on both projections and a clamped SwiGLU:
+`(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)`, g = `gate.clamp(max=limit)`. The
+checkpoint holds them as transformers' GptOssExperts does, `experts.gate_up_proj` [E, hidden,
+2 * I] (the input dim first, against a linear layer's [out, in]) with the gate and up columns
+interleaved (gate even, up odd), `experts.down_proj` [E, I, hidden], and their biases; or as
+the released checkpoints ship them, MXFP4 `*_blocks` and `*_scales` (arch/mxfp4.py),
+dequantized here. Either is turned at load into the layout above: each expert's gate rows,
+then its up rows, [out, in], so the forward is the one every family runs.
+
 Tensor parallelism splits every expert as the dense MLP is split (arch/weights.py): rank r of
 N holds columns [r*I/N, (r+1)*I/N) of each expert's gate and up (column-parallel) and the same
 input columns of its down (row-parallel); the shared expert is split alike over its own
@@ -75,6 +86,7 @@ import torch
 import torch.nn.functional as F
 
 from neuronpy.arch.linear import AnyLinear, Linear, make_linear
+from neuronpy.arch.mxfp4 import dequantize_mxfp4
 from neuronpy.arch.quant import AnyWeight, cat_weights, dequantized
 
 # model_type -> (the config's field for the experts' intermediate size, whether the top-k
@@ -111,6 +123,12 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # the shared expert's (this rank's share); 0: none
     shared_gate: bool = False  # the shared expert's output scaled by sigmoid(a [1, H] gate)
     topk_then_softmax: bool = False  # top-k of the logits, softmax over the k (Granite)
+    # gpt-oss: biases on the router and on each expert's projections, and the clamped SwiGLU
+    # of `swiglu_limit` and `swiglu_alpha` in place of SiLU(gate) * up (None: SiLU's)
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
     # DeepSeek's router (DeepSeek-V2, DeepSeek-V3, GLM-4.5): see MoeBlock.route
     float32_router: bool = False  # logits of the float32 input by a float32 weight
     scoring: str = "softmax"  # how the logits become scores: "softmax" or "sigmoid"
@@ -150,6 +168,8 @@ def moe_config(hf_config: Any) -> MoeConfig | None:
         return _hybrid_moe_config(hf_config)
     if model_type in DEEPSEEK_MOE_MODEL_TYPES:
         return _deepseek_moe_config(hf_config)
+    if model_type == "gpt_oss":
+        return _gpt_oss_moe_config(hf_config)
     if model_type not in MOE_MODEL_TYPES:
         return None
     size_field, always_norm, cast = MOE_MODEL_TYPES[model_type]
@@ -259,6 +279,31 @@ def _deepseek_moe_config(hf_config: Any) -> MoeConfig:
         group_score="max" if v2 else "top2",
         routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0) or 1.0),
     )
+
+
+def _gpt_oss_moe_config(hf_config: Any) -> MoeConfig:
+    """gpt-oss: experts in every layer, top-k then softmax, biases, the clamped SwiGLU."""
+    return MoeConfig(
+        num_experts=int(hf_config.num_local_experts),
+        top_k=int(hf_config.num_experts_per_tok),
+        intermediate_size=int(hf_config.intermediate_size),
+        norm_topk_prob=False,  # the softmax over the k: they sum to one already
+        sparse_layers=tuple(range(hf_config.num_hidden_layers)),
+        topk_then_softmax=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(hf_config.swiglu_limit),
+        swiglu_alpha=float(hf_config.swiglu_alpha),
+    )
+
+
+def clamped_swiglu(
+    gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
+) -> torch.Tensor:
+    """gpt-oss's expert activation, in transformers' order of operations (GptOssExperts)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class MoeBlock:
@@ -395,6 +440,9 @@ class MoeBlock:
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
+        if self.config.swiglu_limit is not None:  # gpt-oss
+            act = clamped_swiglu(gate, up, self.config.swiglu_limit, self.config.swiglu_alpha)
+            return self.down[expert](act)
         return self.down[expert](F.silu(gate) * up)
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -512,8 +560,13 @@ def take_moe_block(
         )
         # DeepSeek's router computes in float32 whatever the model's dtype (transformers keeps
         # its weight and bias float32 in a bfloat16 model): so is it kept here
-        router = Linear(_gate_tensor(w, torch.float32 if config.float32_router else dtype))
-        ups, downs = _routed_experts(tensor, prefix, config, rank, world_size, quantize, dtype)
+        router_dtype = torch.float32 if config.float32_router else dtype
+        bias = None
+        if config.router_bias:  # gpt-oss
+            bias = _gate_tensor(tensor(name.removesuffix("weight") + "bias"), router_dtype)
+        router = Linear(_gate_tensor(w, router_dtype), bias)
+        experts = _biased_experts if config.expert_bias else _routed_experts
+        ups, downs = experts(tensor, prefix, config, rank, world_size, quantize, dtype)
     score_bias = None
     if config.score_bias:
         names = [f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias"]
@@ -599,6 +652,60 @@ def _routed_experts(
             gu, d = _gated_mlp((gate, up), d, inter, lo, hi, quantize, dtype)
         ups.append(gu)
         downs.append(d)
+    return ups, downs
+
+
+def _expert_weight(
+    tensor: Callable[[str], Any], name: str, expert: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Expert `expert`'s slice of gpt-oss's stacked `name`, [out, in]: dequantized from the
+    MXFP4 `{name}_blocks` and `{name}_scales` where the checkpoint holds those (already
+    [out, in]), else transformers' float [in, out] transposed."""
+    try:
+        blocks, scales = tensor(f"{name}_blocks"), tensor(f"{name}_scales")
+    except KeyError:
+        w = _plain_tensor(name, tensor(name))
+        if w.dtype == torch.uint8:  # transformers' MXFP4 kernel modules: no float weight
+            raise ValueError(
+                f"{name}: MXFP4 weights kept packed by transformers' kernels; load the model "
+                "with Mxfp4Config(dequantize=True), or read its checkpoint as stored"
+            ) from None
+        return w[expert].transpose(0, 1)
+    # one expert at a time: a whole layer's float copy of a large model's experts is GBs
+    return dequantize_mxfp4(blocks[expert], scales[expert], dtype)
+
+
+def _biased_experts(
+    tensor: Callable[[str], Any],
+    prefix: str,
+    config: MoeConfig,
+    rank: int,
+    world_size: int,
+    quantize: str,
+    dtype: torch.dtype,
+) -> tuple[list[AnyLinear], list[AnyLinear]]:
+    """gpt-oss's experts (see the module docstring), rank `rank`'s columns: gate/up
+    de-interleaved into gate rows then up rows, each with its bias; down with its bias, which
+    rank 0 alone adds (the ranks' outputs are partial sums)."""
+    inter = config.intermediate_size
+    lo, hi = _split(inter, "an expert intermediate size", rank, world_size)
+    at = f"{prefix}.experts"
+    gate_up_bias = dequantized(tensor(f"{at}.gate_up_proj_bias"), dtype)  # [E, 2I], interleaved
+    down_bias = dequantized(tensor(f"{at}.down_proj_bias"), dtype)  # [E, hidden]
+    ups, downs = [], []
+    for e in range(config.num_experts):
+        w = _expert_weight(tensor, f"{at}.gate_up_proj", e, dtype)  # [2I, hidden]
+        d = _expert_weight(tensor, f"{at}.down_proj", e, dtype)  # [hidden, I]
+        if w.shape[0] != 2 * inter or d.shape[1] != inter:
+            raise ValueError(f"{at}: expert weights do not match intermediate size {inter}")
+        gate, up = w[0::2], w[1::2]  # interleaved columns: gate even, up odd
+        gb, ub = gate_up_bias[e, 0::2], gate_up_bias[e, 1::2]
+        # copies: contiguous, and the stacked tensors can be freed
+        fused = torch.cat((gate[lo:hi], up[lo:hi]))
+        bias = torch.cat((gb[lo:hi], ub[lo:hi]))
+        ups.append(make_linear(fused, bias, quantize, dtype=dtype))
+        db = down_bias[e].clone() if rank == 0 else None
+        downs.append(make_linear(d[:, lo:hi].contiguous(), db, quantize, dtype=dtype))
     return ups, downs
 
 

@@ -75,6 +75,8 @@ class LayerWeights:
     mixer: Mixer | None = None
     # multi-head latent attention's parts (DeepSeek): then qkv gives [q or q_a; latent; key]
     mla: MlaWeights | None = None
+    # gpt-oss: each query head's attention sink, a logit in every softmax's denominator
+    sinks: torch.Tensor | None = None  # [H] (this rank's heads)
 
 
 @dataclass
@@ -466,6 +468,8 @@ def take_weights(
     def norm(name: str) -> torch.Tensor:
         if config.norm_offset:  # Gemma's (1 + w), in float32 as it computes it
             return dequantized(tensor(name), torch.float32) + config.norm_offset
+        if config.norm_fp32:  # gpt-oss multiplies in float32 before it rounds
+            return dequantized(tensor(name), torch.float32).clone()
         # a copy of its own: the checkpoint's tensor may be a view of a memory-mapped
         # safetensors file, which it would keep resident whole (2.2 GB for a 1B bf16 model)
         return dequantized(tensor(name), dtype).clone()
@@ -492,6 +496,13 @@ def take_weights(
     def gate_up(mlp: str) -> list[tuple[str, int, int]]:
         modules = [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
         return parts(f"{mlp}.gate_up_proj", modules, [(i_lo, i_hi, inter)] * 2)
+
+    def sinks(attn: str) -> torch.Tensor | None:
+        """gpt-oss's sink logits of this rank's query heads (split as the heads are)."""
+        if not config.attn_sinks:
+            return None
+        lo, hi = rank * local.num_heads, (rank + 1) * local.num_heads
+        return dequantized(tensor(f"{attn}.sinks"), dtype)[lo:hi].clone()
 
     def sandwich(name: str) -> torch.Tensor | None:
         return norm(name) if config.sandwich_norms else None
@@ -546,6 +557,7 @@ def take_weights(
                 attn_out_norm=sandwich(f"{block}.post_attention_layernorm.weight"),
                 mlp_out_norm=sandwich(f"{block}.post_feedforward_layernorm.weight"),
                 mla=mla,
+                sinks=sinks(attn) if attends else None,
             )
         )
     embed_weight = tensor("model.embed_tokens.weight")
