@@ -4,8 +4,10 @@ once, are transformers' greedy replies to the chat template's prompt."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import openai
@@ -13,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from neuronpy.engine import harmony
 from tests.factories import fixture_builder, tokenizer
 from tests.servers import engine_loader, run_server
 from tests.test_engine_parity import TEXTS
@@ -84,25 +87,72 @@ def glm4_moe(vocab: int, eos: int, pad: int) -> PretrainedConfig:
     )
 
 
-# model_type -> (its config builder, the seed its weights are drawn with)
-BUILDERS: dict[str, tuple[Callable[[int, int, int], PretrainedConfig], int]] = {
-    "deepseek_v3": (deepseek_v3, 4242),
-    "glm4_moe": (glm4_moe, 4343),
+def gpt_oss(vocab: int, eos: int, pad: int) -> PretrainedConfig:
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        vocab_size=vocab,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        hidden_size=96,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        swiglu_limit=5.0,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    )
+
+
+# model_type -> (its config builder, the seed its weights are drawn with, its tokenizer's
+# fixture: gpt-oss's speaks harmony, whose template and stop tokens a user's checkpoint has)
+BUILDERS: dict[str, tuple[Callable[[int, int, int], PretrainedConfig], int, str]] = {
+    "deepseek_v3": (deepseek_v3, 4242, "tiny-llama"),
+    "glm4_moe": (glm4_moe, 4343, "tiny-llama"),
+    "gpt_oss": (gpt_oss, 4444, "tiny-harmony-tokenizer"),
 }
 
 
 def build(model_type: str, out: Path) -> Path:
     builder = fixture_builder()
-    tok = tokenizer("tiny-llama")
-    eos = tok.convert_tokens_to_ids(builder.EOS_TOKEN)
-    pad = tok.convert_tokens_to_ids(builder.PAD_TOKEN)
-    make, seed = BUILDERS[model_type]
+    make, seed, tokenizer_dir = BUILDERS[model_type]
+    tok = tokenizer(tokenizer_dir)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
     model = AutoModelForCausalLM.from_config(make(len(tok), eos, pad)).to(torch.float32).eval()
     builder.init_weights(model, seed)
     model.generation_config.eos_token_id = eos
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def expected_text(tok: Any, ids: list[int]) -> str:
+    """What a reply of `ids` reads as: its text without special tokens; under harmony, whose
+    framing tokens the server keeps where a reply does not follow the framing (a random model's
+    does not), with those, up to the stop token (docs/api.md: gpt-oss)."""
+    if tok.chat_template is None or "<|channel|>" not in tok.chat_template:
+        return tok.decode(ids, skip_special_tokens=True)
+    kept = {tok.convert_tokens_to_ids(t) for t in harmony.TOKENS} - set(harmony_stops(tok))
+    ids = list(itertools.takewhile(lambda t: t not in harmony_stops(tok), ids))
+    pieces, run = [], []
+    for t in ids:
+        if t in kept:
+            pieces += [tok.decode(run, skip_special_tokens=True), tok.convert_ids_to_tokens(t)]
+            run = []
+        else:
+            run.append(t)
+    return "".join([*pieces, tok.decode(run, skip_special_tokens=True)])
+
+
+def harmony_stops(tok: Any) -> list[int]:
+    return [tok.convert_tokens_to_ids(t) for t in (harmony.RETURN, harmony.CALL)]
 
 
 def transformers_reply(path: Path, prompt: list[int]) -> list[int]:
@@ -120,7 +170,7 @@ def transformers_reply(path: Path, prompt: list[int]) -> list[int]:
 @pytest.mark.parametrize("model_type", list(BUILDERS))
 def test_served_as_a_user_would_alone_and_four_at_once(model_type: str, tmp_path: Path) -> None:
     path = build(model_type, tmp_path / model_type)
-    tok = tokenizer("tiny-llama")
+    tok = tokenizer(BUILDERS[model_type][2])
     messages = [[{"role": "user", "content": t}] for t in TEXTS[:4]]
 
     async def ask(api: openai.AsyncOpenAI, m: list[dict[str, str]]) -> str:
@@ -151,4 +201,4 @@ def test_served_as_a_user_would_alone_and_four_at_once(model_type: str, tmp_path
     for m, reply in zip(messages, alone, strict=True):
         prompt = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
         ids = tok.encode(prompt, add_special_tokens=False)
-        assert reply == tok.decode(transformers_reply(path, ids), skip_special_tokens=True)
+        assert reply == expected_text(tok, transformers_reply(path, ids))
