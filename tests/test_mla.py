@@ -104,11 +104,12 @@ async def test_compiled_and_int8_keep_the_contract() -> None:
     assert [summary(c) for c in together] == [summary(c) for c in alone]
 
 
-async def test_prefix_cache_n_copies_and_preemption() -> None:
+# (gpt-oss's sliding layers and sinks, and GLM-4.5's grouped routing, over the same features)
+@pytest.mark.parametrize("family", ["tiny-deepseek-v2", "tiny-gpt-oss", "tiny-glm4-moe"])
+async def test_prefix_cache_n_copies_and_preemption(family: str) -> None:
     """A prompt that starts with a cached one reuses its latents and answers as without the
     cache; n = 3 greedy copies give the single reply; a KV budget that preempts rows (their
     latents set aside and brought back) changes nobody's output."""
-    family = "tiny-deepseek-v2"
     tok = tokenizer(family)
     first = tok.encode(TEXTS[0] * 3)
     longer = first + tok.encode(TEXTS[1])
