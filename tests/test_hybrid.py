@@ -31,6 +31,7 @@ from tests.test_engine_parity import (
     one_at_a_time,
     summary,
 )
+from tests.test_served_families import alone_and_four_at_once
 
 pytestmark = pytest.mark.anyio
 
@@ -70,6 +71,10 @@ def test_the_fixtures_have_the_layers_they_are_for() -> None:
 
 @pytest.mark.parametrize("family", HYBRIDS)
 async def test_concurrent_equals_sequential_equals_transformers(family: str) -> None:
+    await check_concurrent_equals_sequential_equals_transformers(family)
+
+
+async def check_concurrent_equals_sequential_equals_transformers(family: str) -> None:
     """Six requests joining and leaving mid-flight give, byte for byte, what each gives alone,
     and transformers' own greedy tokens."""
     tok = tokenizer(family)
@@ -257,30 +262,8 @@ def test_served_as_a_user_would_four_at_once() -> None:
     tok = tokenizer(family)
     messages = [[{"role": "user", "content": t}] for t in TEXTS[:4]]
 
-    async def ask(api: openai.AsyncOpenAI, m: list[dict[str, str]]) -> str:
-        out = await api.chat.completions.create(
-            model=family,
-            messages=m,
-            max_tokens=16,
-            temperature=0,  # type: ignore[arg-type]
-        )
-        return out.choices[0].message.content or ""
-
-    async def run(url: str) -> tuple[list[str], list[str]]:
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x") as api:
-            alone = [await ask(api, m) for m in messages]
-            together: list[str] = [""] * 4
-
-            async def one(i: int) -> None:
-                together[i] = await ask(api, messages[i])
-
-            async with anyio.create_task_group() as tg:
-                for i in range(4):
-                    tg.start_soon(one, i)
-        return alone, together
-
     with run_server(fixture_model(family)) as server:
-        alone, together = anyio.run(run, server.url)
+        alone, together = anyio.run(alone_and_four_at_once, server.url, family, messages, 16)
     assert together == alone
     for m, reply in zip(messages, alone, strict=True):
         prompt = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)

@@ -12,14 +12,12 @@ from typing import Any
 import anyio
 import openai
 import pytest
-import torch
 from safetensors import safe_open
 
 from neuronpy.arch.kv import assemble_batch
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.weights import TensorParallelError, take_weights
 from neuronpy.engine.engine import RequestStream, kv_bytes_per_token
-from neuronpy.engine.types import FinishReason
 from tests.factories import fixture_builder, hf_model, make_engine, tokenizer
 from tests.servers import fixture_model, run_server
 from tests.test_engine_parity import (
@@ -30,22 +28,11 @@ from tests.test_engine_parity import (
     one_at_a_time,
     summary,
 )
+from tests.test_hybrid import check_concurrent_equals_sequential_equals_transformers
 
 pytestmark = pytest.mark.anyio
 
 MLA: tuple[str, ...] = fixture_builder().MLA_FIXTURES
-
-
-def transformers_greedy(family: str, ids: list[int], max_tokens: int) -> list[int]:
-    model = hf_model(family)
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("family", MLA)
@@ -67,22 +54,7 @@ def test_the_cache_holds_one_latent_and_one_rope_key_per_token(family: str) -> N
 
 @pytest.mark.parametrize("family", MLA)
 async def test_concurrent_equals_sequential_equals_transformers(family: str) -> None:
-    """Six requests joining and leaving mid-flight give, byte for byte, what each gives alone,
-    and transformers' own greedy tokens."""
-    tok = tokenizer(family)
-    jobs = [(tok.encode(t), greedy(m)) for t, m in zip(TEXTS, MAX_TOKENS, strict=True)]
-    async with make_engine(family, max_in_flight=1, compile="off") as serial:
-        expected = await one_at_a_time(serial, jobs)
-    async with make_engine(family, max_in_flight=8, compile="off") as engine:
-        got = await concurrently(engine, jobs)
-        stats = engine.stats()
-    assert [summary(c) for c in got] == [summary(c) for c in expected]
-    assert stats.max_batch_size >= 3 and stats.rebatches >= 4
-    for (ids, params), c in zip(jobs, got, strict=True):
-        reference = transformers_greedy(family, ids, params.max_tokens)
-        assert c.token_ids == reference[: len(c.token_ids)]
-        if c.finish_reason is FinishReason.LENGTH:
-            assert len(c.token_ids) == params.max_tokens
+    await check_concurrent_equals_sequential_equals_transformers(family)
 
 
 async def test_compiled_and_int8_keep_the_contract() -> None:

@@ -155,6 +155,34 @@ def harmony_stops(tok: Any) -> list[int]:
     return [tok.convert_tokens_to_ids(t) for t in (harmony.RETURN, harmony.CALL)]
 
 
+async def alone_and_four_at_once(
+    url: str, model: str, messages: list[list[dict[str, str]]], max_tokens: int
+) -> tuple[list[str], list[str]]:
+    """The `openai` client's greedy replies to four conversations, one after another, then
+    the four at once."""
+
+    async def ask(api: openai.AsyncOpenAI, m: list[dict[str, str]]) -> str:
+        out = await api.chat.completions.create(
+            model=model,
+            messages=m,  # type: ignore[arg-type]
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+        return out.choices[0].message.content or ""
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x") as api:
+        alone = [await ask(api, m) for m in messages]
+        together: list[str] = [""] * len(messages)
+
+        async def one(i: int) -> None:
+            together[i] = await ask(api, messages[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(messages)):
+                tg.start_soon(one, i)
+    return alone, together
+
+
 def transformers_reply(path: Path, prompt: list[int]) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -173,30 +201,10 @@ def test_served_as_a_user_would_alone_and_four_at_once(model_type: str, tmp_path
     tok = tokenizer(BUILDERS[model_type][2])
     messages = [[{"role": "user", "content": t}] for t in TEXTS[:4]]
 
-    async def ask(api: openai.AsyncOpenAI, m: list[dict[str, str]]) -> str:
-        out = await api.chat.completions.create(
-            model=model_type,
-            messages=m,  # type: ignore[arg-type]
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-        )
-        return out.choices[0].message.content or ""
-
-    async def run(url: str) -> tuple[list[str], list[str]]:
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x") as api:
-            alone = [await ask(api, m) for m in messages]
-            together: list[str] = [""] * 4
-
-            async def one(i: int) -> None:
-                together[i] = await ask(api, messages[i])
-
-            async with anyio.create_task_group() as tg:
-                for i in range(4):
-                    tg.start_soon(one, i)
-        return alone, together
-
     with run_server({model_type: engine_loader(path)}) as server:
-        alone, together = anyio.run(run, server.url)
+        alone, together = anyio.run(
+            alone_and_four_at_once, server.url, model_type, messages, MAX_TOKENS
+        )
     assert together == alone
     for m, reply in zip(messages, alone, strict=True):
         prompt = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)

@@ -39,7 +39,46 @@ class _State(enum.Enum):
     TOOL_CALL = "tool_call"  # after a call's start marker: held until the call settles
 
 
-class OutputParser:
+class _DeltaParser:
+    """What both reply parsers share: deltas are added to a buffer until a step of the
+    parser's state machine settles them (`_step`); where each delta began is kept while a
+    tool call is held (`_holding_call`), so that its arguments stream in the pieces the model
+    wrote them in."""
+
+    _buf: str
+    _pos: int
+    _cuts: list[int]
+    _out: Parsed
+
+    def push(self, text: str) -> Parsed:
+        """Add a delta; return what it settled."""
+        if text:
+            if not self._holding_call():
+                self._cuts.clear()
+            self._cuts.append(self._pos + len(self._buf))
+            self._buf += text
+            while self._step(final=False):
+                pass
+        return self._take()
+
+    def finish(self) -> Parsed:
+        """The end of the reply: settle everything still held."""
+        while self._step(final=True):
+            pass
+        return self._take()
+
+    def _take(self) -> Parsed:
+        out, self._out = self._out, Parsed()
+        return out
+
+    def _holding_call(self) -> bool:
+        raise NotImplementedError
+
+    def _step(self, final: bool) -> bool:
+        raise NotImplementedError
+
+
+class OutputParser(_DeltaParser):
     """The reasoning / tool-call state machine of one reply.
 
     A reasoning block is recognised at the very start of the reply (only whitespace before its
@@ -74,26 +113,8 @@ class OutputParser:
         self._calls = 0  # well-formed tool calls so far
         self._out = Parsed()
 
-    def push(self, text: str) -> Parsed:
-        """Add a delta; return what it settled."""
-        if text:
-            if self._state is not _State.TOOL_CALL:
-                self._cuts.clear()
-            self._cuts.append(self._pos + len(self._buf))
-            self._buf += text
-            while self._step(final=False):
-                pass
-        return self._take()
-
-    def finish(self) -> Parsed:
-        """The end of the reply: settle everything still held."""
-        while self._step(final=True):
-            pass
-        return self._take()
-
-    def _take(self) -> Parsed:
-        out, self._out = self._out, Parsed()
-        return out
+    def _holding_call(self) -> bool:
+        return self._state is _State.TOOL_CALL
 
     def _consume(self, n: int) -> None:
         self._buf = self._buf[n:]
@@ -269,7 +290,7 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
     return len(text)
 
 
-class HarmonyParser:
+class HarmonyParser(_DeltaParser):
     """OutputParser's counterpart for gpt-oss's harmony replies (same push / finish): the
     analysis channel's messages are reasoning, final and commentary messages without a
     recipient are content, and a commentary message to `functions.NAME` whose body is a JSON
@@ -303,26 +324,8 @@ class HarmonyParser:
         if opened:  # the prompt ended with <|channel|>analysis<|message|>
             self._open_body("reasoning" if self._reasons else "content")
 
-    def push(self, text: str) -> Parsed:
-        """Add a delta; return what it settled."""
-        if text:
-            if not (self._state is _Harmony.BODY and self._kind == "call"):
-                self._cuts.clear()
-            self._cuts.append(self._pos + len(self._buf))
-            self._buf += text
-            while self._step(final=False):
-                pass
-        return self._take()
-
-    def finish(self) -> Parsed:
-        """The end of the reply: settle everything still held."""
-        while self._step(final=True):
-            pass
-        return self._take()
-
-    def _take(self) -> Parsed:
-        out, self._out = self._out, Parsed()
-        return out
+    def _holding_call(self) -> bool:
+        return self._state is _Harmony.BODY and self._kind == "call"
 
     def _consume(self, n: int) -> str:
         taken, self._buf = self._buf[:n], self._buf[n:]
