@@ -17,6 +17,7 @@ import torch
 
 from neuronpy.arch.gguf import GGUFCheckpoint, read_index
 from neuronpy.arch.llama import LlamaModel, measure_input_ranges
+from neuronpy.arch.stored import StoredCheckpoint
 from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.defaults import WEIGHT_ONLY_MODES
 from neuronpy.engine.embeddings import Pooling
@@ -27,6 +28,8 @@ from neuronpy.loading import (
     gguf_spec,
     load_gguf_checkpoint,
     load_pretrained,
+    load_stored_checkpoint,
+    packed_experts,
     resolve_device,
     sentence_transformers_pooling,
 )
@@ -138,8 +141,9 @@ def release_freed_memory() -> None:
 
 
 def _fingerprint(source: Any, quantize: str) -> str:
-    """A GGUF checkpoint's file key, else a hash of a transformers model's weights."""
-    if isinstance(source, GGUFCheckpoint):
+    """A checkpoint read as stored: its files' key; else a hash of a transformers model's
+    weights."""
+    if isinstance(source, GGUFCheckpoint | StoredCheckpoint):
         return model_fingerprint({}, extra=(source.fingerprint, quantize))
     return model_fingerprint(source.state_dict(), extra=(quantize,))
 
@@ -248,6 +252,8 @@ def source_facts(source: Any) -> tuple[int, str]:
     from its parameters and their dtype ("BF16"); (0, "") where neither is known."""
     if isinstance(source, GGUFCheckpoint):
         return gguf_file_facts(source.path)
+    if isinstance(source, StoredCheckpoint):
+        return source.facts()
     try:
         params = list(source.parameters())
     except (AttributeError, TypeError):
@@ -289,6 +295,11 @@ def load_source(spec: ModelSpec, progress: Callable[[str], None]) -> tuple[Any, 
     if gguf_spec(spec.path) is not None and device == "cpu" and quantize in NATIVE_GGUF_MODES:
         source, tokenizer, _ = load_gguf_checkpoint(spec.path, dtype=spec.dtype, log=progress)
         return source, tokenizer
+    if packed_experts(spec.path) and device == "cpu":
+        # (gpt-oss: its MXFP4 experts dequantized one at a time as their layers are built,
+        # not the whole model in float through transformers first)
+        stored, tokenizer, _ = load_stored_checkpoint(spec.path, dtype=spec.dtype, log=progress)
+        return stored, tokenizer
     # weights quantized at load compute between the layers in fp32 (see resolve_dtype): their
     # kernels take their own input types whatever the model's, and fp32 is the exact mode
     fp32 = quantize in (*WEIGHT_ONLY_MODES, "int8")

@@ -33,6 +33,7 @@ from neuronpy.arch.gguf import (
     read_index,
 )
 from neuronpy.arch.linear import native_bf16
+from neuronpy.arch.stored import StoredCheckpoint
 from neuronpy.errors import ModelLoadError
 from neuronpy.gguf_metadata import read_gguf_metadata
 
@@ -401,6 +402,44 @@ def _from_pretrained(
             ) from exc
         raise ModelLoadError(f"could not load the model in '{model_dir}': {reason}") from exc
     return model, tokenizer
+
+
+def packed_experts(spec: str | None) -> bool:
+    """Whether `spec` is a local checkpoint directory whose experts ship packed as MXFP4
+    (gpt-oss): those are read as stored (load_stored_checkpoint) on the CPU."""
+    if spec is None or not Path(spec).expanduser().is_dir():
+        return False
+    try:
+        config = json.loads((Path(spec).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+
+
+def load_stored_checkpoint(
+    spec: str,
+    *,
+    dtype: str = "auto",
+    log: Callable[[str], None] = logger.info,
+) -> tuple[StoredCheckpoint, transformers.PreTrainedTokenizerBase, str]:
+    """A checkpoint directory's weights read as they are stored (arch/stored.py), on the CPU:
+    each packed expert dequantized on its own as its layer is built, never the whole model
+    in float at once. Returns (checkpoint, tokenizer, served name)."""
+    path = Path(spec).expanduser()
+    torch_dtype = resolve_dtype(dtype, "cpu")
+    config = transformers.AutoConfig.from_pretrained(path)
+    ArchConfig.from_hf(config)  # an architecture the layers cannot compute: refused here
+    try:
+        generation = transformers.GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation = transformers.GenerationConfig.from_model_config(config)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    checkpoint = StoredCheckpoint(
+        path, config=config, generation_config=generation, dtype=torch_dtype
+    )
+    log(f"reading {path} as stored ({torch_dtype}): its packed experts one at a time")
+    return checkpoint, tokenizer, path.resolve().name
 
 
 def _dequantizing(model_dir: str, **kwargs: Any) -> dict[str, Any]:

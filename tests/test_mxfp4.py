@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,6 +17,10 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
+from neuronpy.arch.stored import StackedTensor, StoredCheckpoint
+from neuronpy.compose import load_engine, load_source, source_facts
+from neuronpy.config import ModelSpec
+from neuronpy.engine.types import SamplingParams
 from neuronpy.loading import load_pretrained
 from tests.factories import fixture_dir, hf_model
 
@@ -104,24 +109,56 @@ def test_a_checkpoint_of_packed_experts_loads_end_to_end(tmp_path: Path) -> None
     torch.testing.assert_close(plain.logits(plain.prefill(IDS)[1]), got, atol=1e-5, rtol=1e-5)
 
 
-def test_an_mxfp4_checkpoint_directory_loads_dequantized(tmp_path: Path) -> None:
-    """A model directory as gpt-oss ships (the packed experts, `quant_method: mxfp4`) loaded
-    as a served model is: transformers dequantizes the experts (never its MXFP4 kernels, which
-    it would fetch from the Hub where they are installed), and the native model computes
-    transformers' logits."""
+def packed_directory(path: Path) -> Any:
+    """A model directory as gpt-oss ships (the packed experts, `quant_method: mxfp4`) at
+    `path`; the transformers model of the same weights dequantized (the reference)."""
     hf, tensors = packed_gpt_oss()
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     for f in fixture_dir("tiny-gpt-oss").iterdir():
         if f.name != "model.safetensors":
-            shutil.copy(f, tmp_path / f.name)
-    config = json.loads((tmp_path / "config.json").read_text())
+            shutil.copy(f, path / f.name)
+    config = json.loads((path / "config.json").read_text())
     # (as the released config.json: the attention, the router, embeddings and head unpacked)
     unpacked = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"]
     config["quantization_config"] = {
         "quant_method": "mxfp4",
         "modules_to_not_convert": [*unpacked, "lm_head"],
     }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config))
+    return hf
+
+
+def test_a_served_mxfp4_directory_is_read_as_stored_one_expert_at_a_time(tmp_path: Path) -> None:
+    """On the CPU a served gpt-oss directory is read as stored: a packed tensor answers one
+    expert's rows at a time (never a layer's experts in float at once), and the engine's
+    greedy reply is transformers' over the dequantized weights."""
+    hf = packed_directory(tmp_path)
+    spec = ModelSpec(path=str(tmp_path), dtype="float32", device="cpu")
+    source, _ = load_source(spec, lambda _: None)
+    assert isinstance(source, StoredCheckpoint) and source_facts(source)[1] == "MXFP4"
+    packed = source.get("model.layers.0.mlp.experts.gate_up_proj_blocks")
+    assert isinstance(packed, StackedTensor) and packed[1].shape == packed.shape[1:]
+    model = LlamaModel.from_hf(source)
+    got = model.logits(model.prefill(IDS)[1])
+    torch.testing.assert_close(got, reference_logits(hf), atol=2e-4, rtol=1e-4)
+
+    async def reply() -> list[int]:
+        engine = load_engine("gpt-oss", ModelSpec(path=str(tmp_path), dtype="float32"))
+        async with engine:
+            params = SamplingParams(max_tokens=12, temperature=0.0)
+            return (await engine.complete(IDS, params)).token_ids
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([IDS]), max_new_tokens=12, do_sample=False)
+    assert anyio.run(reply) == out[0, len(IDS) :].tolist()[:12]
+
+
+def test_an_mxfp4_checkpoint_directory_loads_dequantized(tmp_path: Path) -> None:
+    """A model directory as gpt-oss ships (the packed experts, `quant_method: mxfp4`) loaded
+    as a served model is: transformers dequantizes the experts (never its MXFP4 kernels, which
+    it would fetch from the Hub where they are installed), and the native model computes
+    transformers' logits."""
+    hf = packed_directory(tmp_path)
     loaded = load_pretrained(str(tmp_path), dtype="float32").hf_model
     experts = loaded.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float32
