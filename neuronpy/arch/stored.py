@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -87,10 +88,7 @@ class StoredCheckpoint:
         """(parameter count, how the experts are stored): MXFP4 packs two values a byte."""
         count, packed = 0, False
         for name in self._where:
-            shape = self._handle(name).get_slice(name).get_shape()
-            n = 1
-            for d in shape:
-                n *= d
+            n = math.prod(self._handle(name).get_slice(name).get_shape())
             if name.endswith("_blocks"):
                 n, packed = 2 * n, True
             elif name.endswith("_scales"):

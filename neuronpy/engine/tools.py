@@ -147,6 +147,45 @@ class ToolFormat:
         return Settled(end, tuple(calls) if calls else None)
 
 
+# DeepSeek's and Kimi K2's sections of calls (see parse_section): the section's markers, and
+# per notation a call's opening marker, the marker between its head and its arguments, its end
+DEEPSEEK_SECTION = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
+KIMI_SECTION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+SECTIONS = {
+    "deepseek": ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+    "kimi": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+}
+
+
+def _sectioned(
+    name: str,
+    notation: Literal["deepseek", "kimi"],
+    section: tuple[str, str],
+    *,
+    head: str = "",
+    name_end: str,
+    tail: str = "",
+) -> ToolFormat:
+    """A format whose calls sit in a section: a forced call writes the section's opening
+    marker, the call's and `head`, the name, `name_end`, the JSON arguments, `tail`, then the
+    call's end marker and the section's."""
+    begin, end = section
+    call_begin, _, call_end = SECTIONS[notation]
+    return ToolFormat(
+        name,
+        begin,
+        "tagged",
+        end=end,
+        call_begin=f"{begin}{call_begin}{head}",
+        name_end=name_end,
+        call_end=f"{tail}{call_end}{end}",
+        separator="",
+        quote_name=False,
+        notation=notation,
+        inner=SECTIONS[notation],
+    )
+
+
 TOOL_FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat(
         "hermes",
@@ -198,45 +237,24 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
         inner=("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
     ),
     # DeepSeek-V3 / R1: the call's type, its name, then its arguments in a fenced JSON block
-    "deepseek_v3": ToolFormat(
+    "deepseek_v3": _sectioned(
         "deepseek_v3",
-        "<｜tool▁calls▁begin｜>",
-        "tagged",
-        end="<｜tool▁calls▁end｜>",
-        call_begin="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>",
+        "deepseek",
+        DEEPSEEK_SECTION,
+        head=f"function{SECTIONS['deepseek'][1]}",
         name_end="\n```json\n",
-        call_end="\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-        separator="",
-        quote_name=False,
-        notation="deepseek",
-        inner=("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+        tail="\n```",
     ),
     # DeepSeek-V3.1 and later: the name, then the arguments as they are
-    "deepseek_v31": ToolFormat(
-        "deepseek_v31",
-        "<｜tool▁calls▁begin｜>",
-        "tagged",
-        end="<｜tool▁calls▁end｜>",
-        call_begin="<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>",
-        name_end="<｜tool▁sep｜>",
-        call_end="<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-        separator="",
-        quote_name=False,
-        notation="deepseek",
-        inner=("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
+    "deepseek_v31": _sectioned(
+        "deepseek_v31", "deepseek", DEEPSEEK_SECTION, name_end=SECTIONS["deepseek"][1]
     ),
-    "kimi_k2": ToolFormat(
+    "kimi_k2": _sectioned(
         "kimi_k2",
-        "<|tool_calls_section_begin|>",
-        "tagged",
-        end="<|tool_calls_section_end|>",
-        call_begin="<|tool_calls_section_begin|><|tool_call_begin|>functions.",
-        name_end=":0<|tool_call_argument_begin|>",
-        call_end="<|tool_call_end|><|tool_calls_section_end|>",
-        separator="",
-        quote_name=False,
-        notation="kimi",
-        inner=("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+        "kimi",
+        KIMI_SECTION,
+        head="functions.",
+        name_end=f":0{SECTIONS['kimi'][1]}",
     ),
     "lfm2": ToolFormat(
         "lfm2",
@@ -276,8 +294,8 @@ TOOL_CALL_START, TOOL_CALL_END = HERMES.start, HERMES.end
 _TEMPLATE_SIGNS = (
     ("<start_function_call>", "functiongemma"),
     # DeepSeek's section (V3 / R1 fence each call's arguments as JSON: see resolve_tool_format)
-    ("<｜tool▁calls▁begin｜>", "deepseek_v31"),
-    ("<|tool_calls_section_begin|>", "kimi_k2"),
+    (DEEPSEEK_SECTION[0], "deepseek_v31"),
+    (KIMI_SECTION[0], "kimi_k2"),
     # Qwen3-Coder / Qwen3.5's XML calls and GLM-4.5's argument tags, inside the Hermes-like
     # <tool_call> (so before it)
     ("<parameter=", "qwen3_coder"),
@@ -617,11 +635,6 @@ def parse_glm(body: str, types: ParamTypes | None = None) -> ParsedCall | None:
 
 # ---- DeepSeek's and Kimi K2's sections: calls between markers, JSON arguments -------------
 
-# notation -> a call's opening marker, the marker between its head and its arguments, its end
-SECTIONS = {
-    "deepseek": ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
-    "kimi": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
-}
 _FENCE = re.compile(r"\A```(?:json)?\s*\n(.*)\n\s*```\Z", re.S)
 _KIMI_ID = re.compile(r"\A(?:functions\.)?([\w.:/-]+?)(?::\d+)?\Z")
 
