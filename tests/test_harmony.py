@@ -32,7 +32,16 @@ from tests.factories import skip_unless_built_with_this_transformers
 from tests.scripted import Scripts
 from tests.servers import FIXTURES, RunningServer, engine_loader, run_server
 from tests.test_fixtures import bf
-from tests.test_reasoning_tools import TOOLS, Reply, ask, reply_of, run_router, splits
+from tests.test_reasoning_tools import (
+    TOOLS,
+    Reply,
+    ask,
+    reply_of,
+    run_router,
+    splits,
+    summary,
+)
+from tests.test_reasoning_tools import parse as parse_reply
 
 HARMONY = OutputFormat(reasoning="harmony", tool_calls=True, tool_format="harmony")
 NO_TOOLS = OutputFormat(reasoning="harmony", tool_format="harmony")
@@ -116,19 +125,7 @@ CASES: list[tuple[str, OutputFormat, tuple[str, str, list[tuple[str, str]]]]] = 
 
 
 def parse(pieces: Sequence[str], output: OutputFormat = HARMONY, opened: bool = False) -> Parsed:
-    parser = output_parser(output, opened=opened)
-    out = Parsed()
-    for piece in pieces:
-        out.extend(parser.push(piece))
-    out.extend(parser.finish())
-    return out
-
-
-def summary(out: Parsed) -> tuple[str, str, list[tuple[str, str]]]:
-    calls = [(c.name, c.arguments) for c in out.tool_calls]
-    assert all("".join(c.pieces) == c.arguments for c in out.tool_calls)
-    assert [c.index for c in out.tool_calls] == list(range(len(out.tool_calls)))
-    return out.reasoning, out.content, calls
+    return parse_reply(pieces, output, opened)
 
 
 @pytest.fixture(scope="module")
