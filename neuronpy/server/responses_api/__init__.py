@@ -13,6 +13,6 @@ its prompt and reply, only the new turn is prefilled (`usage.input_tokens_detail
 
 Within the package the routes import the builder and the store, the builder the events, the
 objects and the protocol, the store the shape, never the other way (pyproject's import
-contracts). This file imports none of them, so that the server's sessions can read shape.py
-without loading the routes.
+contracts). This file imports none of them. A response's id (`resp_<hex>`) is made and
+recognized by server/response_ids.py, which the session listing reads too.
 """

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -32,6 +31,7 @@ from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.request_id import name_request
 from neuronpy.server.requests import BodyLimits, read_json, requested_model
+from neuronpy.server.response_ids import new_response_id
 from neuronpy.server.responses import Reply
 from neuronpy.server.responses_api.builder import Builder
 from neuronpy.server.responses_api.events import Event
@@ -151,7 +151,7 @@ async def create_response(
     sessions directory), a stored response's KV is saved there as a session named by its id,
     and a follow-up continues from its previous response's."""
     started = time.perf_counter()
-    rid = f"resp_{uuid.uuid4().hex}"
+    rid = new_response_id()
     name_request(request, rid)
     model: ServedModel | None = None
     try:
