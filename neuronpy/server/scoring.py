@@ -42,8 +42,8 @@ def _texts(value: object, name: str, *, single: bool = True) -> list[str]:
     return out
 
 
-# Qwen3-Reranker's prompt (its model card's): the judgement asked in the system turn, the
-# instruction, query and document in the user turn, an empty thinking block, then the answer
+# Qwen3-Reranker's prompt (its model card's): the judgement asked in the system message, the
+# instruction, query and document in the user message, an empty thinking block, then the answer
 RERANK_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
     'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'

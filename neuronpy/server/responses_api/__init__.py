@@ -9,7 +9,8 @@ and its stream's events (builder.py), typed models (objects.py, events.py) whose
 the SDK parses; the store is store.py, and the shape a stored response's file must have
 shape.py. A stored response keeps its conversation (input and reply, as chat messages); a
 follow-up naming it continues that conversation, and since the prefix cache holds the KV of
-its prompt and reply, only the new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
+its prompt and reply, only the new messages are prefilled
+(`usage.input_tokens_details.cached_tokens`).
 
 Within the package the routes import the builder and the store, the builder the events, the
 objects and the protocol, the store the shape, never the other way (pyproject's import
