@@ -1,9 +1,12 @@
-"""The starlette app and its routes: completions, chat, models, sessions, health, stats, metrics."""
+"""The starlette app: `create_app` builds the state every route shares (the served models,
+the metrics, the stored responses, the middleware) and mounts the routes of the table below.
+Each endpoint is a module-level function that reads what it needs from its request
+(context.py's `route_context`); the model routes enter by the front door (front_door.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,12 +25,14 @@ from neuronpy.defaults import (
 )
 from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.sessions import SessionStore
+from neuronpy.server import replica
 from neuronpy.server.anthropic_api.routes import count_tokens, create_message
 from neuronpy.server.auth import security_middleware
 from neuronpy.server.connections import ConcurrencyLimit
+from neuronpy.server.context import RouteContext, route_context
 from neuronpy.server.embeddings import embeddings
 from neuronpy.server.errors import EXCEPTION_HANDLERS, ApiError, unavailable
-from neuronpy.server.flow import generate
+from neuronpy.server.flow import chat_completions, completions
 from neuronpy.server.markdown import render
 from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import (
@@ -38,21 +43,142 @@ from neuronpy.server.models import (
     serve_model,
 )
 from neuronpy.server.ollama_api import routes as ollama
-from neuronpy.server.replica import drain, get_load, live
 from neuronpy.server.request_id import RequestIdMiddleware
 from neuronpy.server.requests import MAX_BODY_BYTES, BodyLimits
-from neuronpy.server.responses_api.routes import (
-    create_response,
-    delete_response,
-    get_response,
-    input_items,
-)
+from neuronpy.server.responses_api.routes import create_response, input_items, stored_response
 from neuronpy.server.responses_api.store import ResponseStore, StoreLimits
 from neuronpy.server.scoring import rerank, score
 from neuronpy.server.sessions import SESSIONS_OFF, delete_session, list_sessions, show_session
-from neuronpy.server.stream import EventStreamResponse
 from neuronpy.server.tokenize import detokenize, tokenize
-from neuronpy.server.web import batch, favicon, page, static
+from neuronpy.server.web import batch as live_batch
+from neuronpy.server.web import favicon, page, static
+
+# ---- the server's own endpoints: health, models, counters, sessions, replicas ------------------
+
+
+async def health(request: Request) -> Response:
+    """200 when every model is ready, else 503; `?model=NAME` asks about one model."""
+    state = route_context(request).state
+    wanted = request.query_params.get("model")
+    if wanted is not None:
+        model = state.find(wanted)
+        shown = state.health_of(model)
+        code = 200 if shown == "ready" else 503
+        return JSONResponse({"status": shown, "model": model.name}, status_code=code)
+    body = {
+        "status": state.status,
+        "models": {model.name: state.health_of(model) for model in state.models.values()},
+    }
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+
+async def model_cards(request: Request) -> Response:
+    """/v1/models: the cards of the models ready to serve; /v1/models/NAME: that model's."""
+    state = route_context(request).state
+    wanted = request.path_params.get("model")
+    if wanted is not None:
+        model = state.find(wanted)
+        return JSONResponse(_model_card(model.name, model.ready_engine(), state.started))
+    cards = [
+        _model_card(m.name, m.engine, state.started)
+        for m in state.models.values()
+        if m.state == "ready" and m.engine is not None
+    ]
+    if not cards:
+        loading = any(m.status == "loading" for m in state.models.values())
+        if loading:  # as the inference routes answer while a model loads
+            raise unavailable("no model is ready yet: loading; retry shortly", retry_after=5)
+        raise unavailable("no model is ready to serve requests")
+    return JSONResponse({"object": "list", "data": cards})
+
+
+async def engine_stats(request: Request) -> Response:
+    """Each model's engine counters; `?model=NAME` gives one model's."""
+    state = route_context(request).state
+    wanted = request.query_params.get("model")
+    if wanted is not None:
+        return JSONResponse(_stats(state.find(wanted)))
+    return JSONResponse({"models": {m.name: _stats(m) for m in state.models.values()}})
+
+
+async def prometheus(request: Request) -> Response:
+    """Prometheus metrics, in the text format the scraper asks for."""
+    content, content_type = route_context(request).metrics.exposition(request.headers.get("accept"))
+    return Response(content, headers={"Content-Type": content_type})
+
+
+async def sessions(request: Request) -> Response:
+    """/v1/sessions lists them; /v1/sessions/NAME shows (GET) or deletes (DELETE) one."""
+    store = route_context(request).sessions
+    if store is None:
+        raise ApiError(404, SESSIONS_OFF, param="session")
+    name = request.path_params.get("name")
+    if name is None:
+        return JSONResponse(await list_sessions(store))
+    if request.method == "DELETE":
+        return JSONResponse(await delete_session(store, name))
+    return JSONResponse(await show_session(store, name))
+
+
+async def load(request: Request) -> Response:
+    """/get_load: requests running and waiting (replica.py)."""
+    return await replica.get_load(route_context(request).state)
+
+
+async def drain(request: Request) -> Response:
+    """POST /drain: a graceful drain, as SIGTERM begins one (replica.py)."""
+    context = route_context(request)
+    return await replica.drain(request, context.state, context.api_key)
+
+
+async def batch(request: Request) -> Response:
+    """/v1/batch: the live batch, as the batch view shows it (web.py)."""
+    return await live_batch(route_context(request).state)
+
+
+async def render_replies(request: Request) -> Response:
+    """POST /render: the chat page's replies as HTML (markdown.py)."""
+    return await render(request, route_context(request).limits)
+
+
+# ---- the route table ----------------------------------------------------------------------------
+
+# Every route the server answers: path, endpoint, methods (a GET answers HEAD too)
+ROUTES = [
+    Route("/health", health, methods=["GET"]),
+    Route("/live", replica.live, methods=["GET"]),
+    Route("/get_load", load, methods=["GET"]),
+    Route("/drain", drain, methods=["POST"]),
+    Route("/v1/batch", batch, methods=["GET"]),
+    Route("/v1/models", model_cards, methods=["GET"]),
+    Route("/v1/models/{model:path}", model_cards, methods=["GET"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{rid}", stored_response, methods=["GET", "DELETE"]),
+    Route("/v1/responses/{rid}/input_items", input_items, methods=["GET"]),
+    Route("/v1/messages", create_message, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    *ollama.ROUTES,
+    Route("/v1/score", score, methods=["POST"]),
+    Route("/v1/rerank", rerank, methods=["POST"]),
+    Route("/rerank", rerank, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/v1/sessions", sessions, methods=["GET"]),
+    Route("/v1/sessions/{name}", sessions, methods=["GET", "DELETE"]),
+    Route("/stats", engine_stats, methods=["GET"]),
+    Route("/metrics", prometheus, methods=["GET"]),
+]
+# The web page's routes, mounted with `web` (their static files need no key; what they fetch does)
+WEB_ROUTES = [
+    Route("/", page, methods=["GET"]),
+    Route("/batch", page, methods=["GET"]),
+    Route("/static/{name}", static, methods=["GET"]),
+    Route("/favicon.ico", favicon, methods=["GET"]),
+    Route("/render", render_replies, methods=["POST"]),
+]
 
 
 def create_app(
@@ -121,11 +247,11 @@ def create_app(
             tg.start_soon(log_batches, state.models.values(), stop, stats_log_seconds)
             draining = anyio.CancelScope()
 
-            async def drain() -> None:
+            async def drain_when_asked() -> None:
                 with draining:
                     await drain_on_request(state, drain_timeout, on_drained, drain_grace)
 
-            tg.start_soon(drain)
+            tg.start_soon(drain_when_asked)
             try:
                 yield
             finally:
@@ -135,161 +261,17 @@ def create_app(
                         model.status = "stopping"
                 stop.set()  # (stopping while weights load: stop waiting for them)
 
-    async def health(request: Request) -> Response:
-        """200 when every model is ready, else 503; `?model=NAME` asks about one model."""
-        wanted = request.query_params.get("model")
-        if wanted is not None:
-            model = state.find(wanted)
-            shown = state.health_of(model)
-            code = 200 if shown == "ready" else 503
-            return JSONResponse({"status": shown, "model": model.name}, status_code=code)
-        body = {
-            "status": state.status,
-            "models": {model.name: state.health_of(model) for model in state.models.values()},
-        }
-        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
-
-    async def models_route(request: Request) -> Response:
-        wanted = request.path_params.get("model")
-        if wanted is not None:
-            model = state.find(wanted)
-            return JSONResponse(_model_card(model.name, model.ready_engine(), state.started))
-        cards = [
-            _model_card(m.name, m.engine, state.started)
-            for m in state.models.values()
-            if m.state == "ready" and m.engine is not None
-        ]
-        if not cards:
-            loading = any(m.status == "loading" for m in state.models.values())
-            if loading:  # as the inference routes answer while a model loads
-                raise unavailable("no model is ready yet: loading; retry shortly", retry_after=5)
-            raise unavailable("no model is ready to serve requests")
-        return JSONResponse({"object": "list", "data": cards})
-
-    async def stats(request: Request) -> Response:
-        """Each model's engine counters; `?model=NAME` gives one model's."""
-        wanted = request.query_params.get("model")
-        if wanted is not None:
-            return JSONResponse(_stats(state.find(wanted)))
-        return JSONResponse({"models": {m.name: _stats(m) for m in state.models.values()}})
-
-    async def metrics_route(request: Request) -> Response:
-        """Prometheus metrics, in the text format the scraper asks for."""
-        content, content_type = metrics.exposition(request.headers.get("accept"))
-        return Response(content, headers={"Content-Type": content_type})
-
-    async def chat_completions(request: Request) -> Response | EventStreamResponse:
-        return await generate(request, state, "chat", limits, metrics, store, session_header)
-
-    async def completions(request: Request) -> Response | EventStreamResponse:
-        return await generate(request, state, "text", limits, metrics, store, session_header)
-
-    async def responses_route(request: Request) -> Response:
-        rid = request.path_params.get("rid")
-        if rid is None:
-            return await create_response(request, state, limits, metrics, responses, store)
-        if request.method == "DELETE":
-            return await delete_response(responses, rid)
-        return await get_response(responses, rid)
-
-    async def input_items_route(request: Request) -> Response:
-        return await input_items(responses, request.path_params["rid"], request.query_params)
-
-    async def embeddings_route(request: Request) -> Response:
-        return await embeddings(request, state, limits, metrics)
-
-    async def score_route(request: Request) -> Response:
-        return await score(request, state, limits, metrics)
-
-    async def rerank_route(request: Request) -> Response:
-        return await rerank(request, state, limits, metrics)
-
-    async def tokenize_route(request: Request) -> Response:
-        return await tokenize(request, state, limits)
-
-    async def detokenize_route(request: Request) -> Response:
-        return await detokenize(request, state, limits)
-
-    async def sessions_route(request: Request) -> Response:
-        """/v1/sessions lists them; /v1/sessions/NAME shows (GET) or deletes (DELETE) one."""
-        if store is None:
-            raise ApiError(404, SESSIONS_OFF, param="session")
-        name = request.path_params.get("name")
-        if name is None:
-            return JSONResponse(await list_sessions(store))
-        if request.method == "DELETE":
-            return JSONResponse(await delete_session(store, name))
-        return JSONResponse(await show_session(store, name))
-
-    async def batch_route(request: Request) -> Response:
-        return await batch(state)
-
-    async def render_route(request: Request) -> Response:
-        return await render(request, limits)
-
-    async def messages_route(request: Request) -> Response:
-        return await create_message(request, state, limits, metrics)
-
-    async def count_tokens_route(request: Request) -> Response:
-        return await count_tokens(request, state, limits)
-
-    def ollama_route(handler: ollama.Handler) -> Callable[[Request], Awaitable[Response]]:
-        async def route(request: Request) -> Response:
-            return await handler(request, state, limits, metrics)
-
-        return route
-
-    async def get_load_route(request: Request) -> Response:
-        return await get_load(state)
-
-    async def drain_route(request: Request) -> Response:
-        return await drain(request, state, api_key)
-
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/live", live, methods=["GET"]),
-        Route("/get_load", get_load_route, methods=["GET"]),
-        Route("/drain", drain_route, methods=["POST"]),
-        Route("/v1/batch", batch_route, methods=["GET"]),
-        Route("/v1/models", models_route, methods=["GET"]),
-        Route("/v1/models/{model:path}", models_route, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/responses", responses_route, methods=["POST"]),
-        Route("/v1/responses/{rid}", responses_route, methods=["GET", "DELETE"]),
-        Route("/v1/responses/{rid}/input_items", input_items_route, methods=["GET"]),
-        Route("/v1/messages", messages_route, methods=["POST"]),
-        Route("/v1/messages/count_tokens", count_tokens_route, methods=["POST"]),
-        Route("/v1/embeddings", embeddings_route, methods=["POST"]),
-        *(
-            Route(path, ollama_route(handler), methods=[method])
-            for (method, path), handler in ollama.ROUTES.items()
-        ),
-        Route("/v1/score", score_route, methods=["POST"]),
-        Route("/v1/rerank", rerank_route, methods=["POST"]),
-        Route("/rerank", rerank_route, methods=["POST"]),
-        Route("/tokenize", tokenize_route, methods=["POST"]),
-        Route("/detokenize", detokenize_route, methods=["POST"]),
-        Route("/v1/sessions", sessions_route, methods=["GET"]),
-        Route("/v1/sessions/{name}", sessions_route, methods=["GET", "DELETE"]),
-        Route("/stats", stats, methods=["GET"]),
-        Route("/metrics", metrics_route, methods=["GET"]),
-    ]
-    if web:
-        routes += [
-            Route("/", page, methods=["GET"]),
-            Route("/batch", page, methods=["GET"]),
-            Route("/static/{name}", static, methods=["GET"]),
-            Route("/favicon.ico", favicon, methods=["GET"]),
-            Route("/render", render_route, methods=["POST"]),
-        ]
     app = Starlette(
-        routes=routes,
+        routes=ROUTES + WEB_ROUTES if web else ROUTES,
         lifespan=lifespan,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=middleware,
     )
-    app.state.neuron = state
+    app.state.neuron = state  # (the CLI's handle: request_shutdown on SIGTERM)
+    app.state.context = RouteContext(
+        state, metrics, limits, sessions=store, session_header=session_header, api_key=api_key
+    )
+    app.state.responses = responses  # (the Responses API's routes read it: response_store)
     return app
 
 

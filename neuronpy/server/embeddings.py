@@ -19,11 +19,9 @@ from starlette.responses import JSONResponse, Response
 from neuronpy.engine.remote import ServingEngine
 from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.copies import cancel_on_disconnect
-from neuronpy.server.errors import ApiError, api_error
-from neuronpy.server.metrics import ServerMetrics
+from neuronpy.server.errors import api_error
+from neuronpy.server.front_door import Arrival, Named, front_door
 from neuronpy.server.models import ServedModel, ServerState
-from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import BodyLimits, read_json, requested_model
 from neuronpy.server.schema import is_int, json_type
 
 log = logging.getLogger(__name__)
@@ -159,63 +157,45 @@ async def pooled(
     return vectors
 
 
-Handler = Callable[[dict[str, Any], ServedModel, ServingEngine], Awaitable[Response]]
+Handler = Callable[[Arrival], Awaitable[Response]]
 
 
 async def pooling_route(
-    request: Request,
-    state: ServerState,
-    limits: BodyLimits,
-    metrics: ServerMetrics,
-    prefix: str,
-    handle: Handler,
-    named: Callable[[object], dict[str, Any]] | None = None,
+    request: Request, prefix: str, handle: Handler, named: Named | None = None
 ) -> Response:
-    """A pooling endpoint's frame: the body read (and given to `named`, which may check it
-    and name its model as the server does), the model found, `handle` run; its errors as the
-    API's (a NeuronError as its ApiError), each refusal counted and logged."""
-    started = time.perf_counter()
-    rid = name_request(request, f"{prefix}-{uuid.uuid4().hex}")
-    model: ServedModel | None = None
-    try:
-        body = await read_json(request, limits)
-        if named is not None:
-            body = named(body)
-        model = state.find(requested_model(body))
-        engine = model.ready_engine()
-        assert isinstance(body, dict)
+    """A pooling endpoint's frame: the front door (its body read, given to the API's `named`,
+    its model found and ready), then `handle`, whose NeuronError (a bad input, a full queue,
+    a failed model) is answered as its ApiError; a refusal is counted and logged by the front
+    door, an answer logged here with the route and the time it took."""
+    own_id = f"{prefix}-{uuid.uuid4().hex}"
+    async with front_door(request, own_id, named=named, logger=log) as arrival:
         try:
-            response = await handle(body, model, engine)
-        except NeuronError as exc:  # a bad input, a full queue, a failed model
+            response = await handle(arrival)
+        except NeuronError as exc:
             raise api_error(exc) from None
-    except ApiError as exc:
-        metrics.reject(model, exc)
-        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
-        raise
     log.info(
         "request %s: %s, model %s, %.3f s",
-        rid,
+        arrival.label,
         request.url.path,
-        model.name,
-        time.perf_counter() - started,
+        arrival.model.name,
+        time.perf_counter() - arrival.started,
     )
     return response
 
 
-async def embeddings(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def embeddings(request: Request) -> Response:
     """{"model", "input", "encoding_format", "dimensions"} -> {"object": "list", "data":
     [{"object": "embedding", "index", "embedding"}], "model", "usage"}. `dimensions` keeps
     the leading components (Matryoshka truncation), normalized again when the model's vectors
     are."""
 
-    async def handle(body: dict[str, Any], model: ServedModel, engine: ServingEngine) -> Response:
+    async def handle(arrival: Arrival) -> Response:
+        body, model, engine = arrival.body, arrival.model, arrival.engine
         refuse_reranker(model, engine)
         texts, ids = parse_inputs(body.get("input"), engine.vocab_size)
         encoding, dimensions = parse_options(body, engine.facts.hidden_size)
         if texts is not None:
-            ids = await tokenized(state, engine, texts)
+            ids = await tokenized(arrival.context.state, engine, texts)
         vectors = await pooled(request, engine, ids)
         if vectors is None:
             return Response(status_code=499)
@@ -233,4 +213,4 @@ async def embeddings(
         }
         return JSONResponse(out)
 
-    return await pooling_route(request, state, limits, metrics, "embd", handle)
+    return await pooling_route(request, "embd", handle)

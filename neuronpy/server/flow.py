@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -17,19 +16,18 @@ from transformers import PreTrainedTokenizerBase
 
 from neuronpy.engine.reasoning import resolve_reasoning_parser
 from neuronpy.engine.remote import ServingEngine
-from neuronpy.engine.sessions import SessionStore, valid_name
+from neuronpy.engine.sessions import valid_name
 from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.tools import HERMES, resolve_tool_format
 from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import InvalidRequestError, NeuronError
 from neuronpy.server.copies import Copy, cancel_on_disconnect, gather, usage_of
 from neuronpy.server.errors import ApiError, api_error, failure
+from neuronpy.server.front_door import front_door
 from neuronpy.server.logprobs import token_texts
-from neuronpy.server.metrics import ServerMetrics
-from neuronpy.server.models import ServedModel, ServerState
+from neuronpy.server.models import ServedModel
 from neuronpy.server.protocol import ChatCompletionRequest, SamplingRequest
-from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import BodyLimits, Kind, parse_request, read_json, requested_model
+from neuronpy.server.requests import Kind, parse_request
 from neuronpy.server.responses import SESSION_ERROR_HEADER, Reply, header_text
 from neuronpy.server.sessions import session_request
 from neuronpy.server.stream import EventStreamResponse
@@ -37,46 +35,42 @@ from neuronpy.server.stream import EventStreamResponse
 log = logging.getLogger(__name__)
 
 
-async def generate(
-    request: Request,
-    state: ServerState,
-    kind: Kind,
-    limits: BodyLimits,
-    metrics: ServerMetrics,
-    store: SessionStore | None = None,
-    session_header: str | None = None,
-) -> Response | EventStreamResponse:
+async def chat_completions(request: Request) -> Response | EventStreamResponse:
+    """POST /v1/chat/completions."""
+    return await generate(request, "chat")
+
+
+async def completions(request: Request) -> Response | EventStreamResponse:
+    """POST /v1/completions."""
+    return await generate(request, "text")
+
+
+async def generate(request: Request, kind: Kind) -> Response | EventStreamResponse:
     """Validate, tokenize and admit the request's n copies (any failure is an error response
     and admits nothing), then stream or gather them; a client that disconnects cancels them.
-    With sessions on, `session_header` names the session of a request whose body names none."""
-    started = time.perf_counter()
+    With sessions on, the context's `session_header` names the session of a request whose
+    body names none."""
     completion_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    rid = name_request(request, completion_id)
-    model: ServedModel | None = None
-    try:
-        body = await read_json(request, limits)
-        model = state.find(requested_model(body))
-        engine = model.ready_engine()
-        req = parse_request(kind, body)
-        if store is not None and session_header:
-            req = session_from_header(req, request.headers.get(session_header), session_header)
+    async with front_door(request, completion_id, logger=log) as arrival:
+        context = arrival.context
+        store, header = context.sessions, context.session_header
+        req = parse_request(kind, arrival.body)
+        if store is not None and header:
+            req = session_from_header(req, request.headers.get(header), header)
         admitted = await admit(
             request.receive,
-            model,
+            arrival.model,
             req,
             lambda engine: session_request(store, engine, req),
-            label=rid,
+            label=arrival.label,
         )
         if admitted is None:
             return Response(status_code=499)  # it left while its constraint compiled
-    except ApiError as exc:
-        metrics.reject(model, exc)
-        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
-        raise
+    model, engine, metrics = arrival.model, arrival.engine, context.metrics
     n = req.copies
     log.info(
         "request %s: model %s, %s prompt tokens, n=%d%s",
-        rid,
+        arrival.label,
         model.name,
         "+".join(str(len(ids)) for ids in admitted.prompts),
         n,
@@ -89,7 +83,7 @@ async def generate(
         Copy(
             stream,
             dataclasses.replace(reply, index=p * n + i),
-            metrics.admit(model.name, started, stream),
+            metrics.admit(model.name, arrival.started, stream),
             counts_prompt=i == 0,
         )
         for p, streams in enumerate(admitted.groups)

@@ -1,10 +1,12 @@
 """Each engine's batching figures as Prometheus metrics, read from `Engine.stats()` when
-scraped, beside the server's outcome counters (ServerMetrics holds them, this reads them)."""
+scraped, beside the server's outcome counters (ServerMetrics holds them, this reads them
+through the `Outcomes` protocol, so that this module does not import metrics.py, which
+imports it)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -15,9 +17,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.utils import floatToGoString
 
 from neuronpy.engine.engine import EngineStats
-
-if TYPE_CHECKING:
-    from neuronpy.server.metrics import ServerMetrics
+from neuronpy.server.models import ServerState
 
 # why a request was refused before admission (ServerMetrics counts them; rejection_reason)
 REJECT_REASONS = (
@@ -159,15 +159,21 @@ ENGINE_COUNTERS = (
 )
 
 
-# Why a request was refused (a metric label); queue_timeout is the engine's count, the others
-# the server's (see rejection_reason).
+class Outcomes(Protocol):
+    """The server's own counts that the collector reads (ServerMetrics holds them): the served
+    models, and the requests admitted, refused and finished, by their labels."""
+
+    state: ServerState
+    admitted: dict[str, int]  # model -> count
+    rejected: dict[tuple[str, str], int]  # (model, reason) -> count
+    finished: dict[tuple[str, str], int]  # (model, finish reason) -> count
 
 
 class Collector:
     """The server's outcome counters and, for each model with an engine, its figures at this
     moment (a prometheus_client Collector)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: Outcomes) -> None:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:

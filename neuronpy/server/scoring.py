@@ -18,9 +18,8 @@ from starlette.responses import JSONResponse, Response
 from neuronpy.engine.remote import ServingEngine
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.embeddings import MAX_INPUTS, pooled, pooling_route, tokenized
-from neuronpy.server.metrics import ServerMetrics
+from neuronpy.server.front_door import Arrival
 from neuronpy.server.models import ServedModel, ServerState
-from neuronpy.server.requests import BodyLimits
 from neuronpy.server.schema import is_int, json_type
 
 
@@ -43,8 +42,8 @@ def _texts(value: object, name: str, *, single: bool = True) -> list[str]:
     return out
 
 
-# Qwen3-Reranker's prompt (its model card's): the judgement asked in the system turn, the
-# instruction, query and document in the user turn, an empty thinking block, then the answer
+# Qwen3-Reranker's prompt (its model card's): the judgement asked in the system message, the
+# instruction, query and document in the user message, an empty thinking block, then the answer
 RERANK_PREFIX = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "
     'and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
@@ -110,14 +109,14 @@ async def _similarities(
     return scores.tolist(), sum(len(x) for x in ids)
 
 
-async def score(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def score(request: Request) -> Response:
     """{"model", "text_1", "text_2"}: one text against each of a list, or two lists of one
     length pair by pair -> {"object": "list", "data": [{"index", "object": "score", "score"}],
     "model", "usage"}."""
 
-    async def handle(body: dict[str, Any], model: ServedModel, engine: ServingEngine) -> Response:
+    async def handle(arrival: Arrival) -> Response:
+        body, model, engine = arrival.body, arrival.model, arrival.engine
+        state = arrival.context.state
         _scorer(model, engine)
         left, right = _texts(body.get("text_1"), "text_1"), _texts(body.get("text_2"), "text_2")
         if len(left) > 1 and len(left) != len(right):
@@ -140,17 +139,17 @@ async def score(
         }
         return JSONResponse(out)
 
-    return await pooling_route(request, state, limits, metrics, "score", handle)
+    return await pooling_route(request, "score", handle)
 
 
-async def rerank(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def rerank(request: Request) -> Response:
     """{"model", "query", "documents", "top_n", "return_documents"} -> {"id", "model",
     "usage", "results": [{"index", "relevance_score", "document": {"text"}}]}, the most
     relevant first (the `top_n` of them), each document's `index` its place in `documents`."""
 
-    async def handle(body: dict[str, Any], model: ServedModel, engine: ServingEngine) -> Response:
+    async def handle(arrival: Arrival) -> Response:
+        body, model, engine = arrival.body, arrival.model, arrival.engine
+        state = arrival.context.state
         _scorer(model, engine)
         query = body.get("query")
         if not isinstance(query, str) or not query:
@@ -183,4 +182,4 @@ async def rerank(
         }
         return JSONResponse(out)
 
-    return await pooling_route(request, state, limits, metrics, "rerank", handle)
+    return await pooling_route(request, "rerank", handle)

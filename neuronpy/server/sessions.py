@@ -13,7 +13,7 @@ from neuronpy.engine.types import SessionRequest
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.errors import ApiError, api_error
 from neuronpy.server.protocol import SamplingRequest
-from neuronpy.server.responses_api.shape import RESPONSE_ID
+from neuronpy.server.response_ids import RESPONSE_ID
 
 SESSIONS_OFF = (
     "sessions are off on this server; start it with --sessions-dir DIR ([server] sessions_dir)"

@@ -11,10 +11,10 @@ from starlette.responses import JSONResponse
 
 from neuronpy.errors import InvalidRequestError
 from neuronpy.server.chat_input import ChatInput
+from neuronpy.server.context import route_context
 from neuronpy.server.errors import ApiError, api_error
-from neuronpy.server.models import ServerState
+from neuronpy.server.front_door import read_body_and_model
 from neuronpy.server.prompts import render_chat
-from neuronpy.server.requests import BodyLimits, read_json, requested_model
 from neuronpy.server.schema import WireModel, is_int, validate
 
 MAX_DETOKENIZE = 1 << 20  # token ids one request may send
@@ -25,13 +25,14 @@ class TokenizeText(WireModel):
     add_special_tokens: bool = True
 
 
-async def tokenize(request: Request, state: ServerState, limits: BodyLimits) -> JSONResponse:
+async def tokenize(request: Request) -> JSONResponse:
     """{"model", "prompt", "add_special_tokens"} or {"model", "messages", "tools"} ->
     {"tokens", "count", "max_model_len"} (chat messages: exactly the prompt a chat request
     with them would prefill)."""
-    body = await read_json(request, limits)
-    engine = state.find(requested_model(body)).ready_engine()
-    assert isinstance(body, dict)
+    context = route_context(request)
+    state = context.state
+    body, model = await read_body_and_model(request, context)
+    engine = model.ready_engine()
     tokenizer = engine.tokenizer
     try:
         if body.get("messages") is not None:
@@ -59,11 +60,12 @@ async def tokenize(request: Request, state: ServerState, limits: BodyLimits) -> 
     return JSONResponse(out)
 
 
-async def detokenize(request: Request, state: ServerState, limits: BodyLimits) -> JSONResponse:
+async def detokenize(request: Request) -> JSONResponse:
     """{"model", "tokens": [ids]} -> {"prompt": text}; ids outside the vocabulary are a 400."""
-    body = await read_json(request, limits)
-    engine = state.find(requested_model(body)).ready_engine()
-    assert isinstance(body, dict)
+    context = route_context(request)
+    state = context.state
+    body, model = await read_body_and_model(request, context)
+    engine = model.ready_engine()
     tokens: Any = body.get("tokens")
     if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
         raise ApiError(400, "'tokens' must be a list of token ids", param="tokens")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from neuronpy.server.anthropic_api.protocol import (
     parse_count_tokens,
     parse_messages,
 )
+from neuronpy.server.context import route_context
 from neuronpy.server.copies import (
     Copy,
     Events,
@@ -37,22 +37,20 @@ from neuronpy.server.copies import (
 )
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import admit
-from neuronpy.server.metrics import ServerMetrics
-from neuronpy.server.models import ServedModel, ServerState
-from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import BodyLimits, read_json, requested_model
+from neuronpy.server.front_door import front_door, read_body_and_model
+from neuronpy.server.requests import requested_model
 from neuronpy.server.responses import Reply
 from neuronpy.server.stream import HEADERS
 
 log = logging.getLogger(__name__)
 
 
-def _requested_model(body: object) -> str:
-    """The model the body names: Anthropic's API requires one."""
-    model = requested_model(body)
-    if model is None:
+def _named(body: object) -> dict[str, Any]:
+    """The body, which must name a model: Anthropic's API requires one."""
+    if requested_model(body) is None:
         raise ApiError(400, "'model' is required: the served model's name", param="model")
-    return model
+    assert isinstance(body, dict)  # (requested_model refuses any other body)
+    return body
 
 
 def _parsed(call: Any, body: dict[str, Any]) -> MessagesRequest:
@@ -159,39 +157,29 @@ class Blocks:
         return any(block["type"] == "tool_use" for block in self.content)
 
 
-async def create_message(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def create_message(request: Request) -> Response:
     """POST /v1/messages: validated as Anthropic does, admitted as chat is, answered whole or
     streamed with Anthropic's events."""
-    started = time.perf_counter()
     mid = f"msg_{uuid.uuid4().hex}"
-    rid = name_request(request, mid)
-    model: ServedModel | None = None
-    try:
-        body = await read_json(request, limits)
-        model = state.find(_requested_model(body))
-        engine = model.ready_engine()
-        assert isinstance(body, dict)
-        req = _parsed(parse_messages, body)
+    async with front_door(request, mid, named=_named, logger=log) as arrival:
+        req = _parsed(parse_messages, arrival.body)
         try:
             chat = req.chat()
         except InvalidRequestError as exc:
             raise api_error(exc) from None
         try:
-            admitted = await admit(request.receive, model, chat, label=rid)
+            admitted = await admit(request.receive, arrival.model, chat, label=arrival.label)
         except ApiError as exc:  # (a schema that cannot compile is named as this API names it)
             raise _renamed(exc) from None
         if admitted is None:
             return Response(status_code=499)  # it left while its constraint compiled
         ((stream_,),) = admitted.groups
         (prompt_ids,) = admitted.prompts
-    except ApiError as exc:
-        metrics.reject(model, exc)
-        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
-        raise
-    log.info("request %s: model %s, %d prompt tokens (messages)", rid, model.name, len(prompt_ids))
-    copy = Copy(stream_, Reply("chat", model.name), metrics.admit(model.name, started, stream_))
+    model, engine, metrics = arrival.model, arrival.engine, arrival.context.metrics
+    count = len(prompt_ids)
+    log.info("request %s: model %s, %d prompt tokens (messages)", arrival.label, model.name, count)
+    observe = metrics.admit(model.name, arrival.started, stream_)
+    copy = Copy(stream_, Reply("chat", model.name), observe)
     message = {
         "id": mid,
         "type": "message",
@@ -270,18 +258,17 @@ async def _send(send: Send, kind: str, data: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
-async def count_tokens(request: Request, state: ServerState, limits: BodyLimits) -> Response:
+async def count_tokens(request: Request) -> Response:
     """POST /v1/messages/count_tokens: the prompt tokens the Messages request would have,
     rendered as it would be (the template, the tools), nothing admitted."""
-    body = await read_json(request, limits)
-    model = state.find(_requested_model(body))
+    context = route_context(request)
+    body, model = await read_body_and_model(request, context, _named)
     engine = model.ready_engine()
-    assert isinstance(body, dict)
     req = _parsed(parse_count_tokens, body)
     try:
         chat = req.chat()
         ids = await anyio.to_thread.run_sync(
-            chat.prompt_ids, engine.tokenizer, limiter=state.tokenize_threads
+            chat.prompt_ids, engine.tokenizer, limiter=context.state.tokenize_threads
         )
     except InvalidRequestError as exc:
         raise api_error(exc) from None

@@ -11,13 +11,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from neuronpy.engine.reasoning import resolve_reasoning_parser
@@ -25,6 +26,7 @@ from neuronpy.engine.remote import ServingEngine
 from neuronpy.engine.types import FinishReason, GenerationEvent
 from neuronpy.errors import InvalidRequestError
 from neuronpy.jsontext import one_line
+from neuronpy.server.context import route_context
 from neuronpy.server.copies import (
     Copy,
     Events,
@@ -44,8 +46,8 @@ from neuronpy.server.embeddings import (
 )
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import admit
+from neuronpy.server.front_door import Arrival, front_door, read_body_and_model
 from neuronpy.server.logprobs import TokenTexts, token_texts
-from neuronpy.server.metrics import ServerMetrics
 from neuronpy.server.models import ServedModel, ServerState
 from neuronpy.server.ollama_api.protocol import (
     OllamaBase,
@@ -55,8 +57,7 @@ from neuronpy.server.ollama_api.protocol import (
     parse,
     tagged,
 )
-from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import BodyLimits, read_json, requested_model
+from neuronpy.server.requests import requested_model
 from neuronpy.server.responses import Reply
 from neuronpy.server.schema import json_type
 
@@ -79,11 +80,6 @@ def _named(body: object) -> dict[str, Any]:
         raise ApiError(400, "'model' is required: the served model's name", param="model")
     assert isinstance(body, dict)
     return {**body, "model": model_name(model)}
-
-
-def _find(state: ServerState, body: object) -> tuple[dict[str, Any], ServedModel]:
-    named = _named(body)
-    return named, state.find(named["model"])
 
 
 @dataclass
@@ -163,19 +159,13 @@ def _calls(event: GenerationEvent) -> list[dict[str, Any]]:
     return calls
 
 
-async def _generate(
-    request: Request,
-    state: ServerState,
-    limits: BodyLimits,
-    metrics: ServerMetrics,
-    chat: bool,
-) -> Response:
-    timing = Timing()
-    rid = name_request(request, f"ollama-{uuid.uuid4().hex}")
-    model: ServedModel | None = None
-    try:
-        body, model = _find(state, await read_json(request, limits))
-        engine = model.ready_engine()
+async def _generate(request: Request, chat: bool) -> Response:
+    """/api/chat (`chat`) or /api/generate: the request translated into the chat or
+    completions request it means, admitted, then streamed as NDJSON or answered whole."""
+    async with front_door(
+        request, f"ollama-{uuid.uuid4().hex}", named=_named, logger=log
+    ) as arrival:
+        body, model = arrival.body, arrival.model
         kind = OllamaChatRequest if chat else OllamaGenerateRequest
         try:
             req: OllamaBase = parse(kind, body)
@@ -186,17 +176,15 @@ async def _generate(
             translated = req.chat() if chat else req.request()  # type: ignore[attr-defined]
         except InvalidRequestError as exc:
             raise api_error(exc) from None
-        admitted = await admit(request.receive, model, translated, label=rid)
+        admitted = await admit(request.receive, model, translated, label=arrival.label)
         if admitted is None:
             return Response(status_code=499)
         ((stream_,),) = admitted.groups
-    except ApiError as exc:
-        metrics.reject(model, exc)
-        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
-        raise
+    engine, metrics = arrival.engine, arrival.context.metrics
+    timing = Timing(arrival.started)
     log.info(
         "request %s: model %s, %d prompt tokens (ollama %s)",
-        rid,
+        arrival.label,
         model.name,
         len(admitted.prompts[0]),
         "chat" if chat else "generate",
@@ -273,47 +261,34 @@ async def _line(send: Send, value: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
-async def chat(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
-    return await _generate(request, state, limits, metrics, chat=True)
+async def chat(request: Request) -> Response:
+    """POST /api/chat."""
+    return await _generate(request, chat=True)
 
 
-async def generate(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
-    return await _generate(request, state, limits, metrics, chat=False)
+async def generate(request: Request) -> Response:
+    """POST /api/generate."""
+    return await _generate(request, chat=False)
 
 
 # ---- embeddings ---------------------------------------------------------------------------------
 
 
-async def embed(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def embed(request: Request) -> Response:
     """/api/embed: {"model", "input": text or texts, "dimensions", "truncate"} -> {"model",
     "embeddings": [[...]], "prompt_eval_count", durations}."""
-    return await _pooling(request, state, limits, metrics, legacy=False)
+    return await _pooling(request, legacy=False)
 
 
-async def embeddings(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def embeddings(request: Request) -> Response:
     """/api/embeddings (Ollama's older route): {"model", "prompt"} -> {"embedding": [...]}."""
-    return await _pooling(request, state, limits, metrics, legacy=True)
+    return await _pooling(request, legacy=True)
 
 
-async def _pooling(
-    request: Request,
-    state: ServerState,
-    limits: BodyLimits,
-    metrics: ServerMetrics,
-    legacy: bool,
-) -> Response:
-    started = time.perf_counter()
-
-    async def handle(body: dict[str, Any], model: ServedModel, engine: ServingEngine) -> Response:
-        refuse_reranker(model, engine)
+async def _pooling(request: Request, legacy: bool) -> Response:
+    async def handle(arrival: Arrival) -> Response:
+        body, engine = arrival.body, arrival.engine
+        refuse_reranker(arrival.model, engine)
         truncate = body.get("truncate")
         if truncate is not None and not isinstance(truncate, bool):
             # (either way an input longer than the context is refused, never cut short)
@@ -323,7 +298,7 @@ async def _pooling(
         texts, ids = parse_inputs(body.get("prompt" if legacy else "input"), engine.vocab_size)
         dimensions = parse_dimensions(body.get("dimensions"), engine.facts.hidden_size)
         if texts is not None:
-            ids = await tokenized(state, engine, texts)
+            ids = await tokenized(arrival.context.state, engine, texts)
         vectors = await pooled(request, engine, ids)
         if vectors is None:
             return Response(status_code=499)
@@ -331,7 +306,7 @@ async def _pooling(
         out = [truncated(vector, dimensions, normalize).tolist() for vector in vectors]
         if legacy:
             return JSONResponse({"embedding": out[0]})
-        ns = int((time.perf_counter() - started) * 1_000_000_000)
+        ns = int((time.perf_counter() - arrival.started) * 1_000_000_000)
         return JSONResponse(
             {
                 "model": body["model"],
@@ -342,7 +317,7 @@ async def _pooling(
             }
         )
 
-    return await pooling_route(request, state, limits, metrics, "ollama-embd", handle, named=_named)
+    return await pooling_route(request, "ollama-embd", handle, named=_named)
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -381,10 +356,9 @@ def _listed(
     return out
 
 
-async def tags(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def tags(request: Request) -> Response:
     """/api/tags: the models ready to serve, as Ollama lists its local models."""
+    state = route_context(request).state
     modified = datetime.fromtimestamp(state.started, timezone.utc).isoformat()
 
     def each(model: ServedModel, engine: ServingEngine) -> dict[str, Any]:
@@ -401,10 +375,9 @@ async def tags(
     return JSONResponse({"models": _listed(state, each)})
 
 
-async def ps(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def ps(request: Request) -> Response:
     """/api/ps: the models in memory (all those served, as long as the server runs)."""
+    state = route_context(request).state
 
     def each(model: ServedModel, engine: ServingEngine) -> dict[str, Any]:
         name = tagged(model.name)
@@ -423,11 +396,11 @@ async def ps(
     return JSONResponse({"models": _listed(state, each)})
 
 
-async def show(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def show(request: Request) -> Response:
     """/api/show: one model's details, template, context length and capabilities."""
-    _, model = _find(state, await read_json(request, limits))
+    context = route_context(request)
+    state = context.state
+    _, model = await read_body_and_model(request, context, _named)
     engine = model.ready_engine()
     capabilities = ["embedding"] if engine.task == "embed" else ["completion"]
     if engine.task == "generate":
@@ -455,21 +428,18 @@ async def show(
     )
 
 
-async def version(
-    request: Request, state: ServerState, limits: BodyLimits, metrics: ServerMetrics
-) -> Response:
+async def version(request: Request) -> Response:
     return JSONResponse({"version": OLLAMA_VERSION})
 
 
-Handler = Callable[[Request, ServerState, BodyLimits, ServerMetrics], Awaitable[Response]]
-# Ollama's routes: (method, path) -> its handler
-ROUTES: dict[tuple[str, str], Handler] = {
-    ("POST", "/api/chat"): chat,
-    ("POST", "/api/generate"): generate,
-    ("POST", "/api/embed"): embed,
-    ("POST", "/api/embeddings"): embeddings,
-    ("POST", "/api/show"): show,
-    ("GET", "/api/tags"): tags,
-    ("GET", "/api/ps"): ps,
-    ("GET", "/api/version"): version,
-}
+# Ollama's routes, as the app mounts them
+ROUTES = [
+    Route("/api/chat", chat, methods=["POST"]),
+    Route("/api/generate", generate, methods=["POST"]),
+    Route("/api/embed", embed, methods=["POST"]),
+    Route("/api/embeddings", embeddings, methods=["POST"]),
+    Route("/api/show", show, methods=["POST"]),
+    Route("/api/tags", tags, methods=["GET"]),
+    Route("/api/ps", ps, methods=["GET"]),
+    Route("/api/version", version, methods=["GET"]),
+]

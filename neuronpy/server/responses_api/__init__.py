@@ -9,10 +9,11 @@ and its stream's events (builder.py), typed models (objects.py, events.py) whose
 the SDK parses; the store is store.py, and the shape a stored response's file must have
 shape.py. A stored response keeps its conversation (input and reply, as chat messages); a
 follow-up naming it continues that conversation, and since the prefix cache holds the KV of
-its prompt and reply, only the new turn is prefilled (`usage.input_tokens_details.cached_tokens`).
+its prompt and reply, only the new messages are prefilled
+(`usage.input_tokens_details.cached_tokens`).
 
 Within the package the routes import the builder and the store, the builder the events, the
 objects and the protocol, the store the shape, never the other way (pyproject's import
-contracts). This file imports none of them, so that the server's sessions can read shape.py
-without loading the routes.
+contracts). This file imports none of them. A response's id (`resp_<hex>`) is made and
+recognized by server/response_ids.py, which the session listing reads too.
 """

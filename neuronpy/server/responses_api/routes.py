@@ -4,9 +4,7 @@ streamed with its typed events or answered whole; GET and DELETE of stored respo
 from __future__ import annotations
 
 import logging
-import time
-import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -28,10 +26,8 @@ from neuronpy.server.copies import (
 )
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.flow import admit
-from neuronpy.server.metrics import ServerMetrics
-from neuronpy.server.models import ServedModel, ServerState
-from neuronpy.server.request_id import name_request
-from neuronpy.server.requests import BodyLimits, read_json, requested_model
+from neuronpy.server.front_door import front_door
+from neuronpy.server.response_ids import new_response_id
 from neuronpy.server.responses import Reply
 from neuronpy.server.responses_api.builder import Builder
 from neuronpy.server.responses_api.events import Event
@@ -50,8 +46,23 @@ def _not_found(rid: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"no response with id {rid[:100]!r}", param=param, code="not_found")
 
 
+def response_store(request: Request) -> ResponseStore:
+    """The stored responses of the app that `request` came to (`app.state.responses`)."""
+    store = request.app.state.responses
+    assert isinstance(store, ResponseStore)
+    return store
+
+
+async def stored_response(request: Request) -> Response:
+    """GET /v1/responses/{id}: the stored response; DELETE: it is deleted."""
+    store, rid = response_store(request), request.path_params["rid"]
+    if request.method == "DELETE":
+        return await delete_response(store, rid)
+    return await get_response(store, rid)
+
+
 async def get_response(store: ResponseStore, rid: str) -> Response:
-    """GET /v1/responses/{id}: the stored response's JSON as it is held."""
+    """The stored response's JSON as it is held."""
     stored = await store.get(rid)
     if stored is None:
         raise _not_found(rid)
@@ -93,11 +104,12 @@ def _input_item(rid: str, index: int, message: dict[str, Any]) -> list[dict[str,
     return items
 
 
-async def input_items(store: ResponseStore, rid: str, query: Mapping[str, str]) -> JSONResponse:
+async def input_items(request: Request) -> JSONResponse:
     """GET /v1/responses/{id}/input_items: what the model was given for that response (its
-    conversation, earlier turns included, without its reply and instructions), as OpenAI
+    conversation, earlier messages included, without its reply and instructions), as OpenAI
     lists them: `order` desc (the default) or asc, `limit` 1-100 (default 20), `after` an id."""
-    stored = await store.get(rid)
+    rid, query = request.path_params["rid"], request.query_params
+    stored = await response_store(request).get(rid)
     if stored is None:
         raise _not_found(rid)
     order = query.get("order", "desc")
@@ -138,29 +150,18 @@ async def delete_response(store: ResponseStore, rid: str) -> JSONResponse:
 # ---- the route ----------------------------------------------------------------------------------
 
 
-async def create_response(
-    request: Request,
-    state: ServerState,
-    limits: BodyLimits,
-    metrics: ServerMetrics,
-    store: ResponseStore,
-    sessions: SessionStore | None = None,
-) -> Response:
+async def create_response(request: Request) -> Response:
     """POST /v1/responses: validate and admit as chat would, then stream the Responses events
-    or answer the whole response; store it unless `store` is false. With `sessions` (the
-    sessions directory), a stored response's KV is saved there as a session named by its id,
+    or answer the whole response; store it unless `store` is false. With sessions on, a
+    stored response's KV is saved in the sessions directory as a session named by its id,
     and a follow-up continues from its previous response's."""
-    started = time.perf_counter()
-    rid = f"resp_{uuid.uuid4().hex}"
-    name_request(request, rid)
-    model: ServedModel | None = None
-    try:
-        body = await read_json(request, limits)
-        model = state.find(requested_model(body))
-        engine = model.ready_engine()
-        assert isinstance(body, dict)
+    rid = new_response_id()
+    store = response_store(request)
+    # (logged under the response's id, which the stored response and its KV's session carry)
+    async with front_door(request, rid, label=rid, logger=log) as arrival:
+        sessions = arrival.context.sessions
         try:
-            req = parse_responses(body)
+            req = parse_responses(arrival.body)
         except InvalidRequestError as exc:
             raise api_error(exc) from None
         history = await _history(store, req.previous_response_id)
@@ -171,7 +172,7 @@ async def create_response(
         keep, previous = req.stored, req.previous_response_id
         admitted = await admit(
             request.receive,
-            model,
+            arrival.model,
             chat,
             lambda engine: _session(sessions, engine, rid, previous, keep),
             label=rid,
@@ -180,13 +181,11 @@ async def create_response(
             return Response(status_code=499)  # it left while its constraint compiled
         ((stream_,),) = admitted.groups
         (prompt_ids,) = admitted.prompts
-    except ApiError as exc:
-        metrics.reject(model, exc)
-        log.info("request %s refused: %d %s", rid, exc.status, exc.message[:200])
-        raise
+    model, engine, metrics = arrival.model, arrival.engine, arrival.context.metrics
     log.info("request %s: model %s, %d prompt tokens (responses)", rid, model.name, len(prompt_ids))
-    copy = Copy(stream_, Reply("chat", model.name), metrics.admit(model.name, started, stream_))
-    builder = Builder(rid, model.name, body)
+    observe = metrics.admit(model.name, arrival.started, stream_)
+    copy = Copy(stream_, Reply("chat", model.name), observe)
+    builder = Builder(rid, model.name, arrival.body)
 
     async def stored(response: ResponseObject) -> None:
         if keep and response.status != "failed":

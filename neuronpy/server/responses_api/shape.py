@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 
 from neuronpy.errors import InvalidRequestError
+from neuronpy.server.response_ids import RESPONSE_ID
 from neuronpy.server.responses_api.protocol import check_metadata
 
-RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")  # what the server names a response (fullmatch)
 RESPONSE_KEYS = frozenset(
     {
         "id", "object", "created_at", "status", "model", "output", "error",

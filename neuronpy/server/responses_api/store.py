@@ -29,11 +29,8 @@ import anyio
 from neuronpy.engine.sessions import SUFFIX as SESSION_SUFFIX
 from neuronpy.errors import InvalidRequestError
 from neuronpy.files import NotRegularFile, open_regular, replace_atomically
-from neuronpy.server.responses_api.shape import (
-    RESPONSE_ID,
-    valid_conversation,
-    valid_response,
-)
+from neuronpy.server.response_ids import RESPONSE_ID
+from neuronpy.server.responses_api.shape import valid_conversation, valid_response
 from neuronpy.server.structure import decode_json
 
 log = logging.getLogger(__name__)
