@@ -31,7 +31,7 @@ from neuronpy.arch.attention import (
 )
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.exact import chunk_attention, grouped_sinks, soft_cap, step_attention
-from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch, States
+from neuronpy.arch.kv import KvBatch, KvGroup, KvSnapshot, States
 from neuronpy.arch.linear import Linear
 from neuronpy.arch.mixer import Mixer
 from neuronpy.arch.moe import MoeBlock
@@ -772,14 +772,14 @@ class LlamaModel:
     # ---- lockstep decode ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward_batch_decode(self, batch: LiveBatch, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_batch_decode(self, batch: KvBatch, tokens: torch.Tensor) -> torch.Tensor:
         """One lockstep decode step: tokens [B, 1] -> final-normed hidden [B, hidden]."""
         return self.forward_step(batch, tokens).hidden
 
     @torch.inference_mode()
     def forward_step(
         self,
-        batch: LiveBatch,
+        batch: KvBatch,
         tokens: torch.Tensor,
         chunks: Sequence[PrefillChunk] = (),
         counts: Sequence[int] | None = None,
@@ -791,7 +791,7 @@ class LlamaModel:
         tokens one after another (its next token, then drafts to verify), at its own next
         positions, each seeing its row's columns and the row's tokens before it. The hidden
         states are then [N, hidden], in that order, and row b advances by counts[b] columns
-        (`LiveBatch.trim` gives back those a verification rejects).
+        (`KvBatch.trim` gives back those a verification rejects).
 
         Every linear layer runs once over all decode tokens and every chunk's tokens together,
         so a chunk does not read the weights a second time. Attention runs per KV group for

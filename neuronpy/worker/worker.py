@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from neuronpy.arch.attention import PrefillChunk
-from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, States, assemble_batch
+from neuronpy.arch.kv import BatchRow, KvBatch, KvSnapshot, KvSource, States, assemble_batch
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
@@ -85,7 +85,7 @@ class DeviceWorker:
         # shares its sequence's columns (see _prefilled). Which to keep and which to evict is
         # the engine's decision (see engine/prefix_cache.py)
         self._cache: dict[int, KvSnapshot] = {}
-        self._batch: LiveBatch | None = None
+        self._batch: KvBatch | None = None
         self._jobs: queue.SimpleQueue[tuple[Job, Future[Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._loop, name=f"neuronpy-worker-{name}", daemon=True
