@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuronpy.arch.kv import KvBatch, assemble_batch, extract_row
+from neuronpy.arch.kv import KvBatch, assemble_batch
 from neuronpy.arch.llama import LlamaModel, PrefillChunk
 from tests.factories import hf_model
 
@@ -121,7 +121,7 @@ def test_parity_verify_steps_equal_one_token_steps(name: str) -> None:
     assert len(batch.groups) == 2
     # a row extracted after ragged steps is its tokens' KV, contiguous, gaps dropped
     for row, prompt in enumerate(PROMPTS):
-        snap = extract_row(batch, row)
+        snap = batch.row(row).materialize()
         assert snap.token_ids == list(prompt) + refs[row][0][: done[row]]
         fresh, _ = model.prefill(snap.token_ids)
         for a, b in zip(snap.keys + snap.values, fresh.keys + fresh.values, strict=True):

@@ -512,8 +512,3 @@ def batch_decode_mask(
     cols = torch.arange(kv_len, device=prefix_lens.device)  # [L]
     valid = (cols[None, :] < prefix_lens[:, None]) | (cols[None, :] >= padded_len)  # [B, L]
     return valid[:, None, None, :]
-
-
-def extract_row(batch: KvBatch, row: int) -> KvSnapshot:
-    """Turns one live row back into a contiguous snapshot: its prefix, then its decode columns."""
-    return batch.row(row).materialize()
