@@ -227,7 +227,7 @@ class LlamaModel:
     ) -> LlamaModel:
         """Takes the weights of a loaded transformers `*ForCausalLM` (or a checkpoint read as
         it is stored). `quantize="int8"` turns every projection (the vocabulary one included)
-        into an int8 one (see Int8Linear), smoothed with activation ranges measured on
+        into an int8 one (arch/int8.py's Int8Linear), smoothed with activation ranges measured on
         `calibration_ids` (a transformers model) or given (`input_ranges`, as
         measure_input_ranges measures them)."""
         weights = take_weights(
