@@ -14,14 +14,58 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Literal, Protocol
 
 import torch
 
+from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvGroup, KvSnapshot, States
+from neuronpy.arch.mixer import Mixer
 
-if TYPE_CHECKING:
-    from neuronpy.arch.llama import LlamaModel
+# what an attention call is: a decode or verify step's rows, one sequence's prompt chunk, or
+# whole sequences packed one after another (see AttentionModel.sdpa)
+AttentionForm = Literal["step", "chunk", "packed"]
+
+
+class AttentionModel(Protocol):
+    """What the attention objects below use of the model (arch/llama.py's LlamaModel): its
+    config, each layer's place among the attention and the fixed-size-state layers, and its
+    attention and mixer primitives. The model imports this module; this module names the
+    model only through this protocol, so the two do not import each other."""
+
+    config: ArchConfig
+    kv_index: list[int]  # per layer: its place among the attention layers (-1: not one)
+    state_index: list[int]  # per layer: its place among the fixed-size-state layers (-1: not one)
+
+    def sdpa(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        banded: torch.Tensor | None = None,
+        form: AttentionForm = "step",
+    ) -> torch.Tensor:
+        """Attention over grouped queries: q [B, KVH, Q, D], k and v [B, KVH, L, D] ->
+        [B, KVH, Q, D]."""
+        ...
+
+    def group_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, D] -> [B, KVH, G * T, D]."""
+        ...
+
+    def ungroup(self, out: torch.Tensor, t: int) -> torch.Tensor:
+        """[B, KVH, G * T, D] -> [B * T, H * D]."""
+        ...
+
+    def mixer(self, layer: int) -> Mixer:
+        """Layer `layer`'s fixed-size-state mixer."""
+        ...
+
+    def zero_states(self, layer: int, rows: int = 1) -> States:
+        """A state before any token of mixer layer `layer`, for `rows` rows."""
+        ...
 
 
 class Attention(Protocol):
@@ -30,12 +74,12 @@ class Attention(Protocol):
     tokens: int  # the forward's tokens this attention covers
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q [N, H, D], k and v [N, KVH, D] (this layer's, every token's) -> [N, H * D]."""
         ...
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """A fixed-size-state layer over every token: x [N, hidden] (input-normed) ->
         [N, hidden], each span's states advanced in place."""
         ...
@@ -126,7 +170,7 @@ class UniformStep:
         self.group.steps += 1
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """This group's rows' attention, [B_g, H * D]."""
         group, lo = self.group, self.first
@@ -142,7 +186,7 @@ class UniformStep:
         )  # [B_g, KVH, G, D]: one query per row and head
         return out.reshape(hi - lo, c.num_heads * c.value_dim)
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """This group's rows, one token each, through their own states: [B_g, hidden]."""
         group, lo = self.group, self.first
         index = model.state_index[layer]
@@ -185,7 +229,7 @@ class RaggedStep:
 
     @classmethod
     def plan(
-        cls, model: LlamaModel, group: KvGroup, counts: Sequence[int], first: int
+        cls, model: AttentionModel, group: KvGroup, counts: Sequence[int], first: int
     ) -> RaggedStep:
         dev = group.device
         t = max(counts)
@@ -221,7 +265,7 @@ class RaggedStep:
         )
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """This group's tokens' attention, [n_g, H * D] in the forward's order."""
         b, t = self.take.shape
@@ -246,7 +290,7 @@ class RaggedStep:
         out = model.ungroup(out, t)  # [B_g * T, H * D]
         return out if even else out[self.keep]
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Each row's tokens one after another through its states, as decode steps would
         run them (a step's rows give each row's own bits): token j of every row that has one,
         in one step. The states after each j are kept (KvGroup.history) for `trim` to return a
@@ -292,7 +336,7 @@ class SequenceAttention:
     def tokens(self) -> int:
         return self.total - self.start
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], the sequence's states advanced past the chunk (and
         copied at `capture` on the way: a call cut at a STATE_BLOCK multiple gives the same
         bits as one call)."""
@@ -308,7 +352,7 @@ class SequenceAttention:
         return torch.cat((head, tail))
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
         slot = model.kv_index[layer]
@@ -334,11 +378,11 @@ class NoAttention:
     tokens: int
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         return q.new_zeros(q.shape[0], q.shape[1] * model.config.value_dim)
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
 
 
@@ -354,7 +398,7 @@ class StepAttention:
         return sum(s.tokens for s in (*self.steps, *self.riders))
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         outs = [s.attend(model, layer, q, k, v) for s in self.steps]
         at = sum(s.tokens for s in self.steps)
@@ -364,7 +408,7 @@ class StepAttention:
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         outs = [s.mix(model, layer, x) for s in self.steps]
         at = sum(s.tokens for s in self.steps)
         for rider in self.riders:
@@ -389,7 +433,7 @@ class PackedAttention:
         return sum(length * n for length, n in self.runs)
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
         outs, at = [], 0
@@ -404,7 +448,7 @@ class PackedAttention:
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Each sequence from a zero state, one after another."""
         outs, at = [], 0
         for length, n in self.runs:

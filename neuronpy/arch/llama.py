@@ -9,7 +9,7 @@ import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from neuronpy.arch import ops
 from neuronpy.arch.attention import (
     Attention,
+    AttentionForm,
     GroupStep,
     NoAttention,
     PackedAttention,
@@ -46,8 +47,6 @@ from neuronpy.arch.weights import (
 )
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.envflags import env_flag
-
-AttentionForm = Literal["step", "chunk", "packed"]
 
 # projections per layer in the compiled graph's numbering (see LlamaModel._linear)
 SLOTS = 5
