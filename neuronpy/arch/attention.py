@@ -1,8 +1,8 @@
 """What a forward's tokens attend to, layer by layer: a prompt chunk its own causal span
 (SequenceAttention), the rows of a lockstep group one column each (UniformStep) or rows that
-lag, each its own count (RaggedStep), a decode step with chunks riding it (StepAttention),
-whole sequences packed one after another that keep no KV (PackedAttention: embeddings);
-and the snapshot a chunk's K/V make (snapshot_of).
+lag, each its own count (RaggedStep), a decode step and the prompt chunks prefilled in the
+same forward (StepAttention), whole sequences packed one after another that keep no KV
+(PackedAttention: embeddings); and the snapshot a chunk's K/V make (snapshot_of).
 
 The same objects run the layers whose state is fixed-size (`mix`, arch/mixer.py) over the
 same spans of the forward's tokens: a group's rows step their own states, a chunk advances its
@@ -87,9 +87,10 @@ class Attention(Protocol):
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Prompt tokens of one joining sequence to prefill within a decode step (forward_step):
-    after `past` (None: from the start), into buffers of `reserve` columns, growing past's own
-    buffers in place when `extend` (as LlamaModel.prefill)."""
+    """Prompt tokens of one sequence entering the live batch, prefilled in the same forward as
+    a decode step (forward_step): after `past` (None: from the start), into buffers of
+    `reserve` columns, growing past's own buffers in place when `extend` (as
+    LlamaModel.prefill)."""
 
     token_ids: Sequence[int]
     past: KvSnapshot | None = None
@@ -319,7 +320,8 @@ class RaggedStep:
 @dataclass(frozen=True)
 class SequenceAttention:
     """One sequence's tokens at columns [start, total) of its own K/V buffers (a prompt's
-    chunk, alone or riding a decode step): each token sees the columns up to its own."""
+    chunk, prefilled alone or in a decode step's forward): each token sees the columns up to
+    its own."""
 
     keys: list[torch.Tensor]  # per layer [1, KVH, capacity, D]
     values: list[torch.Tensor]
@@ -388,32 +390,33 @@ class NoAttention:
 
 @dataclass(frozen=True)
 class StepAttention:
-    """A decode (or verify) step's: each KV group's rows, then each riding chunk's tokens."""
+    """A decode (or verify) step's: each KV group's rows, then the tokens of each prompt
+    chunk prefilled in the same forward."""
 
     steps: Sequence[GroupStep]
-    riders: Sequence[SequenceAttention]
+    chunks: Sequence[SequenceAttention]
 
     @property
     def tokens(self) -> int:
-        return sum(s.tokens for s in (*self.steps, *self.riders))
+        return sum(s.tokens for s in (*self.steps, *self.chunks))
 
     def attend(
         self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         outs = [s.attend(model, layer, q, k, v) for s in self.steps]
         at = sum(s.tokens for s in self.steps)
-        for rider in self.riders:
-            hi = at + rider.tokens
-            outs.append(rider.attend(model, layer, q[at:hi], k[at:hi], v[at:hi]))
+        for chunk in self.chunks:
+            hi = at + chunk.tokens
+            outs.append(chunk.attend(model, layer, q[at:hi], k[at:hi], v[at:hi]))
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         outs = [s.mix(model, layer, x) for s in self.steps]
         at = sum(s.tokens for s in self.steps)
-        for rider in self.riders:
-            hi = at + rider.tokens
-            outs.append(rider.mix(model, layer, x[at:hi]))
+        for chunk in self.chunks:
+            hi = at + chunk.tokens
+            outs.append(chunk.mix(model, layer, x[at:hi]))
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

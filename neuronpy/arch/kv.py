@@ -339,8 +339,8 @@ class KvBatch:
     """The live batch's KV: B sequences decoding in lockstep, held as one or more KvGroups
     whose rows, in order, are the batch's rows (which sequences these are is the engine's
     plan: engine/live_batch.py). A decode step runs each weight once over all B rows;
-    attention runs per group, so a long sequence joining pads only its own group, and a
-    rebatch copies only the groups whose rows changed."""
+    attention runs per group, so a long sequence entering the batch pads only its own group,
+    and a rebatch copies only the groups whose rows changed."""
 
     groups: list[KvGroup]
     token_ids: list[list[int]]
@@ -434,7 +434,7 @@ def _group_of(run: Sequence[KvSource], headroom: int) -> KvGroup:
     first = run[0]
     if isinstance(first, KvSnapshot) and len(run) == 1 and first.capacity > first.length:
         # a snapshot with room of its own becomes its group as it is: no copy (a long prompt
-        # joining costs the decoding rows nothing but its attention)
+        # entering the batch costs the decoding rows nothing but its attention)
         assert first.buffers is not None
         keys, values = first.buffers
         return KvGroup(

@@ -272,8 +272,8 @@ class DeviceWorker:
                 cached_bytes, cached_length = cached.nbytes, at
         elif job.cache_id is not None:
             # the same columns, not a copy: a sequence's KV columns are written once, and its
-            # decode steps write past them (in place, when it joins without a copy); the entry
-            # pins the buffers, and counts them (KvSnapshot.nbytes)
+            # decode steps write past them (in place, when it enters the batch without a
+            # copy); the entry pins the buffers, and counts them (KvSnapshot.nbytes)
             cached = self._cache[job.cache_id] = KvSnapshot(
                 snapshot.keys, snapshot.values, list(snapshot.token_ids), snapshot.buffers
             )
@@ -386,7 +386,7 @@ class DeviceWorker:
         if job.trim:
             self._batch.trim(job.trim)
         if len({p.snapshot_id for p in job.prefills}) != len(job.prefills):
-            raise WorkerError("riding chunks of one step must fill different snapshots")
+            raise WorkerError("the prefill chunks of one step must fill different snapshots")
         dev = self.model.device
         counts = None
         if job.drafts:
