@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
 from neuronpy.arch.config import ArchConfig, rope_inv_freq
-from neuronpy.arch.kv import KvSnapshot, assemble_batch, batch_decode_mask, extract_row
+from neuronpy.arch.kv import KvSnapshot, assemble_batch, batch_decode_mask
 from neuronpy.arch.llama import LlamaModel, PrefillChunk
 from neuronpy.arch.rope import apply_rope, rope_cos_sin
 from neuronpy.errors import UnsupportedArchitectureError
@@ -71,7 +71,7 @@ def test_parity_ragged_lockstep_equals_sequential(name: str) -> None:
         for row in range(len(PROMPTS)):
             alone = assemble_batch([solo[row]])
             h = model.forward_batch_decode(alone, torch.tensor([[solo_tokens[row]]]))
-            solo[row] = extract_row(alone, 0)
+            solo[row] = alone.row(0).materialize()
             torch.testing.assert_close(hidden[row], h[0], atol=1e-4, rtol=1e-4)
             solo_tokens[row] = int(model.logits(h[0]).argmax())
         tokens = model.logits(hidden).argmax(-1).tolist()
@@ -89,7 +89,7 @@ def test_parity_extract_then_continue_alone() -> None:
             .argmax(-1)
             .tolist()
         )
-    snap = extract_row(batch, 1)
+    snap = batch.row(1).materialize()
     assert snap.length == len(PROMPTS[1]) + 4
     assert snap.keys[0].is_contiguous() and snap.keys[0].shape[2] == snap.length
     # the extracted KV equals a fresh prefill of the same tokens
@@ -111,7 +111,7 @@ def test_rebatch_keeps_unchanged_groups_and_narrows_the_others() -> None:
     batch = assemble_batch([model.prefill(p)[0] for p in PROMPTS[:3]])
     for _ in range(3):
         model.forward_batch_decode(batch, torch.tensor([[4], [5], [6]]))
-    before = [extract_row(batch, r) for r in range(3)]
+    before = [batch.row(r).materialize() for r in range(3)]
     same = assemble_batch([batch.row(0), batch.row(1), batch.row(2)])
     assert same.groups == batch.groups and same.groups[0] is batch.groups[0]  # no copy at all
 
@@ -121,12 +121,12 @@ def test_rebatch_keeps_unchanged_groups_and_narrows_the_others() -> None:
     assert narrowed.padded_len == batch.groups[0].padded_len  # layout unchanged
     assert own.padded_len == joiner.length and rebatched.padding_columns == 11 - 7
     for row, expected in ((0, before[0]), (1, before[2]), (2, joiner)):
-        assert same_kv(extract_row(rebatched, row), expected)
+        assert same_kv(rebatched.row(row).materialize(), expected)
 
     merged = assemble_batch([batch.row(2), batch.row(0), joiner], max_groups=1)
     assert len(merged.groups) == 1 and merged.padded_len == joiner.length
     for row, expected in ((0, before[2]), (1, before[0]), (2, joiner)):
-        assert same_kv(extract_row(merged, row), expected)
+        assert same_kv(merged.row(row).materialize(), expected)
     group = merged.groups[0]
     for row, length in enumerate(group.prefix_lens):
         assert not group.keys[0][row, :, length : group.padded_len].any()  # zeroed gaps
@@ -153,7 +153,7 @@ def test_parity_several_groups_decode_like_one(name: str) -> None:
         assert next_a.tolist() == model.logits(b).argmax(-1).tolist()
         tokens = next_a[:, None].tolist()
     assert grouped.row_lengths == single.row_lengths
-    assert extract_row(grouped, 3).token_ids == extract_row(single, 3).token_ids
+    assert grouped.row(3).materialize().token_ids == single.row(3).materialize().token_ids
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-gemma3"])

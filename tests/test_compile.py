@@ -21,7 +21,7 @@ import torch
 import torch._dynamo
 from transformers import AutoModelForCausalLM
 
-from neuronpy.arch.kv import assemble_batch, extract_row
+from neuronpy.arch.kv import assemble_batch
 from neuronpy.arch.llama import LlamaModel, PrefillChunk
 from neuronpy.cli import build_parser, config_from_args
 from neuronpy.compose import engine_from_hf
@@ -73,7 +73,7 @@ def run(model: LlamaModel, steps: int = 6) -> tuple[list[torch.Tensor], list[lis
     flat = [t for row, n in zip(fed, counts, strict=True) for t in [row] * n]
     states.append(model.forward_step(batch, torch.tensor(flat), counts=counts).hidden)
     batch.trim([n - 1 for n in counts])
-    alone = assemble_batch([extract_row(batch, 1)])  # one row alone: a batch of one
+    alone = assemble_batch([batch.row(1).materialize()])  # one row alone: a batch of one
     out = model.forward_step(alone, torch.tensor([[fed[1]]]), [PrefillChunk([7, 8, 9, 10, 11])])
     states += [out.hidden, *out.chunk_hidden]
     return states, tokens

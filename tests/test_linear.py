@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neuronpy.arch.linear import Int8Linear, Linear, make_linear, onednn_int8
+from neuronpy.arch.int8 import Int8Linear, onednn_int8
+from neuronpy.arch.linear import Linear, make_linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])

@@ -20,13 +20,13 @@ from neuronpy.arch.gguf import (
     decode_groups,
     read_index,
 )
+from neuronpy.arch.int8 import Int8WeightLinear
 from neuronpy.arch.linear import make_embedding, make_linear
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.quant import (
     ChannelQuant,
     GroupQuant,
     Int4Linear,
-    Int8WeightLinear,
     QuantEmbedding,
     Quantized,
     SubBlockQuant,
@@ -532,7 +532,7 @@ def test_int8_from_a_gguf_file_read_as_stored_is_calibrated_on_it(tmp_path: Path
     made): its activation ranges are measured on the model as the file holds it, close to
     those transformers' model of the dequantized file gives, and every projection is smoothed
     by them."""
-    from neuronpy.arch.linear import Int8Linear
+    from neuronpy.arch.int8 import Int8Linear
     from neuronpy.arch.llama import measure_input_ranges
     from neuronpy.arch.weights import input_absmax
     from neuronpy.compose import native_model

@@ -1,5 +1,5 @@
 """Arch parity of speculative verification: a step that feeds each row its next token and
-drafts, at its own positions, then gives back the rejected drafts' columns (LiveBatch.trim),
+drafts, at its own positions, then gives back the rejected drafts' columns (KvBatch.trim),
 decodes every sequence exactly as one-token lockstep steps do."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from neuronpy.arch.kv import LiveBatch, assemble_batch, extract_row
+from neuronpy.arch.kv import KvBatch, assemble_batch
 from neuronpy.arch.llama import LlamaModel, PrefillChunk
 from tests.factories import hf_model
 
@@ -37,7 +37,7 @@ def reference(model: LlamaModel, prompt: list[int], steps: int) -> tuple[list[in
 
 def verify(
     model: LlamaModel,
-    batch: LiveBatch,
+    batch: KvBatch,
     fed: list[list[int]],
     refs: list[tuple[list[int], torch.Tensor]],
     done: list[int],
@@ -121,7 +121,7 @@ def test_parity_verify_steps_equal_one_token_steps(name: str) -> None:
     assert len(batch.groups) == 2
     # a row extracted after ragged steps is its tokens' KV, contiguous, gaps dropped
     for row, prompt in enumerate(PROMPTS):
-        snap = extract_row(batch, row)
+        snap = batch.row(row).materialize()
         assert snap.token_ids == list(prompt) + refs[row][0][: done[row]]
         fresh, _ = model.prefill(snap.token_ids)
         for a, b in zip(snap.keys + snap.values, fresh.keys + fresh.values, strict=True):

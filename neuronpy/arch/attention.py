@@ -1,8 +1,8 @@
 """What a forward's tokens attend to, layer by layer: a prompt chunk its own causal span
 (SequenceAttention), the rows of a lockstep group one column each (UniformStep) or rows that
-lag, each its own count (RaggedStep), a decode step with chunks riding it (StepAttention),
-whole sequences packed one after another that keep no KV (PackedAttention: embeddings);
-and the snapshot a chunk's K/V make (snapshot_of).
+lag, each its own count (RaggedStep), a decode step and the prompt chunks prefilled in the
+same forward (StepAttention), whole sequences packed one after another that keep no KV
+(PackedAttention: embeddings); and the snapshot a chunk's K/V make (snapshot_of).
 
 The same objects run the layers whose state is fixed-size (`mix`, arch/mixer.py) over the
 same spans of the forward's tokens: a group's rows step their own states, a chunk advances its
@@ -14,14 +14,58 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Literal, Protocol
 
 import torch
 
+from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.kv import KvGroup, KvSnapshot, States
+from neuronpy.arch.mixer import Mixer
 
-if TYPE_CHECKING:
-    from neuronpy.arch.llama import LlamaModel
+# what an attention call is: a decode or verify step's rows, one sequence's prompt chunk, or
+# whole sequences packed one after another (see AttentionModel.sdpa)
+AttentionForm = Literal["step", "chunk", "packed"]
+
+
+class AttentionModel(Protocol):
+    """What the attention objects below use of the model (arch/llama.py's LlamaModel): its
+    config, each layer's place among the attention and the fixed-size-state layers, and its
+    attention and mixer primitives. The model imports this module; this module names the
+    model only through this protocol, so the two do not import each other."""
+
+    config: ArchConfig
+    kv_index: list[int]  # per layer: its place among the attention layers (-1: not one)
+    state_index: list[int]  # per layer: its place among the fixed-size-state layers (-1: not one)
+
+    def sdpa(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        banded: torch.Tensor | None = None,
+        form: AttentionForm = "step",
+    ) -> torch.Tensor:
+        """Attention over grouped queries: q [B, KVH, Q, D], k and v [B, KVH, L, D] ->
+        [B, KVH, Q, D]."""
+        ...
+
+    def group_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, D] -> [B, KVH, G * T, D]."""
+        ...
+
+    def ungroup(self, out: torch.Tensor, t: int) -> torch.Tensor:
+        """[B, KVH, G * T, D] -> [B * T, H * D]."""
+        ...
+
+    def mixer(self, layer: int) -> Mixer:
+        """Layer `layer`'s fixed-size-state mixer."""
+        ...
+
+    def zero_states(self, layer: int, rows: int = 1) -> States:
+        """A state before any token of mixer layer `layer`, for `rows` rows."""
+        ...
 
 
 class Attention(Protocol):
@@ -30,12 +74,12 @@ class Attention(Protocol):
     tokens: int  # the forward's tokens this attention covers
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q [N, H, D], k and v [N, KVH, D] (this layer's, every token's) -> [N, H * D]."""
         ...
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """A fixed-size-state layer over every token: x [N, hidden] (input-normed) ->
         [N, hidden], each span's states advanced in place."""
         ...
@@ -43,9 +87,10 @@ class Attention(Protocol):
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Prompt tokens of one joining sequence to prefill within a decode step (forward_step):
-    after `past` (None: from the start), into buffers of `reserve` columns, growing past's own
-    buffers in place when `extend` (as LlamaModel.prefill)."""
+    """Prompt tokens of one sequence entering the live batch, prefilled in the same forward as
+    a decode step (forward_step): after `past` (None: from the start), into buffers of
+    `reserve` columns, growing past's own buffers in place when `extend` (as
+    LlamaModel.prefill)."""
 
     token_ids: Sequence[int]
     past: KvSnapshot | None = None
@@ -126,7 +171,7 @@ class UniformStep:
         self.group.steps += 1
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """This group's rows' attention, [B_g, H * D]."""
         group, lo = self.group, self.first
@@ -142,7 +187,7 @@ class UniformStep:
         )  # [B_g, KVH, G, D]: one query per row and head
         return out.reshape(hi - lo, c.num_heads * c.value_dim)
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """This group's rows, one token each, through their own states: [B_g, hidden]."""
         group, lo = self.group, self.first
         index = model.state_index[layer]
@@ -185,7 +230,7 @@ class RaggedStep:
 
     @classmethod
     def plan(
-        cls, model: LlamaModel, group: KvGroup, counts: Sequence[int], first: int
+        cls, model: AttentionModel, group: KvGroup, counts: Sequence[int], first: int
     ) -> RaggedStep:
         dev = group.device
         t = max(counts)
@@ -221,7 +266,7 @@ class RaggedStep:
         )
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """This group's tokens' attention, [n_g, H * D] in the forward's order."""
         b, t = self.take.shape
@@ -246,7 +291,7 @@ class RaggedStep:
         out = model.ungroup(out, t)  # [B_g * T, H * D]
         return out if even else out[self.keep]
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Each row's tokens one after another through its states, as decode steps would
         run them (a step's rows give each row's own bits): token j of every row that has one,
         in one step. The states after each j are kept (KvGroup.history) for `trim` to return a
@@ -275,7 +320,8 @@ class RaggedStep:
 @dataclass(frozen=True)
 class SequenceAttention:
     """One sequence's tokens at columns [start, total) of its own K/V buffers (a prompt's
-    chunk, alone or riding a decode step): each token sees the columns up to its own."""
+    chunk, prefilled alone or in a decode step's forward): each token sees the columns up to
+    its own."""
 
     keys: list[torch.Tensor]  # per layer [1, KVH, capacity, D]
     values: list[torch.Tensor]
@@ -292,7 +338,7 @@ class SequenceAttention:
     def tokens(self) -> int:
         return self.total - self.start
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden], the sequence's states advanced past the chunk (and
         copied at `capture` on the way: a call cut at a STATE_BLOCK multiple gives the same
         bits as one call)."""
@@ -308,7 +354,7 @@ class SequenceAttention:
         return torch.cat((head, tail))
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
         slot = model.kv_index[layer]
@@ -334,42 +380,43 @@ class NoAttention:
     tokens: int
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         return q.new_zeros(q.shape[0], q.shape[1] * model.config.value_dim)
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
 
 
 @dataclass(frozen=True)
 class StepAttention:
-    """A decode (or verify) step's: each KV group's rows, then each riding chunk's tokens."""
+    """A decode (or verify) step's: each KV group's rows, then the tokens of each prompt
+    chunk prefilled in the same forward."""
 
     steps: Sequence[GroupStep]
-    riders: Sequence[SequenceAttention]
+    chunks: Sequence[SequenceAttention]
 
     @property
     def tokens(self) -> int:
-        return sum(s.tokens for s in (*self.steps, *self.riders))
+        return sum(s.tokens for s in (*self.steps, *self.chunks))
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         outs = [s.attend(model, layer, q, k, v) for s in self.steps]
         at = sum(s.tokens for s in self.steps)
-        for rider in self.riders:
-            hi = at + rider.tokens
-            outs.append(rider.attend(model, layer, q[at:hi], k[at:hi], v[at:hi]))
+        for chunk in self.chunks:
+            hi = at + chunk.tokens
+            outs.append(chunk.attend(model, layer, q[at:hi], k[at:hi], v[at:hi]))
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         outs = [s.mix(model, layer, x) for s in self.steps]
         at = sum(s.tokens for s in self.steps)
-        for rider in self.riders:
-            hi = at + rider.tokens
-            outs.append(rider.mix(model, layer, x[at:hi]))
+        for chunk in self.chunks:
+            hi = at + chunk.tokens
+            outs.append(chunk.mix(model, layer, x[at:hi]))
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -389,7 +436,7 @@ class PackedAttention:
         return sum(length * n for length, n in self.runs)
 
     def attend(
-        self, model: LlamaModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, model: AttentionModel, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
         outs, at = [], 0
@@ -404,7 +451,7 @@ class PackedAttention:
             at = hi
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def mix(self, model: LlamaModel, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def mix(self, model: AttentionModel, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Each sequence from a zero state, one after another."""
         outs, at = [], 0
         for length, n in self.runs:

@@ -123,7 +123,8 @@ def chunk_attention(
     [B, KVH, L, D], mask broadcasting to [B, KVH, Q, L] (True = attend), `sinks` [H] float32
     (each query head's sink logit, Q being G * T grouped rows; None: none) -> [B, KVH, Q, D].
     Each query's output is the same however the prompt was cut into chunks (a prefix-cache
-    restore, a chunk riding a decode step) and whatever keys past its own the call holds."""
+    restore, a chunk prefilled in a decode step's forward) and whatever keys past its own the
+    call holds."""
     b, h, nq, d = q.shape
     length = k.shape[2]
     blocks = -(-length // KEY_BLOCK)

@@ -1,4 +1,5 @@
-"""KV snapshots, the live batch, and the assemble / extract / mask primitives of rebatching.
+"""KV snapshots, the live batch's KV (KvBatch), and the assemble / extract / mask primitives
+of rebatching.
 
 Keys are stored after RoPE, so what lies in a padding column (and at which position) never
 matters: only the mask does. Padding columns and headroom hold zeros until written: a verify
@@ -334,11 +335,12 @@ KvSource = KvSnapshot | BatchRow
 
 
 @dataclass
-class LiveBatch:
-    """B sequences decoding in lockstep: one or more KvGroups, whose rows, in order, are the
-    batch's rows. A decode step runs each weight once over all B rows; attention runs per
-    group, so a long sequence joining pads only its own group, and a rebatch copies only the
-    groups whose rows changed."""
+class KvBatch:
+    """The live batch's KV: B sequences decoding in lockstep, held as one or more KvGroups
+    whose rows, in order, are the batch's rows (which sequences these are is the engine's
+    plan: engine/live_batch.py). A decode step runs each weight once over all B rows;
+    attention runs per group, so a long sequence entering the batch pads only its own group,
+    and a rebatch copies only the groups whose rows changed."""
 
     groups: list[KvGroup]
     token_ids: list[list[int]]
@@ -399,7 +401,7 @@ def assemble_batch(
     sources: Sequence[KvSource],
     headroom: int = DEFAULT_HEADROOM,
     max_groups: int = DEFAULT_MAX_GROUPS,
-) -> LiveBatch:
+) -> KvBatch:
     """The live batch of these sources, in this order.
 
     Rows of a previous batch (BatchRow) keep their group: a group whose rows all come back, in
@@ -425,14 +427,14 @@ def assemble_batch(
         i = min(range(len(groups) - 1), key=lambda j: _merged_padding(groups[j], groups[j + 1]))
         rows = [BatchRow(g, r, []) for g in groups[i : i + 2] for r in range(g.batch_size)]
         groups[i : i + 2] = [_assemble_group(rows, headroom)]
-    return LiveBatch(groups=groups, token_ids=[list(s.token_ids) for s in sources])
+    return KvBatch(groups=groups, token_ids=[list(s.token_ids) for s in sources])
 
 
 def _group_of(run: Sequence[KvSource], headroom: int) -> KvGroup:
     first = run[0]
     if isinstance(first, KvSnapshot) and len(run) == 1 and first.capacity > first.length:
         # a snapshot with room of its own becomes its group as it is: no copy (a long prompt
-        # joining costs the decoding rows nothing but its attention)
+        # entering the batch costs the decoding rows nothing but its attention)
         assert first.buffers is not None
         keys, values = first.buffers
         return KvGroup(
@@ -510,8 +512,3 @@ def batch_decode_mask(
     cols = torch.arange(kv_len, device=prefix_lens.device)  # [L]
     valid = (cols[None, :] < prefix_lens[:, None]) | (cols[None, :] >= padded_len)  # [B, L]
     return valid[:, None, None, :]
-
-
-def extract_row(batch: LiveBatch, row: int) -> KvSnapshot:
-    """Turns one live row back into a contiguous snapshot: its prefix, then its decode columns."""
-    return batch.row(row).materialize()

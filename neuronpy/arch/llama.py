@@ -9,7 +9,7 @@ import functools
 import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from neuronpy.arch import ops
 from neuronpy.arch.attention import (
     Attention,
+    AttentionForm,
     GroupStep,
     NoAttention,
     PackedAttention,
@@ -31,7 +32,7 @@ from neuronpy.arch.attention import (
 )
 from neuronpy.arch.config import ArchConfig
 from neuronpy.arch.exact import chunk_attention, grouped_sinks, soft_cap, step_attention
-from neuronpy.arch.kv import KvGroup, KvSnapshot, LiveBatch, States
+from neuronpy.arch.kv import KvBatch, KvGroup, KvSnapshot, States
 from neuronpy.arch.linear import Linear
 from neuronpy.arch.mixer import Mixer
 from neuronpy.arch.moe import MoeBlock
@@ -46,8 +47,6 @@ from neuronpy.arch.weights import (
 )
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.envflags import env_flag
-
-AttentionForm = Literal["step", "chunk", "packed"]
 
 # projections per layer in the compiled graph's numbering (see LlamaModel._linear)
 SLOTS = 5
@@ -227,7 +226,7 @@ class LlamaModel:
     ) -> LlamaModel:
         """Takes the weights of a loaded transformers `*ForCausalLM` (or a checkpoint read as
         it is stored). `quantize="int8"` turns every projection (the vocabulary one included)
-        into an int8 one (see Int8Linear), smoothed with activation ranges measured on
+        into an int8 one (arch/int8.py's Int8Linear), smoothed with activation ranges measured on
         `calibration_ids` (a transformers model) or given (`input_ranges`, as
         measure_input_ranges measures them)."""
         weights = take_weights(
@@ -245,14 +244,15 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Every token through every layer: ids, positions [N] -> final-normed hidden
         [N, hidden]. Each linear layer runs once over all N tokens (a decode step's rows and
-        any riding chunk's tokens together); `attention` says what each token attends to, and
-        where its K/V go. Compiled (see `compile`) or eager: the same code, the same math."""
+        the tokens of the prompt chunks prefilled with it, together); `attention` says what
+        each token attends to, and where its K/V go. Compiled (see `compile`) or eager: the
+        same code, the same math."""
         self._attention = attention
         try:
             if self._compiled is None:
                 return self._layers(ids, positions)
             n = ids.shape[0]
-            if n == 1:  # the graph is for two tokens or more: a second copy rides along
+            if n == 1:  # the graph takes two tokens or more: a lone token runs with a copy
                 ids, positions = ids.repeat(2), positions.repeat(2)
             # (the graph's guards tell inference tensors from others: one kind, one graph)
             ids, positions = (t if t.is_inference() else t.clone() for t in (ids, positions))
@@ -268,33 +268,34 @@ class LlamaModel:
     def compile(self) -> None:
         """Compiles the layers with PyTorch's compiler (inductor) for every later forward, now.
 
-        One graph for any number of tokens (a dynamic dimension; one token rides as two), so
-        it serves prefill chunks, decode and verify steps and riding chunks alike. Linear
-        layers and attention stay the model's own (arch/ops.py): the graph fuses what lies
-        between them (norms, RoPE, residuals, the MLP's activation), which eager PyTorch runs
-        as dozens of small operations per layer. Raises what the compiler raised when it
-        cannot compile this model; the model then stays eager."""
+        One graph for any number of tokens (a dynamic dimension; a lone token runs as two,
+        itself and a copy), so it serves prefill chunks and decode and verify steps, with or
+        without prompt chunks in the same forward, alike. Linear layers and attention stay
+        the model's own (arch/ops.py): the graph fuses what lies between them (norms, RoPE,
+        residuals, the MLP's activation), which eager PyTorch runs as dozens of small
+        operations per layer. Raises what the compiler raised when it cannot compile this
+        model; the model then stays eager."""
         if self.reduce is not None:
             raise NotImplementedError("a tensor-parallel shard runs eagerly")
         self._handle = ops.register(self)
-        # Dynamo keeps its graphs per code object, and every model's guards differ (its own
-        # weights and config): with one shared `_layers`, each model compiled in a process
-        # took an entry of one cache of 8, and the ninth model failed under fullgraph. A copy
-        # of the code for each model gives each its own cache (the graph it traces is the same)
+        # Dynamo keeps its graphs per code object, in a cache of 8, and every model's guards
+        # differ (its own weights and config): models sharing `_layers`'s code would share one
+        # cache, and a ninth compiled model would fail under fullgraph. Each model compiles a
+        # copy of the code, with a cache of its own (the graph it traces is the same)
         code = LlamaModel._layers.__code__.replace()
         layers = types.MethodType(types.FunctionType(code, LlamaModel._layers.__globals__), self)
         # rounding where eager rounds (bf16, fp16): compiled or not, the same answers. (Not
         # inductor's cpp_wrapper: 2% faster alone, but it hands the GIL back and forth so
-        # often that a busy event loop beside it made a step ~20x slower)
+        # often that a busy event loop beside it makes a step ~20x slower)
         options = {"emulate_precision_casts": True}
         compiled = torch.compile(layers, dynamic=True, fullgraph=True, options=options)
         self._attention = NoAttention(2)
         try:
             # The config's floats (norm eps, RoPE and embedding scales) as constants: under
-            # dynamic=True dynamo makes each a symbolic input, and one the graph must fix
-            # (a branch on it, an op that takes a number) restarted the whole trace once AOT
-            # had traced it, so that every start, warm ones too, traced the layers twice and
-            # missed AOTAutograd's cache once (the first attempt's key never gets an entry)
+            # dynamic=True dynamo would make each a symbolic input, and one the graph must fix
+            # (a branch on it, an op that takes a number) restarts the whole trace after
+            # AOTAutograd has traced it, so every start, warm ones too, would trace the layers
+            # twice and miss AOTAutograd's cache once (the first attempt's key gets no entry)
             with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode():
                 ids = torch.zeros(2, dtype=torch.long, device=self.device)
                 compiled(ids, torch.arange(2, device=self.device))  # traced and compiled here
@@ -319,7 +320,7 @@ class LlamaModel:
         """The running forward's fixed-size-state layer `layer` over x (arch/ops), as
         `attend_at`."""
         attention = self._running()
-        return _ride(attention.mix(self, layer, x[: attention.tokens]), x.shape[0])
+        return _pad_rows(attention.mix(self, layer, x[: attention.tokens]), x.shape[0])
 
     def moe_at(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s mixture-of-experts block over x (arch/ops)."""
@@ -331,10 +332,10 @@ class LlamaModel:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """The running forward's attention in `layer`, for the compiled graph (arch/ops): its
-        tokens, and zeros for the copy a lone token rides with."""
+        tokens, and zeros for the copy a lone token runs with (see `_run`)."""
         attention = self._running()
         n = attention.tokens
-        return _ride(attention.attend(self, layer, q[:n], k[:n], v[:n]), q.shape[0])
+        return _pad_rows(attention.attend(self, layer, q[:n], k[:n], v[:n]), q.shape[0])
 
     def _running(self) -> Attention:
         assert self._attention is not None, "no forward is running"
@@ -772,26 +773,26 @@ class LlamaModel:
     # ---- lockstep decode ----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward_batch_decode(self, batch: LiveBatch, tokens: torch.Tensor) -> torch.Tensor:
+    def forward_batch_decode(self, batch: KvBatch, tokens: torch.Tensor) -> torch.Tensor:
         """One lockstep decode step: tokens [B, 1] -> final-normed hidden [B, hidden]."""
         return self.forward_step(batch, tokens).hidden
 
     @torch.inference_mode()
     def forward_step(
         self,
-        batch: LiveBatch,
+        batch: KvBatch,
         tokens: torch.Tensor,
         chunks: Sequence[PrefillChunk] = (),
         counts: Sequence[int] | None = None,
     ) -> StepOutput:
         """One lockstep decode step over the live batch, and optionally prefill chunks of
-        joining sequences riding along in the same forward.
+        sequences entering the batch, in the same forward.
 
         `tokens`: [B, 1], one per row; or, with `counts`, [N] flat: row b's counts[b] >= 1
         tokens one after another (its next token, then drafts to verify), at its own next
         positions, each seeing its row's columns and the row's tokens before it. The hidden
         states are then [N, hidden], in that order, and row b advances by counts[b] columns
-        (`LiveBatch.trim` gives back those a verification rejects).
+        (`KvBatch.trim` gives back those a verification rejects).
 
         Every linear layer runs once over all decode tokens and every chunk's tokens together,
         so a chunk does not read the weights a second time. Attention runs per KV group for
@@ -822,7 +823,7 @@ class LlamaModel:
         # RoPE positions and token ids of every token of the forward: decode rows, then chunks
         positions = [s.positions for s in steps]
         ids = [flat_tokens]
-        riders: list[SequenceAttention] = []
+        spans: list[SequenceAttention] = []  # each chunk's
         kept: list[tuple[int, list[States]] | None] = []  # states kept at a chunk's start
         for chunk in chunks:
             new = list(chunk.token_ids)
@@ -836,12 +837,12 @@ class LlamaModel:
             kept.append(_kept(states, start) if at_start else None)
             positions.append(torch.arange(start, total, device=self.device))
             ids.append(torch.tensor(new, dtype=torch.long, device=self.device))
-            riders.append(
+            spans.append(
                 self._sequence_attention(keys, values, start, total, states, chunk.capture)
             )
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
         flat = torch.cat(ids) if len(ids) > 1 else ids[0]
-        hidden = self._run(flat, rows, StepAttention(steps, riders))  # [N + n, hidden]
+        hidden = self._run(flat, rows, StepAttention(steps, spans))  # [N + n, hidden]
         for step in steps:
             step.advance()
         at = 0
@@ -852,8 +853,8 @@ class LlamaModel:
         if not chunks:
             return StepOutput(hidden)
         lasts, at = [], n_dec
-        for rider in riders:
-            at += rider.tokens
+        for span in spans:
+            at += span.tokens
             lasts.append(at - 1)
         last = hidden[torch.tensor(lasts, device=self.device)]  # [chunks, hidden]
         snapshots = tuple(
@@ -865,17 +866,17 @@ class LlamaModel:
                 r.states,
                 r.capture or before or self._at_end(chunk, r),
             )
-            for chunk, r, before in zip(chunks, riders, kept, strict=True)
+            for chunk, r, before in zip(chunks, spans, kept, strict=True)
         )
         return StepOutput(hidden[:n_dec], snapshots, tuple(last))
 
     def _at_end(
-        self, chunk: PrefillChunk, rider: SequenceAttention
+        self, chunk: PrefillChunk, span: SequenceAttention
     ) -> tuple[int, list[States]] | None:
         """The checkpoint of a chunk asked to keep its states at its own end."""
-        if chunk.capture != rider.total or not self.has_states:
+        if chunk.capture != span.total or not self.has_states:
             return None
-        return _kept(rider.states, rider.total)
+        return _kept(span.states, span.total)
 
     def _group_step(self, group: KvGroup, counts: Sequence[int], first: int) -> GroupStep:
         """What one step does in one group, whose rows' tokens start at `first` of the
@@ -993,8 +994,9 @@ def _kept(states: list[States], at: int) -> tuple[int, list[States]]:
     return at, [tuple(t.clone() for t in st) for st in states]
 
 
-def _ride(out: torch.Tensor, rows: int) -> torch.Tensor:
-    """`out` with zero rows up to `rows`: the copy a lone token rides a compiled graph with."""
+def _pad_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """`out` with zero rows up to `rows`: for the copy a lone token runs the compiled graph
+    with (see LlamaModel._run)."""
     if rows == out.shape[0]:
         return out
     return torch.cat((out, out.new_zeros(rows - out.shape[0], out.shape[1])))

@@ -4,7 +4,7 @@ compiler builds around them.
 
 A compiled graph holds tensors and numbers, not Python objects. The model's linear layers keep
 weights the graph cannot hold (oneDNN-packed, int8: opaque layouts), and its attention runs
-the step's own plan (KV groups, riding chunks, verify steps) over caches that live outside the
+the step's own plan (KV groups, prompt chunks, verify steps) over caches that live outside the
 graph and change every step. So the graph calls these two operators with a handle (a 0-d int64
 tensor naming the model, a graph input like any other, so one graph serves every model of the
 same shape) and plain ints (which projection, which layer); each finds the model and runs its

@@ -1,5 +1,6 @@
-"""Weights kept quantized: 4-bit groups and 8-bit channels, the layers that compute with them
-through PyTorch's own weight-only kernels, and the embedding lookup over them.
+"""Weights kept quantized: 4-bit groups and 8-bit channels, the layer that computes with the
+groups through PyTorch's own int4 kernel (`Int4Linear`; the 8-bit channels' layer is
+arch/int8.py's `Int8WeightLinear`), and the embedding lookup over them.
 
 Two layouts, each what one kernel takes (both CPU kernels; on other devices these weights are
 dequantized at load):
@@ -249,12 +250,12 @@ def cat_weights(parts: Sequence[AnyWeight]) -> AnyWeight | None:
     return None
 
 
-# the overloads themselves: resolving them from their packets costs a few µs a call
+# the overload itself: resolving it from its packet costs a few µs a call
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 
 
-def _to_kernel(x: torch.Tensor, features: int) -> torch.Tensor:
+def kernel_rows(x: torch.Tensor, features: int) -> torch.Tensor:
+    """x [..., features] as the weight-only kernels take it: [N, features], contiguous, bf16."""
     rows = x.reshape(-1, features)
     return (rows if rows.dtype == KERNEL_DTYPE else rows.to(KERNEL_DTYPE)).contiguous()
 
@@ -334,7 +335,7 @@ class Int4Linear:
             # a decode step's common case, in as few calls as it takes (~15 µs a call less)
             return _INT4_MM(x, self._packed, self.group, self._scales)
         lead = x.shape[:-1]
-        rows = _to_kernel(x, self.in_features)
+        rows = kernel_rows(x, self.in_features)
         if self.planes == 2:
             rows = torch.cat((rows, rows), dim=1)
         elif self._columns is not None:
@@ -343,31 +344,6 @@ class Int4Linear:
         y = _INT4_MM(rows, self._packed, self.group, self._scales)
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]
-        y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
-
-
-class Int8WeightLinear:
-    """y ~= x W^T + b with W in 8-bit channels (ChannelQuant), through PyTorch's
-    `_weight_int8pack_mm` (activations stay in floating point: weight-only)."""
-
-    def __init__(self, weight: ChannelQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.kind = f"int8 per channel from {weight.kind}"
-        self.dtype = dtype
-        self.bias = None if bias is None else bias.detach().to(dtype)
-        self._q = weight.q.contiguous()
-        self._scale = weight.scale.to(KERNEL_DTYPE)
-
-    @property
-    def nbytes(self) -> int:
-        return self._q.nbytes + self._scale.nbytes
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = _INT8_MM(_to_kernel(x, self.in_features), self._q, self._scale)
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from neuronpy.arch.kv import DEFAULT_HEADROOM, KvSource, LiveBatch, assemble_batch
+from neuronpy.arch.kv import DEFAULT_HEADROOM, KvBatch, KvSource, assemble_batch
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.errors import WorkerError
 from neuronpy.worker.jobs import DraftResult, DraftTokens
@@ -21,7 +21,7 @@ class DraftBatch:
     def __init__(self, model: LlamaModel, prefill_chunk: int) -> None:
         self.model = model
         self.prefill_chunk = prefill_chunk
-        self.batch: LiveBatch | None = None
+        self.batch: KvBatch | None = None
         self.keys: list[int | None] = []  # per row of `batch`: its key (None: released)
 
     @property

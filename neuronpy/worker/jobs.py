@@ -82,9 +82,9 @@ class ForwardLogitsBatch:
 
     token_ids: tuple[int, ...]
     sample: RowSampler | None = None  # given: answer sampled tokens rather than the logits
-    # joiners' prompt chunks riding along (each of its own sequence): they share the step's
-    # weight reads (LlamaModel.forward_step); a chunk that ends its prompt samples with its
-    # own `sample`
+    # prompt chunks of sequences entering the batch (one sequence each), prefilled in the
+    # same forward: they share the step's weight reads (LlamaModel.forward_step); a chunk
+    # that ends its prompt samples with its own `sample`
     prefills: tuple[Prefill, ...] = ()
     # per row: tokens drafted to follow token_ids[b], verified in this step (row b feeds
     # 1 + len(drafts[b]) tokens); `verify` then answers instead of `sample`. Empty: no drafts
@@ -99,7 +99,7 @@ class ForwardLogitsBatch:
 class ForwardResult:
     logits: torch.Tensor | None  # [B, vocab] float32, CPU; None when the job sampled
     tokens: tuple[int | None, ...] | None = None  # when the job had `sample`
-    prefills: tuple[PrefillResult, ...] = ()  # the riding chunks', in order
+    prefills: tuple[PrefillResult, ...] = ()  # the prefill chunks', in order
     verified: tuple[tuple[int, ...] | None, ...] | None = None  # when the job had `verify`
 
 
@@ -140,7 +140,8 @@ class ReleaseDraftKv:
 @dataclass(frozen=True)
 class ExtractKvRows:
     """Store live rows `rows` back as contiguous snapshots `snapshot_ids` (gap dropped), then
-    release the live batch: every join or leave is extract-survivors, then assemble again."""
+    release the live batch: when rows enter or leave, the rows that stay are extracted, then
+    the batch is assembled again."""
 
     rows: tuple[int, ...]
     snapshot_ids: tuple[int, ...]

@@ -80,7 +80,7 @@ class ShardSpec:
 
 def _without_sampler(job: Any) -> Any:
     """The job as followers get it: samplers (closures over the engine) only run on rank 0,
-    riding prefill chunks' included."""
+    the step's prefill chunks' included."""
     changes = {}
     for name in ("sample", "verify"):
         if getattr(job, name, None) is not None:

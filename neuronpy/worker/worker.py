@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from neuronpy.arch.attention import PrefillChunk
-from neuronpy.arch.kv import BatchRow, KvSnapshot, KvSource, LiveBatch, States, assemble_batch
+from neuronpy.arch.kv import BatchRow, KvBatch, KvSnapshot, KvSource, States, assemble_batch
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
@@ -85,7 +85,7 @@ class DeviceWorker:
         # shares its sequence's columns (see _prefilled). Which to keep and which to evict is
         # the engine's decision (see engine/prefix_cache.py)
         self._cache: dict[int, KvSnapshot] = {}
-        self._batch: LiveBatch | None = None
+        self._batch: KvBatch | None = None
         self._jobs: queue.SimpleQueue[tuple[Job, Future[Any]]] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._loop, name=f"neuronpy-worker-{name}", daemon=True
@@ -272,8 +272,8 @@ class DeviceWorker:
                 cached_bytes, cached_length = cached.nbytes, at
         elif job.cache_id is not None:
             # the same columns, not a copy: a sequence's KV columns are written once, and its
-            # decode steps write past them (in place, when it joins without a copy); the entry
-            # pins the buffers, and counts them (KvSnapshot.nbytes)
+            # decode steps write past them (in place, when it enters the batch without a
+            # copy); the entry pins the buffers, and counts them (KvSnapshot.nbytes)
             cached = self._cache[job.cache_id] = KvSnapshot(
                 snapshot.keys, snapshot.values, list(snapshot.token_ids), snapshot.buffers
             )
@@ -386,7 +386,7 @@ class DeviceWorker:
         if job.trim:
             self._batch.trim(job.trim)
         if len({p.snapshot_id for p in job.prefills}) != len(job.prefills):
-            raise WorkerError("riding chunks of one step must fill different snapshots")
+            raise WorkerError("the prefill chunks of one step must fill different snapshots")
         dev = self.model.device
         counts = None
         if job.drafts:
