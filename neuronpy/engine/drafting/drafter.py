@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from neuronpy.engine.drafting.proposer import Proposal, Proposer
 from neuronpy.engine.grammar import Matcher
-from neuronpy.engine.plans import DecodePlan, ReleaseDrafts, RowRef
+from neuronpy.engine.plans import DecodePlan, ReleaseDrafts
+from neuronpy.engine.request import Request
 from neuronpy.engine.speculative import cut_at_stop
 
 
@@ -32,7 +33,7 @@ class Drafter:
     def __init__(
         self,
         proposers: Mapping[str, Proposer],
-        matcher: Callable[[RowRef], Matcher | None],
+        matcher: Callable[[Request], Matcher | None],
     ) -> None:
         self.proposers = proposers
         self._matcher = matcher  # a request's grammar, when constrained and not done
@@ -51,7 +52,7 @@ class Drafter:
         drafted = tuple(rows) if any(rows) else ()
         return Drafts(drafted, tuple(answers), time.perf_counter() - began)
 
-    def _cut(self, request: RowRef, drafts: Sequence[int]) -> tuple[int, ...]:
+    def _cut(self, request: Request, drafts: Sequence[int]) -> tuple[int, ...]:
         drafts = cut_at_stop(tuple(drafts), request.stop_ids)
         matcher = self._matcher(request) if drafts else None
         return drafts if matcher is None else drafts[: matcher.valid_prefix(drafts)]
