@@ -136,6 +136,16 @@ def update(s: Scheduler, plan: StepPlan, outcome: StepOutcome) -> None:
     SENT.setdefault(s, []).extend(s.update(plan, outcome))
 
 
+def schedule(s: Scheduler, now: float = 0.0) -> StepPlan:
+    """The scheduler's next plan past a turn's JOIN plan (answered and booked on the way), if
+    the turn starts with one."""
+    plan = s.schedule(now)
+    if plan.phase is Phase.JOIN:
+        update(s, plan, answer(plan))
+        plan = s.schedule(now)
+    return plan
+
+
 def until_step(s: Scheduler, now: float = 0.0) -> StepPlan:
     """Runs a turn's plans up to its STEP plan (answered by hand), and returns that one,
     not yet answered."""
@@ -182,8 +192,8 @@ def test_head_of_line_order_fills_free_rows_oldest_first() -> None:
     admit(s), admit(s), admit(s), admit(s)
     plan = turn(s, {0: EOS})  # request 0 ends on EOS in the first step
     assert plan.rebatch is not None and ids(plan.rebatch.order) == [0, 1]
-    assert ids(s.running) == [0, 1] and ids(s.waiting) == [2, 3]
-    assert all(r.status is RequestStatus.RUNNING for r in s.running)
+    assert ids(s.table.running) == [0, 1] and ids(s.table.waiting) == [2, 3]
+    assert all(r.status is RequestStatus.RUNNING for r in s.table.running)
     plan = turn(s)  # it leaves, the oldest waiter takes its row
     assert plan.rebatch is not None and ids(plan.rebatch.leaving) == [0]
     assert ids(plan.rebatch.order) == [1]
@@ -191,11 +201,11 @@ def test_head_of_line_order_fills_free_rows_oldest_first() -> None:
     assert s.counters.finished == 1
     # a row decodes: the joiner's prompt rides the step, then it joins
     assert plan.decode is not None and [c.request.id for c in plan.decode.rides] == [2]
-    assert ids(s.joining) == [2] and ids(s.waiting) == [3]
+    assert ids(s.table.prefilling) == [2] and ids(s.table.waiting) == [3]
     assert s.counters.riding_chunks == 1
     plan = turn(s)
     assert plan.rebatch is not None and ids(plan.rebatch.order) == [1, 2]
-    assert ids(s.waiting) == [3]
+    assert ids(s.table.waiting) == [3]
 
 
 def test_admission_counts_every_copy_and_refuses_past_the_queue() -> None:
@@ -205,7 +215,7 @@ def test_admission_counts_every_copy_and_refuses_past_the_queue() -> None:
         admit(s, n=2)
     assert s.counters.rejected == 1 and s.counters.admitted == 2
     admit(s)  # one more still fits the queue
-    assert len(s.waiting) == 3
+    assert len(s.table.waiting) == 3
 
 
 # ---- the KV budget ------------------------------------------------------------------------------
@@ -244,7 +254,7 @@ def test_the_newest_row_is_preempted_and_resumes_before_newer_requests() -> None
     assert turn(s).rebatch is None
     plan = turn(s)  # 14 columns each: 42 > 40, the newest goes
     assert plan.rebatch is not None and ids(plan.rebatch.order) == [0, 1]
-    (preempted,) = s.waiting
+    (preempted,) = s.table.waiting
     assert preempted.id == 2 and preempted.preemptions == 1
     assert preempted.status is RequestStatus.WAITING
     assert Offload((preempted.snapshot_id,)) in plan.rebatch.ops  # its KV waits, kept
@@ -252,11 +262,11 @@ def test_the_newest_row_is_preempted_and_resumes_before_newer_requests() -> None
     # a newer request that would fit (6 columns beside the rows' 30) waits behind it (14):
     # no overtaking
     admit(s, length=5)
-    assert turn(s).rebatch is None and ids(s.waiting) == [2, 3]
+    assert turn(s).rebatch is None and ids(s.table.waiting) == [2, 3]
     turn(s, {0: EOS})  # request 0 ends: the preempted one rejoins where it stopped
     plan = turn(s)
     assert plan.rebatch is not None and ids(plan.rebatch.order) == [1, 2]
-    assert ids(s.joining) == [3]
+    assert ids(s.table.prefilling) == [3]
     rejoined = plan.rebatch.order[1]
     assert rejoined.preemptions == 1 and rejoined.status is RequestStatus.RUNNING
     assert len(rejoined.output_ids) == 3 + 1  # where it stopped, and this turn's step
@@ -284,7 +294,7 @@ def test_a_request_waiting_past_the_queue_timeout_ends_unprefilled() -> None:
     assert list(ended) == [1]
     assert ended[1].reason is FinishReason.ABORT and "queue_timeout 5 s" in (ended[1].error or "")
     assert s.counters.timed_out == 1 and s.counters.finished == 0
-    assert ids(s.waiting) == [2] and ids(s.running) == [0]
+    assert ids(s.table.waiting) == [2] and ids(s.table.running) == [0]
 
 
 def test_a_preempted_request_is_never_expired() -> None:
@@ -292,9 +302,9 @@ def test_a_preempted_request_is_never_expired() -> None:
     admit(s), admit(s)
     turn(s)
     turn(s, now=0.5)  # 13 + 13 > 25: request 1 is preempted
-    assert ids(s.waiting) == [1]
+    assert ids(s.table.waiting) == [1]
     turn(s, now=100.0)
-    assert ids(s.waiting) == [1] and s.counters.timed_out == 0
+    assert ids(s.table.waiting) == [1] and s.counters.timed_out == 0
 
 
 # ---- n > 1 ---------------------------------------------------------------------------------------
@@ -303,7 +313,7 @@ def test_a_preempted_request_is_never_expired() -> None:
 def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
     s = make_scheduler(max_running=1)
     first, *copies = admit(s, n=3)
-    step = s.schedule()
+    step = schedule(s)
     plan = step.prefill
     assert step.phase is Phase.PREFILL and plan is not None
     assert plan.last and plan.request is first
@@ -317,9 +327,9 @@ def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
     # a filled copy has nothing left to prefill when its row comes
     assert s.prefills.plan(copies[0], None) is None
     # a waiting copy that is cancelled drops the snapshot it was given
-    update(s, step := s.schedule(), answer(step))  # the turn's step: the first copy runs
+    update(s, step := schedule(s), answer(step))  # the turn's step: the first copy runs
     s.cancel(copies[1])
-    step = s.schedule()
+    step = schedule(s)
     assert DropSnapshots((plan.clone_ids[1],)) in step.ops
     update(s, step, answer(step))
     assert finishes(s)[copies[1].id].reason is FinishReason.ABORT
@@ -339,7 +349,7 @@ def test_copies_joining_while_a_row_decodes_share_one_riding_prefill() -> None:
     assert [r.output_ids for r in (first, second)] == [[TOKEN], [TOKEN]]
     rebatch = turn(s).rebatch  # both join together
     assert rebatch is not None and rebatch.order[1:] == (first, second)
-    assert s.joining == [] and {first.status, second.status} == {RequestStatus.RUNNING}
+    assert s.table.prefilling == () and {first.status, second.status} == {RequestStatus.RUNNING}
 
 
 def test_copies_of_a_long_prompt_wait_for_its_chunks_and_join_together() -> None:
@@ -383,7 +393,7 @@ def test_a_joiner_in_no_state_that_can_move_on_fails_alone() -> None:
     and joins, or has ended. One found otherwise (a bug) ends with an error, and leaves."""
     s = make_scheduler(max_running=4)
     broken, fine = admit(s), admit(s, first=300)
-    plan = s.schedule()  # both join; the first prefills
+    plan = schedule(s)  # both join; the first prefills
     assert plan.prefill is not None and plan.prefill.request is broken[0]
     update(s, plan, answer(plan))
     broken[0].prefilled = 12  # more than its 10 prompt tokens: it would never join
@@ -452,7 +462,7 @@ def test_any_mix_of_arrivals_copies_cancellations_and_budgets_ends_every_request
         for request in admitted:
             assert request.prefilled <= len(request.prompt_ids)
             assert len(request.output_ids) <= request.params.max_tokens
-    assert s.idle and not s.running and not s.joining and not s.waiting
+    assert s.idle and not s.table.running and not s.table.prefilling and not s.table.waiting
     for request in admitted:
         (finish,) = ended[request.id]
         if finish.reason is FinishReason.ABORT:
@@ -516,12 +526,12 @@ def test_a_session_is_read_in_a_plan_of_its_own_and_its_chunk_starts_after_it() 
     held = tuple(range(1, 9))  # the first 8 of the prompt's 10 tokens
     session = SessionRequest("chat", Path("/s/chat.safetensors"), token_ids=held)
     (request,) = admit(s, session=session)
-    plan = s.schedule()
+    plan = schedule(s)
     assert plan.phase is Phase.LOAD and plan.prefill is None and plan.decode is None
     (load,) = plan.loads
     assert load.request is request
     update(s, plan, StepOutcome(loads=(Loaded(held),)))
-    plan = s.schedule()
+    plan = schedule(s)
     chunk = plan.prefill
     assert plan.phase is Phase.PREFILL and chunk is not None and not plan.loads
     assert (chunk.parent_id, chunk.parent_length) == (load.cache_id, 8)
@@ -537,14 +547,14 @@ def test_a_session_read_for_a_chunk_never_planned_is_dropped() -> None:
     s = make_scheduler()
     session = SessionRequest("chat", Path("/s/chat.safetensors"), token_ids=tuple(range(1, 9)))
     (request,) = admit(s, session=session)
-    plan = s.schedule()
+    plan = schedule(s)
     (load,) = plan.loads
     update(s, plan, StepOutcome(loads=(Loaded(session.token_ids or ()),)))
     s.cancel(request)  # before its first chunk
-    plan = s.schedule()
+    plan = schedule(s)
     assert plan.prefill is None and plan.phase is Phase.STEP
     update(s, plan, answer(plan))
-    plan = s.schedule()  # the next turn: it leaves, and what it read goes
+    plan = schedule(s)  # the next turn: it leaves, and what it read goes
     assert DropCached((load.cache_id,)) in plan.ops
     update(s, plan, answer(plan))
     assert finishes(s)[request.id].reason is FinishReason.ABORT and s.idle
@@ -557,8 +567,10 @@ def test_plans_and_outcomes_are_frozen_and_share_no_list_with_the_scheduler() ->
     plan = until_step(s)
     assert plan.decode is not None and isinstance(plan.ops, tuple)
     rows = plan.decode.rows
-    s.running.clear()  # (the scheduler's own list: the plan keeps its rows)
-    assert plan.decode.rows == rows and len(rows) == 2
+    assert isinstance(rows, tuple) and isinstance(s.table.running, tuple)
+    update(s, plan, answer(plan, {rows[0].id: EOS}))
+    turn(s)  # the first row leaves the table's running rows; the plan keeps both
+    assert plan.decode.rows == rows and len(rows) == 2 and s.table.running == rows[1:]
     with pytest.raises(AttributeError):
         plan.decode = None  # type: ignore[misc]
 
@@ -576,7 +588,7 @@ def test_cancelled_while_waiting_is_never_prefilled() -> None:
     turn(s)
     assert finishes(s)[waiting.id].reason is FinishReason.ABORT
     assert waiting.prefilled == 0 and waiting.snapshot_id is None
-    assert s.counters.cancelled == 1 and s.counters.finished == 0 and not s.waiting
+    assert s.counters.cancelled == 1 and s.counters.finished == 0 and not s.table.waiting
 
 
 def test_cancelled_while_prefilling_leaves_without_joining() -> None:
@@ -589,10 +601,10 @@ def test_cancelled_while_prefilling_leaves_without_joining() -> None:
     (chunk,) = plan.decode.rides
     assert chunk.request is joiner and not chunk.last and len(chunk.tokens) < 200
     s.cancel(joiner)
-    plan = s.schedule()  # it leaves: its partial snapshot is dropped
+    plan = schedule(s)  # it leaves: its partial snapshot is dropped
     assert DropSnapshots((chunk.snapshot_id,)) in plan.ops
     update(s, plan, answer(plan))
-    assert joiner.status is RequestStatus.FINISHED_ABORTED and not s.joining
+    assert joiner.status is RequestStatus.FINISHED_ABORTED and not s.table.prefilling
 
 
 def test_cancelled_while_running_leaves_at_the_next_rebatch() -> None:
@@ -678,7 +690,7 @@ def test_a_request_joining_while_its_rebatch_runs_stays_counted_and_can_be_ended
     (second,) = admit(s)
     while second.prefilled < len(second.prompt_ids):
         turn(s)  # its prompt rides the decode steps of the live row
-    plan = s.schedule()  # the device is now rebatching: nothing is booked yet
+    plan = schedule(s)  # the device is now rebatching: nothing is booked yet
     rebatch = plan.rebatch
     assert rebatch is not None and second in rebatch.order
     assert s.stats(healthy=True).running == 2
@@ -686,7 +698,7 @@ def test_a_request_joining_while_its_rebatch_runs_stays_counted_and_can_be_ended
     ended = finishes(s, s.end_all(Cause.ABORTED, "the server is shutting down"))
     assert set(ended) == {first.id, second.id}
     update(s, plan, answer(plan))  # the ended rows leave at the next rebatch
-    assert s.running == [first, second]
+    assert s.table.running == (first, second)
     turn(s)
     assert s.idle and s.stats(healthy=True).running == 0
 
@@ -695,7 +707,7 @@ def test_a_request_joining_while_its_rebatch_runs_stays_counted_and_can_be_ended
 
 CORE = (
     *("request", "admission", "lifecycle", "scheduler", "live_batch", "prefill", "budget"),
-    *("costs", "counters", "plans", "planner", "prefix_cache", "types"),
+    *("costs", "counters", "plans", "table", "prefix_cache", "types"),
 )
 
 
@@ -743,18 +755,18 @@ def test_retry_after_is_when_a_row_frees_at_the_measured_step_time() -> None:
     admit(s, max_tokens=40), admit(s, max_tokens=100)
     for _ in range(10):
         turn(s)
-        s.add_time("forward", 0.25)  # each step took a quarter of a second
+        s.counters.timing["forward"] += 0.25  # each step took a quarter of a second
     # 11 tokens each (the prefill's and 10 steps'): 29 and 89 to go. A refused request waits
     # behind the queue (empty): the first row frees in 29 steps
     assert s.retry_after() == pytest.approx(29 * 0.25)
     admit(s, max_tokens=40)  # the queue's one place: now the second row is the one to wait for
     assert s.retry_after() == pytest.approx(89 * 0.25)
     # what requests have been writing bounds what a row is likely to still write
-    s._output_tokens = 20.0
+    s.lifecycle._output_tokens = 20.0
     assert s.retry_after() == pytest.approx(9 * 0.25)
     # never past a minute, however long the rows may still write
-    s._output_tokens = 0.0
-    s.add_time("forward", 1000.0)  # (steps of a second each, say)
+    s.lifecycle._output_tokens = 0.0
+    s.counters.timing["forward"] += 1000.0  # (steps of a second each, say)
     assert s.retry_after() == 60.0
 
 
@@ -922,9 +934,9 @@ def test_the_draft_models_kv_counts_in_the_kv_budget() -> None:
         a, b = admit(s, length=30)[0], admit(s, length=30)[0]
         assert a.kv_need == 31 + (0 if not ratio else 17)  # ceil(0.5 * (30 + 4))
         update(s, step := until_step(s), answer(step))
-        assert (b in s.running) is together and a in s.running
+        assert (b in s.table.running) is together and a in s.table.running
         if not together:
-            assert b in s.waiting or b in s.joining
+            assert b in s.table.waiting or b in s.table.prefilling
     # the KV held counts it too, once the draft model holds the row
     s = drafting(num_tokens=4, ratio=0.5)
     (a,) = admit(s, length=30)

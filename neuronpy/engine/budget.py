@@ -1,9 +1,48 @@
-"""The KV budget as a pure function: who is preempted and who joins, oldest request first."""
+"""Who gets a row, as pure functions: the rows that leave and the queued requests that take
+the free ones (`plan_rows`), and within the KV budget who is preempted and who joins (`fit`),
+oldest request first."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
+
+
+@dataclass(frozen=True)
+class RowView:
+    """What `plan_rows` needs to know of a running row or a waiting request."""
+
+    id: int
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class RowChanges:
+    survivors: tuple[int, ...]  # running rows that stay, in their current order
+    leaving: tuple[int, ...]  # running rows that leave (finished, stopped, cancelled)
+    dropped: tuple[int, ...]  # waiting requests cancelled before they ran: never prefilled
+    joining: tuple[int, ...]  # waiting requests to prefill and add, in arrival order
+
+
+def plan_rows(
+    running: Sequence[RowView],
+    waiting: Sequence[RowView],
+    max_running: int,
+    prefilling: int = 0,
+) -> RowChanges:
+    """Finished rows leave first, then the oldest waiting requests fill the free rows (FIFO).
+
+    `prefilling` requests already hold a row each: they are joining over several steps.
+    """
+    if max_running < 1:
+        raise ValueError("max_running must be at least 1")
+    survivors = tuple(r.id for r in running if not r.done)
+    leaving = tuple(r.id for r in running if r.done)
+    dropped = tuple(w.id for w in waiting if w.done)
+    free = max_running - len(survivors) - prefilling
+    joining = tuple(w.id for w in waiting if not w.done)[: max(free, 0)]
+    return RowChanges(survivors, leaving, dropped, joining)
 
 
 class Row(Protocol):

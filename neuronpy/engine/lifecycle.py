@@ -1,23 +1,21 @@
 """A request's life in the engine, from admission to its end: the queues, deadlines,
 cancellation, the tokens it is given, how it ends and what its router is told.
 
-Pure: no torch, no anyio. What the routers are to be told, and the housekeeping jobs an end
-leaves (snapshots to drop, sessions to save), queue here in order; the scheduler hands them out
-with its plans and its answers, never as a list another part holds.
+Pure: no torch, no anyio. The requests themselves are in the scheduler's RequestTable; this
+moves them through it as their lives go. What the routers are to be told, and the housekeeping
+jobs an end leaves (snapshots to drop, sessions to save), queue here in order; the scheduler
+hands them out with its plans and its answers, never as a list another part holds.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
-from collections import deque
 from collections.abc import Sequence
 
 from neuronpy.engine.admission import check_prompt
 from neuronpy.engine.costs import ema
-from neuronpy.engine.counters import Counters
-from neuronpy.engine.plans import DropSnapshots, Op, Sampled, SaveSession
+from neuronpy.engine.plans import DropCached, DropSnapshots, Op, Sampled, SaveSession
 from neuronpy.engine.request import (
     Cause,
     Ending,
@@ -27,6 +25,7 @@ from neuronpy.engine.request import (
     RouterMessage,
 )
 from neuronpy.engine.speculative import Speculation, SpeculativeConfig
+from neuronpy.engine.table import RequestTable
 from neuronpy.engine.types import SamplingParams, SessionRequest, TokenLogprob
 from neuronpy.errors import QueueFullError
 
@@ -39,11 +38,12 @@ Messages = tuple[tuple[Request, RouterMessage], ...]
 
 
 class Lifecycle:
-    """The admitted requests by state, and every change of state but the scheduling ones:
+    """Every change of a request's life but the scheduling ones, over the scheduler's table:
     admission, queue deadlines, cancellation, accepted tokens, the end and its message."""
 
     def __init__(
         self,
+        table: RequestTable,
         *,
         name: str,
         max_running: int,
@@ -63,19 +63,13 @@ class Lifecycle:
         self.vocab_size = vocab_size
         self.kv_budget_tokens = kv_budget_tokens
         self.speculative = speculative or SpeculativeConfig()
-        self.counters = Counters()
-        self.waiting: deque[Request] = deque()
-        self.joining: list[Request] = []  # hold a row; being prefilled
-        self.running: list[Request] = []  # row order of the live batch
-        # prefilled joiners between a rebatch's plan and its booking (the device is at work)
-        self.entering: list[Request] = []
-        self.saving: set[Request] = set()  # ended; their session file being written
+        self.table = table
+        self.counters = table.counters
         self._messages: list[tuple[Request, RouterMessage]] = []  # to the routers, in order
         self._ops: list[Op] = []  # housekeeping jobs, for the next plan to run first
-        self._request_ids = itertools.count()
         self._request_seconds = 0.0  # moving average of a request's time, for Retry-After
         self._output_tokens = 0.0  # moving average of a finished request's tokens (the same)
-        self._ended = 0  # requests finished, or gone to write their session
+        self.ended = 0  # requests finished, or gone to write their session
 
     # ---- what is queued for others ------------------------------------------------------------
 
@@ -98,19 +92,11 @@ class Lifecycle:
 
     # ---- admission ----------------------------------------------------------------------------
 
-    def active(self) -> list[Request]:
-        """Every request admitted and not yet ended (saving ones aside)."""
-        return [*self.running, *self.entering, *self.joining, *self.waiting]
-
-    @property
-    def idle(self) -> bool:
-        return not self.active() and not self.saving
-
     def rows(self) -> list[dict[str, object]]:
         """Each admitted request as the batch view shows it: its id, state (queued,
         prefilling, decoding, preempted), prompt tokens, tokens so far and max_tokens."""
         out: list[dict[str, object]] = []
-        for r in self.active():
+        for r in self.table.active():
             if r.status is RequestStatus.WAITING:
                 state = "preempted" if r.preemptions else "queued"
             elif r.status is RequestStatus.PREFILLING:
@@ -151,7 +137,7 @@ class Lifecycle:
         """Queues one request per entry of `copies` (a validated prompt's n completions), or
         raises QueueFullError when they do not fit in max_in_flight + max_queue."""
         n = len(copies)
-        if len(self.active()) + n > self.max_running + self.max_queue:
+        if len(self.table.active()) + n > self.max_running + self.max_queue:
             self.counters.rejected += 1
             raise QueueFullError(
                 f"model {self.name!r} is at capacity ({self.max_running} running, "
@@ -161,14 +147,13 @@ class Lifecycle:
         arrived = time.monotonic() if now is None else now
         group: list[Request] = []
         for index, params in enumerate(copies):
-            request = Request(
-                next(self._request_ids), prompt, params, stop_ids, arrived, index, group, session
-            )
+            rid = self.table.new_request_id()
+            request = Request(rid, prompt, params, stop_ids, arrived, index, group, session)
             method = self.speculation_method(params)
             if method != "off":
                 request.speculation = Speculation(self.speculative, method)
             group.append(request)
-            self.waiting.append(request)
+            self.table.add(request)
             self.counters.admitted += 1
             self.counters.prompt_tokens += len(prompt)
         return group
@@ -190,10 +175,10 @@ class Lifecycle:
         typical = self._output_tokens or math.inf
         remaining = sorted(
             max(0.0, min(r.params.max_tokens, typical) - len(r.output_ids))
-            for r in self.running
+            for r in self.table.running
             if not r.done
         )
-        ahead = len(self.waiting) + 1  # the refused request would wait behind the queue
+        ahead = len(self.table.waiting) + 1  # the refused request would wait behind the queue
         if ahead <= len(remaining):
             estimate = remaining[ahead - 1] * step
         else:
@@ -215,37 +200,33 @@ class Lifecycle:
         consumer went away): the row leaves at the next rebatch."""
         request.end(Cause.ROUTER_ENDED)
 
-    def expire(self, now: float | None = None) -> None:
-        """Requests that waited past queue_timeout for a row end now, never prefilled."""
-        if not self.queue_timeout or not self.waiting:
-            return
+    def expired(self, now: float | None = None) -> tuple[Request, ...]:
+        """The requests that waited past queue_timeout for a row: they end, never prefilled."""
+        if not self.queue_timeout:
+            return ()
         now = time.monotonic() if now is None else now
-        # decided for every request before any ends: the copies of one request (n > 1) end
-        # together or not at all
-        expired = [
+        # decided for every request at once: the copies of one request (n > 1) end together
+        # or not at all
+        return tuple(
             r
-            for r in self.waiting
+            for r in self.table.waiting
             if now - r.arrived_at > self.queue_timeout
             # cancelled: dropped at the next join; preempted, or a copy of a request that has
             # started: it waits behind its own request's rows, not for a first row
             and not r.done
             and not any(copy.started for copy in r.group)
-        ]
-        for request in expired:
-            self.waiting.remove(request)
+        )
+
+    def time_out(self, request: Request, now: float) -> None:
+        """A request `expired` named ends (as it ended, if that was decided since)."""
+        if not request.done:
             self.counters.timed_out += 1
             request.end(
                 Cause.TIMED_OUT,
                 f"the request waited {now - request.arrived_at:.1f} s for model {self.name!r} "
                 f"without getting a row (queue_timeout {self.queue_timeout:g} s); retry later",
             )
-            self.finish(request)
-
-    def requeue(self, request: Request) -> None:
-        """A preempted request waits again, in arrival order: before every newer request."""
-        request.status = RequestStatus.WAITING
-        at = next((i for i, w in enumerate(self.waiting) if w.id > request.id), len(self.waiting))
-        self.waiting.insert(at, request)
+        self.finish(request)
 
     # ---- tokens -------------------------------------------------------------------------------
 
@@ -282,26 +263,24 @@ class Lifecycle:
         running rows' draft KV included (in the model's tokens: Speculation.kv_held)."""
         running = sum(
             r.total_tokens + (r.speculation.kv_held() if r.speculation else 0)
-            for r in (*self.running, *self.entering)
+            for r in self.table.running
             if not r.done
         )
-        return running + sum(r.prefilled for r in self.joining)
+        return running + sum(r.prefilled for r in self.table.prefilling)
 
     # ---- ending -------------------------------------------------------------------------------
 
-    def leave_if_done(self, request: Request) -> bool:
-        """A joiner that ended before joining (first token EOS, cancelled) drops its snapshot
-        (or saves it to its session) and finishes."""
-        if not request.done:
-            return False
+    def end_before_joining(self, request: Request) -> None:
+        """A request that ended before joining the live batch (its first token was EOS, it
+        was cancelled) drops its snapshot, or saves it to its session, and finishes."""
         sid, request.snapshot_id = request.snapshot_id, None
         if sid is not None and self.saves_session(request):
-            self.queue(self.save(request, sid, drop=True))
-            return True
+            self.queue(self.save_op(request, sid, drop=True))
+            self.saved(request)
+            return
         if sid is not None:
             self.queue(DropSnapshots((sid,)))
         self.finish(request)
-        return True
 
     def finish(self, request: Request, session_error: str | None = None) -> None:
         """Ends a request whose end is decided: its final message to the router, the counters.
@@ -313,10 +292,13 @@ class Lifecycle:
             # a copy of an n > 1 request cloned while it waited, or a preempted one
             self.queue(DropSnapshots((request.snapshot_id,)))
             request.snapshot_id = None
+        if request.restored is not None:  # a session read for a first chunk never planned
+            self.queue(DropCached((request.restored[0],)))
+            request.restored = None
         ending = request.ending
         cause, reason = ending.cause, ending.cause.reason
-        request.status = RequestStatus.finished_with(reason)
-        self._ended += 1
+        self.table.move(request, RequestStatus.finished_with(reason))
+        self.ended += 1
         self._messages.append((request, Finish(reason, ending.error, session_error, ending.param)))
         if cause is Cause.FAILED:
             self.counters.failed += 1
@@ -330,7 +312,7 @@ class Lifecycle:
         """Ends every admitted request now with `cause` (shutdown, drain, a fault), whatever
         was decided before but a cancellation; answers what the routers are to be told. Their
         rows and snapshots go with the next rebatch, or with the worker."""
-        for request in self.active():
+        for request in self.table.active():
             if request.status.finished:
                 continue
             if request.ending is None or request.ending.cause is not Cause.CANCELLED:
@@ -343,20 +325,21 @@ class Lifecycle:
         session, ending = request.session, request.ending
         return bool(session and session.save and ending and ending.cause.on_its_own)
 
-    def save(self, request: Request, snapshot_id: int, *, drop: bool) -> SaveSession:
-        """The request ends once its KV is in its session file (book_saved)."""
+    def save_op(self, request: Request, snapshot_id: int, *, drop: bool) -> SaveSession:
+        """The job that writes the request's snapshot to its session file."""
         assert request.session is not None
-        request.status = RequestStatus.SAVING
-        request.snapshot_id = None
-        self.saving.add(request)
-        self._ended += 1
         session = request.session
         return SaveSession(request, snapshot_id, session.save_path or session.path, drop)
+
+    def saved(self, request: Request) -> None:
+        """The request's session is being written (`save_op`): it ends once the file is on
+        disk (book_saved)."""
+        self.table.move(request, RequestStatus.SAVING)
+        self.ended += 1
 
     def book_saved(self, request: Request, error: str | None = None) -> Messages:
         """Its session file is on disk, or could not be written: the request still ends as it
         ended (its reply is the user's), and says so; answers what the routers are to be told."""
-        self.saving.discard(request)
         if error is None:
             self.counters.sessions_saved += 1
         else:

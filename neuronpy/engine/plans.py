@@ -98,6 +98,7 @@ class PrefillPlan:
     clones: tuple[Request, ...] = ()
     clone_ids: tuple[int, ...] = ()
     session_id: int | None = None
+    start: int = 0  # where `tokens` start in the prompt
 
     @property
     def sampled(self) -> tuple[Request, ...]:
@@ -175,7 +176,7 @@ class RebatchPlan:
     preempted rows, and leaving rows the prefix cache or a session keeps), then `ops` run
     (offload the preempted, save sessions), then the rows in `cache` join the prefix cache, then
     the snapshots `assemble` (the rows of `order`, in that order) become the new live batch.
-    The scheduler then ends `leaving`."""
+    Booking it, the scheduler ends `leaving`, queues `preempted` again and runs `order`."""
 
     rows: tuple[int, ...]
     ids: tuple[int, ...]
@@ -186,6 +187,9 @@ class RebatchPlan:
     assemble: tuple[int, ...]  # the snapshot of each row of `order`; empty: no row is left
     extract: bool = True  # False: there is no live batch yet to take rows from
     trim: tuple[int, ...] = ()  # per row of the live batch: as DecodePlan.trim, before extracting
+    joined: tuple[Request, ...] = ()  # the joiners of `order` (its last rows)
+    preempted: tuple[Request, ...] = ()  # rows that wait as snapshots (`ids` after survivors')
+    saving: tuple[Request, ...] = ()  # of `leaving`, those whose KV goes to their session
 
 
 @dataclass(frozen=True)
@@ -204,10 +208,28 @@ class RebatchOutcome:
 # ---- one call of the runner: the scheduler plans it whole, the runner answers it whole
 
 
+@dataclass(frozen=True)
+class Joins:
+    """Who gets a row and who gives one up, decided at the start of a turn (and, for joiners
+    that ended, before its rebatch): the scheduler moves them when it books the plan."""
+
+    expired: tuple[Request, ...] = ()  # waited past queue_timeout: they end
+    dropped: tuple[Request, ...] = ()  # queued, ended before they ran (cancelled, say)
+    ended: tuple[Request, ...] = ()  # joiners that ended before joining the live batch
+    # over the KV budget: joiners wait again now, rows at the turn's rebatch
+    preempted: tuple[Request, ...] = ()
+    joined: tuple[Request, ...] = ()  # waiting requests that get a row, oldest first
+    now: float = 0.0  # when it was decided (what a timed-out request is told it waited)
+
+    def __bool__(self) -> bool:
+        return bool(self.expired or self.dropped or self.ended or self.preempted or self.joined)
+
+
 class Phase(enum.Enum):
     """Which part of a turn of the engine's loop a StepPlan is (see Scheduler.schedule). A
     part that needs the device's answer to an earlier one is planned once that is booked."""
 
+    JOIN = "join"  # who joins, leaves the queue or is preempted (housekeeping jobs alone)
     LOAD = "load"  # the session files the turn's first chunks start after
     PREFILL = "prefill"  # one joiner's whole prompt (nothing decodes): the next may start after it
     STEP = "step"  # the rebatch, then one decode step with joiners' chunks riding it
@@ -216,12 +238,14 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class StepPlan:
     """Everything one call of the runner does, in this order: the housekeeping `ops` queued
-    since the last plan, the session `loads`, the `prefill` in a forward of its own, the
+    since the last plan (`joins` needs nothing of the device: the scheduler books it), the
+    session `loads`, the `prefill` in a forward of its own, the
     `rebatch` (extract, cache, assemble), then the `decode` step (its drafting rows' proposers
     draft first: `DecodePlan.proposals`)."""
 
     phase: Phase
     ops: tuple[Op, ...] = ()
+    joins: Joins | None = None
     loads: tuple[LoadSession, ...] = ()
     prefill: PrefillPlan | None = None
     rebatch: RebatchPlan | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from neuronpy.engine.counters import Counters
 from neuronpy.engine.plans import (
@@ -18,36 +18,33 @@ from neuronpy.engine.request import Cause, Request
 
 
 class Prefills:
-    """Plans prompts' prefill chunks and books their results, with the prefix cache's index
-    (None: the cache is off) and the sessions' restores.
+    """Plans prompts' prefill chunks, with the prefix cache's index (None: the cache is off)
+    and the sessions' restores; books their results into the requests and the index.
+
+    Planning changes nothing: a plan names the snapshot, the prefix it starts after and the
+    copies it fills, and booking its result applies them. What a booking leaves to run on the
+    device (cache entries or a session's snapshot to drop) is returned, never queued here.
 
     A session's KV is read before its request's first chunk is planned (the tokens the file
-    holds decide where the chunk starts), in a plan of its own: what it gives waits here,
-    by request, until that chunk takes it, or is dropped if the request ends or is preempted
-    first (`forget`)."""
+    holds decide where the chunk starts), in a plan of its own: the request keeps it
+    (`Request.restored`) until that chunk takes it, or drops it if it ends or is preempted
+    first."""
 
     def __init__(
         self,
         prefix: PrefixIndex | None,
         counters: Counters,
-        queue: Callable[[Op], None],
-        kv_ids: Iterator[int],
-        finish: Callable[[Request], None],
+        new_kv_id: Callable[[], int],
         state_block: int = 0,
     ) -> None:
         """`state_block`: the model's layers keep fixed-size states besides KV, advanced by
         prefill chunks cut at multiples of this many tokens (0: none do): chunks end at such
         multiples, and the prefix cache keeps a prompt up to its last one (its states hold
-        there alone)."""
+        there alone). `new_kv_id`: the table's ids for snapshots and cache entries."""
         self.prefix = prefix
         self.state_block = state_block
         self._counters = counters
-        self._queue = queue  # the scheduler's housekeeping jobs
-        self._kv_ids = kv_ids  # the scheduler's: snapshots, cache entries and clones share it
-        self._finish = finish
-        # request -> (its session's snapshot id, the prompt tokens it holds), read and not yet
-        # prefilled after
-        self._restored: dict[Request, tuple[int, int]] = {}
+        self._new_kv_id = new_kv_id
 
     def session_load(self, request: Request) -> LoadSession | None:
         """Before a request's first chunk: its session's KV to read, when the session holds
@@ -55,45 +52,33 @@ class Prefills:
         session = request.session
         if request.done or request.snapshot_id is not None or not session or not session.token_ids:
             return None
-        if request in self._restored:
+        if request.restored is not None:
             return None
         hit = self._lookup(request)
         limit = len(request.prompt_ids) - 1  # one token is left to prefill: it samples
         if common_prefix(session.token_ids[:limit], request.prompt_ids) <= (hit[1] if hit else 0):
             return None
-        return LoadSession(request, next(self._kv_ids), session.path, hit)
+        return LoadSession(request, self._new_kv_id(), session.path, hit)
 
-    def book_session_load(self, load: LoadSession, loaded: Loaded) -> None:
+    def book_session_load(self, load: LoadSession, loaded: Loaded) -> Op | None:
         """Keeps what the session gives (its snapshot and the prefix length) for the request's
-        first chunk; drops it when the file changed and holds no more than the cache; fails
-        the request alone when the file could not be read."""
+        first chunk; answers the snapshot to drop when the file changed and holds no more than
+        the cache. A file that could not be read fails the request (the scheduler ends it)."""
         request = load.request
         if loaded.error is not None:
             assert request.session is not None
             param = "session" if loaded.invalid else None
             request.end(Cause.FAILED, f"session {request.session.name!r}: {loaded.error}", param)
-            self._finish(request)
-            return
+            return DropCached((load.cache_id,))
         limit = len(request.prompt_ids) - 1
         common = common_prefix(loaded.token_ids[:limit], request.prompt_ids)
         whole = not self.state_block or common == len(loaded.token_ids)
         # (fixed-size states hold after the session's last token: all of it, or none)
         if common <= (load.hit[1] if load.hit else 0) or request.done or not whole:
-            self._queue(DropCached((load.cache_id,)))
-            return
+            return DropCached((load.cache_id,))
         self._counters.sessions_restored += 1
-        self._restored[request] = (load.cache_id, common)
-
-    def forget(self, request: Request) -> None:
-        """The request will not prefill after the session it read (it ended, or was
-        preempted): that snapshot goes."""
-        restored = self._restored.pop(request, None)
-        if restored is not None:
-            self._queue(DropCached((restored[0],)))
-
-    def clear(self) -> None:
-        """After a fault: the worker's stores are gone, and with them what was read."""
-        self._restored.clear()
+        request.restored = (load.cache_id, common)
+        return None
 
     def plan(self, request: Request, budget: int | None) -> PrefillPlan | None:
         """The next `budget` prompt tokens (all, if None) of the request. Its first chunk starts
@@ -105,18 +90,17 @@ class Prefills:
             return None
         start = request.prefilled
         parent, parent_length, session_id = request.snapshot_id, None, None
-        if parent is None:
-            restored = self._restored.pop(request, None)
-            if restored is not None:
-                hit, session_id = restored, restored[0]
+        snapshot_id = request.snapshot_id
+        if snapshot_id is None:
+            hit = request.restored
+            if hit is not None:
+                session_id = hit[0]
             else:
                 hit = self._lookup(request)
-                self._count_lookup(hit)
             if hit is not None:
-                request.cached_tokens = hit[1]
                 parent, parent_length = hit
-                start = request.prefilled = parent_length
-            request.snapshot_id = next(self._kv_ids)
+                start = parent_length
+            snapshot_id = self._new_kv_id()
         prompt = request.prompt_ids
         end = len(prompt) if budget is None else min(len(prompt), start + budget)
         if self.state_block and end < len(prompt):
@@ -132,42 +116,53 @@ class Prefills:
             clones = tuple(
                 r
                 for r in request.group
-                if r.prefilled == 0 and r.snapshot_id is None and not r.done
+                if r is not request and r.prefilled == 0 and r.snapshot_id is None and not r.done
             )
         return PrefillPlan(
             request,
-            request.snapshot_id,
+            snapshot_id,
             prompt[start:end],
             parent,
             parent_length,
             last,
             cache_id,
             clones,
-            tuple(next(self._kv_ids) for _ in clones),
+            tuple(self._new_kv_id() for _ in clones),
             session_id,
+            start,
         )
 
-    def book(self, plan: PrefillPlan, outcome: PrefillOutcome) -> None:
-        """A chunk's result: the cache entry, the counters, and after the last chunk the
-        copies' snapshots (their first tokens are the scheduler's to accept)."""
+    def book(self, plan: PrefillPlan, outcome: PrefillOutcome) -> tuple[Op, ...]:
+        """A chunk's result: the request's snapshot and progress, the cache entry, the
+        counters, and after the last chunk the copies' snapshots (their first tokens are the
+        scheduler's to accept). Answers the jobs it leaves (snapshots to drop)."""
         request, c = plan.request, self._counters
+        ops: list[Op] = []
+        if request.snapshot_id is None:  # its first chunk
+            if plan.session_id is not None:
+                request.restored = None
+            elif self.prefix is not None:
+                self._count_lookup(plan.parent_length)
+            if plan.parent_length is not None:
+                request.cached_tokens = plan.parent_length
+            request.snapshot_id = plan.snapshot_id
         c.prefill_tokens += len(plan.tokens)
         if plan.session_id is not None:
-            self._queue(DropCached((plan.session_id,)))
+            ops.append(DropCached((plan.session_id,)))
         if plan.cache_id is not None:
             length = outcome.cached_length
             tokens = request.prompt_ids if length is None else request.prompt_ids[:length]
             if tokens:
-                self.index_entry(plan.cache_id, tokens, outcome.cached_bytes)
-        request.prefilled += len(plan.tokens)
+                ops += self.index_entry(plan.cache_id, tokens, outcome.cached_bytes)
+        request.prefilled = plan.start + len(plan.tokens)
         c.prefill_chunks += 1
-        if not plan.last:
-            return
-        c.prefills += 1
-        for clone, sid in zip(plan.clones, plan.clone_ids, strict=True):
-            clone.snapshot_id = sid
-            clone.prefilled = len(clone.prompt_ids)
-            clone.cached_tokens = request.cached_tokens
+        if plan.last:
+            c.prefills += 1
+            for clone, sid in zip(plan.clones, plan.clone_ids, strict=True):
+                clone.snapshot_id = sid
+                clone.prefilled = len(clone.prompt_ids)
+                clone.cached_tokens = request.cached_tokens
+        return tuple(ops)
 
     # ---- the prefix cache ---------------------------------------------------------------------
 
@@ -178,14 +173,13 @@ class Prefills:
             return None
         return self.prefix.lookup(request.prompt_ids, len(request.prompt_ids) - 1)
 
-    def _count_lookup(self, hit: tuple[int, int] | None) -> None:
-        if self.prefix is None:
-            return
-        if hit is None:
+    def _count_lookup(self, reused: int | None) -> None:
+        """A first chunk's prefix-cache lookup: `reused` tokens, or None for a miss."""
+        if reused is None:
             self._counters.prefix_cache_misses += 1
         else:
             self._counters.prefix_cache_hits += 1
-            self._counters.prefix_cache_reused_tokens += hit[1]
+            self._counters.prefix_cache_reused_tokens += reused
 
     def _cacheable(self, prompt: Sequence[int]) -> Sequence[int]:
         """What of a prompt the prefix cache can keep: all of it, or up to its last
@@ -200,7 +194,7 @@ class Prefills:
         index = self.prefix
         if index is None or len(tokens) < index.block or index.covers(tokens):
             return None
-        return next(self._kv_ids)
+        return self._new_kv_id()
 
     def worth_caching(self, leaving: Sequence[Request]) -> list[Request]:
         """Leaving rows worth keeping in the prefix cache: their prompt's KV. Only the prompt's:
@@ -215,13 +209,12 @@ class Prefills:
             if len(r.prompt_ids) >= self.prefix.block and not self.prefix.covers(r.prompt_ids)
         ]
 
-    def index_entry(self, cache_id: int, tokens: Sequence[int], nbytes: int) -> None:
-        """Indexes an entry the worker now caches; evicts what that makes redundant or what no
-        longer fits the budget (least recently used first)."""
+    def index_entry(self, cache_id: int, tokens: Sequence[int], nbytes: int) -> tuple[Op, ...]:
+        """Indexes an entry the worker now caches; answers the eviction of what that makes
+        redundant or what no longer fits the budget (least recently used first)."""
         assert self.prefix is not None
         dropped = self.prefix.insert(cache_id, tokens, nbytes)
-        if dropped:
-            self._queue(DropCached(tuple(dropped)))
+        return (DropCached(tuple(dropped)),) if dropped else ()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

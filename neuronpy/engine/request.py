@@ -115,6 +115,9 @@ class Request:
     # the tokens its grammar forces after next_token (jump-forward): fed with it, next step
     forced: tuple[int, ...] = ()
     snapshot_id: int | None = None  # its KV while prefilling, waiting or between batches
+    # its session's KV, read for its first chunk and not yet prefilled after: (the snapshot's
+    # id in the cache store, the prompt tokens it holds)
+    restored: tuple[int, int] | None = None
     prefilled: int = 0  # prompt tokens already in the snapshot
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache or a session
     preemptions: int = 0  # times it left the live batch to keep within the KV budget

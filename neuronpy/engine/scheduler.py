@@ -5,36 +5,53 @@ It never awaits and never touches a tensor. The engine's loop asks it for a plan
 outcome back (`update`), which answers what the routers are to be told. Nothing is shared
 between the three but those frozen plans and outcomes.
 
-A turn of the loop takes up to three kinds of plan, in this order, each planned whole once
+The admitted requests are in a RequestTable, by status. Planning moves none of them: a plan
+says who joins, leaves or is preempted, and `update` makes those moves as it books the
+device's answer (the planners, LiveBatch and Prefills, only read the table). The only moves
+made elsewhere come from outside a turn: an admission, a session file written, and ending
+every request at once (a drain past its deadline, a fault).
+
+A turn of the loop takes up to four kinds of plan, in this order, each planned whole once
 the device's answer to the one before is booked:
-1. LOAD: the session files the turn's first chunks start after (the tokens a file holds
-   decide where its chunk starts);
-2. PREFILL, while no row decodes: each joiner's whole prompt in a forward of its own, one
+1. JOIN, when anything changes: queued requests that timed out or were cancelled end, the
+   oldest waiting ones take the free rows (within the KV budget, preempting newer rows if
+   that makes room);
+2. LOAD: the session files the turn's first prompt chunks start after (the tokens a file
+   holds decide where its chunk starts);
+3. PREFILL, while no row decodes: each joiner's whole prompt in a forward of its own, one
    plan each (the prompt after it may start from its KV in the prefix cache, and its first
    token decides whether it joins at all);
-3. STEP: the rebatch (extract the survivors, assemble them with the joiners), then one decode
-   step over the new batch with joiners' chunks riding it. The decode needs nothing the
-   rebatch answers: its rows and their snapshots are known when it is planned.
+4. STEP: the rebatch (extract the survivors, assemble them with the joiners), then one decode
+   step over the new batch, with joiners' prompt chunks prefilled in the same forward. The
+   decode needs nothing the rebatch answers: its rows and their snapshots are known when it is
+   planned.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 
-from neuronpy.engine.budget import fit
+from neuronpy.engine.budget import RowView, fit, plan_rows
 from neuronpy.engine.costs import MIN_CHUNK, StepCosts
 from neuronpy.engine.counters import EngineStats
 from neuronpy.engine.lifecycle import Lifecycle, Messages
 from neuronpy.engine.live_batch import LiveBatch
-from neuronpy.engine.planner import RowView, plan_step
 from neuronpy.engine.plans import (
+    DecodeOutcome,
+    DecodePlan,
+    DropCached,
+    DropSnapshots,
+    Joins,
     Offload,
+    Op,
     Phase,
     PrefillOutcome,
     PrefillPlan,
+    RebatchOutcome,
+    RebatchPlan,
     StepOutcome,
     StepPlan,
 )
@@ -42,6 +59,8 @@ from neuronpy.engine.prefill import Prefills
 from neuronpy.engine.prefix_cache import PrefixIndex
 from neuronpy.engine.request import Cause, Request, RequestStatus
 from neuronpy.engine.speculative import SpeculativeConfig
+from neuronpy.engine.table import RequestTable
+from neuronpy.engine.types import SamplingParams, SessionRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +68,11 @@ log = logging.getLogger(__name__)
 STUCK = "the request could not make progress (an internal error of the server); retry it"
 
 
-class Scheduler(Lifecycle):
+class Scheduler:
     """Plans each turn (who joins and who is preempted within the KV budget, the prefills,
-    the rebatch, the decode step) and books what the device answered; the requests' own
-    lifecycle (admission, deadlines, cancellation, their end) is Lifecycle's."""
+    the rebatch, the decode step) and books what the device answered, over its request table;
+    the requests' own lifecycle (admission, deadlines, cancellation, their end) is its
+    Lifecycle's."""
 
     def __init__(
         self,
@@ -73,7 +93,11 @@ class Scheduler(Lifecycle):
         """`queue_timeout` 0: no deadline; `kv_budget_tokens` 0: no budget;
         `prefix_cache_bytes` 0: no prefix cache; `state_block`: the model keeps fixed-size
         states, advanced in chunks cut at multiples of it (see Prefills; 0: KV alone)."""
-        super().__init__(
+        self.name = name
+        self.table = RequestTable()
+        self.counters = self.table.counters
+        self.lifecycle = Lifecycle(
+            self.table,
             name=name,
             max_running=max_running,
             max_queue=max_queue,
@@ -83,22 +107,69 @@ class Scheduler(Lifecycle):
             kv_budget_tokens=kv_budget_tokens,
             speculative=speculative,
         )
+        self.max_running = max_running
+        self.kv_budget_tokens = kv_budget_tokens
         self.costs = StepCosts(chunk_steps, prefill_chunk)
-        self._kv_ids = itertools.count()  # snapshots, cache entries, clones, sessions read
         exact = bool(state_block)
         self.prefix = PrefixIndex(prefix_cache_bytes, exact=exact) if prefix_cache_bytes else None
-        self.prefills = Prefills(
-            self.prefix, self.counters, self.queue, self._kv_ids, self.finish, state_block
-        )
-        self.batch = LiveBatch(self, self.prefills, self.costs, self._kv_ids, self.book_prefill)
+        self.prefills = Prefills(self.prefix, self.counters, self.table.new_kv_id, state_block)
+        self.batch = LiveBatch(self.lifecycle, self.prefills)
         self._preempting: list[Request] = []  # rows leaving the live batch at the next rebatch
-        self._riding: list[Request] = []  # joiners whose next chunks ride this turn's step
+        # this turn's joiners whose next chunks are prefilled in its decode step
+        self._riding: list[Request] = []
         # this turn's joiners still to prefill whole, one plan each; None: no turn under way
         self._turn: deque[Request] | None = None
+        self._loads_due = False  # the turn's session loads are still to plan
         # `moves` when this turn began (None: it began with nothing admitted, housekeeping
         # only; a request admitted since joins at the next turn)
         self._turn_moves: int | None = None
         self._loads = 0  # sessions read (a turn that reads one has moved on)
+        # sessions written before the rebatch that ends their requests was booked
+        self._saved_early: dict[Request, str | None] = {}
+
+    # ---- what the engine asks of the table and the lifecycle ----------------------------------
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> tuple[int, ...]:
+        return self.lifecycle.validate(prompt_ids, params)
+
+    def admit(
+        self,
+        prompt: tuple[int, ...],
+        copies: Sequence[SamplingParams],
+        stop_ids: frozenset[int],
+        session: SessionRequest | None = None,
+        now: float | None = None,
+    ) -> list[Request]:
+        return self.lifecycle.admit(prompt, copies, stop_ids, session, now)
+
+    def cancel(self, request: Request) -> None:
+        self.lifecycle.cancel(request)
+
+    def leave(self, request: Request) -> None:
+        self.lifecycle.leave(request)
+
+    def retry_after(self) -> float:
+        return self.lifecycle.retry_after()
+
+    def rows(self) -> list[dict[str, object]]:
+        return self.lifecycle.rows()
+
+    def kv_held(self) -> int:
+        return self.lifecycle.kv_held()
+
+    def end_all(self, cause: Cause, error: str | None = None) -> Messages:
+        return self.lifecycle.end_all(cause, error)
+
+    def active(self) -> tuple[Request, ...]:
+        return self.table.active()
+
+    @property
+    def idle(self) -> bool:
+        return self.table.idle
+
+    @property
+    def saving(self) -> tuple[Request, ...]:
+        return self.table.saving
 
     @property
     def moves(self) -> int:
@@ -106,60 +177,81 @@ class Scheduler(Lifecycle):
         decode steps, requests ended. A turn of the engine's loop that leaves it unchanged
         ran nothing."""
         c = self.counters
-        return self._loads + c.prefill_chunks + c.rebatches + c.decode_steps + self._ended
+        return self._loads + c.prefill_chunks + c.rebatches + c.decode_steps + self.lifecycle.ended
 
     @property
     def has_work(self) -> bool:
         """Whether a plan would do anything: requests are admitted, or housekeeping waits."""
-        return bool(self.active()) or self.has_ops
+        return bool(self.table.active()) or self.lifecycle.has_ops
 
     # ---- schedule -> run -> update -------------------------------------------------------------
 
     def schedule(self, now: float | None = None) -> StepPlan:
         """The next plan of the turn under way, or of a new turn (see the module's docstring)."""
         if self._turn is None:
-            self._turn_moves = self.moves if self.active() else None
-            self.expire(now)
-            self._join()
-            whole = self._to_prefill()
-            self._turn = deque(whole)
+            self._turn_moves = self.moves if self.table.active() else None
+            self._riding = []
+            joins = self._plan_joins(now)
+            self._turn = deque()
+            if joins:
+                return StepPlan(Phase.JOIN, self.lifecycle.take_ops(), joins=joins)
+            self._start_prefills()
+        if self._loads_due:
+            self._loads_due = False
             loads = tuple(
                 load
-                for request in (*whole, *self._riding)
+                for request in (*self._turn, *self._riding)
                 if (load := self.prefills.session_load(request)) is not None
             )
             if loads:
-                return StepPlan(Phase.LOAD, self.take_ops(), loads=loads)
+                return StepPlan(Phase.LOAD, self.lifecycle.take_ops(), loads=loads)
         while self._turn:
             prefill = self.prefills.plan(self._turn.popleft(), None)
             if prefill is not None:
-                return StepPlan(Phase.PREFILL, self.take_ops(), prefill=prefill)
+                return StepPlan(Phase.PREFILL, self.lifecycle.take_ops(), prefill=prefill)
         self._turn = None
-        rebatch = self.batch.plan_rebatch(self._preempted())
+        # joiners whose first token ended them leave rather than join
+        ended = tuple(
+            r for r in self.table.prefilling if r.done and r.prefilled == len(r.prompt_ids)
+        )
+        rebatch = self.batch.plan_rebatch(self._take_preempted())
         for request, why in self.audit():
             log.error("%s: request %d is stuck (%s); it fails", self.name, request.id, why)
-        rows = tuple(self.running) if rebatch is None else rebatch.order
+        rows = self.table.running if rebatch is None else rebatch.order
         decode = self.batch.plan_decode(rows, self._rides()) if rows else None
         for release in self.batch.drafting.releases(rows):  # (rows gone: their drafts' state)
-            self.queue(release)
-        return StepPlan(Phase.STEP, self.take_ops(), rebatch=rebatch, decode=decode)
+            self.lifecycle.queue(release)
+        return StepPlan(
+            Phase.STEP,
+            self.lifecycle.take_ops(),
+            joins=Joins(ended=ended) if ended else None,
+            rebatch=rebatch,
+            decode=decode,
+        )
 
     def update(self, plan: StepPlan, outcome: StepOutcome) -> Messages:
-        """Books what the device answered to `plan`; answers what the routers are to be told
-        (everything since the last answer, in order)."""
+        """Books what the device answered to `plan`, making the moves it says; answers what the
+        routers are to be told (everything since the last answer, in order)."""
+        if plan.joins is not None:
+            self._book_joins(plan.joins)
+        if plan.phase is Phase.JOIN:
+            self._start_prefills()
         for load, loaded in zip(plan.loads, outcome.loads, strict=True):
             self._loads += 1
-            self.prefills.book_session_load(load, loaded)
+            drop = self.prefills.book_session_load(load, loaded)
+            self._queue(() if drop is None else (drop,))
+            if loaded.error is not None:
+                self.lifecycle.finish(load.request)
         if plan.prefill is not None:
             assert outcome.prefill is not None
-            self.book_prefill(plan.prefill, outcome.prefill)
+            self._book_prefill(plan.prefill, outcome.prefill)
         if plan.rebatch is not None:
             assert outcome.rebatch is not None
-            self.batch.book_rebatch(plan.rebatch, outcome.rebatch)
+            self._book_rebatch(plan.rebatch, outcome.rebatch)
         if plan.decode is not None:
             assert outcome.decode is not None
             self.counters.timing["draft"] += outcome.draft_seconds
-            self.batch.book_decode(plan.decode, outcome.decode)
+            self._book_decode(plan.decode, outcome.decode)
         elif plan.phase is Phase.STEP and self.moves == self._turn_moves and self.active():
             # (a turn that began with requests admitted and ended without moving one on)
             stuck = self.stalled()
@@ -169,80 +261,114 @@ class Scheduler(Lifecycle):
                 len(stuck),
                 {r.id: r.status.name.lower() for r in stuck},
             )
-        return self.take_messages()
+        return self.lifecycle.take_messages()
+
+    def book_saved(self, request: Request, error: str | None = None) -> Messages:
+        """Its session file is on disk, or could not be written: the request ends as it ended
+        (its reply is the user's), and says so; answers what the routers are to be told. A
+        file written before the rebatch that moved its request to SAVING is booked with it."""
+        if request.status.finished:  # (ended by a drain or a fault meanwhile)
+            return ()
+        if request.status is not RequestStatus.SAVING:
+            self._saved_early[request] = error
+            return ()
+        return self.lifecycle.book_saved(request, error)
+
+    def _queue(self, ops: Sequence[Op]) -> None:
+        for op in ops:
+            self.lifecycle.queue(op)
 
     # ---- joining: who gets a row, who is preempted --------------------------------------------
 
-    def _join(self) -> None:
-        """Requests ended while queued leave; the oldest waiting take the free rows (within the
-        KV budget, preempting newer rows if that makes room); joiners that ended leave."""
-        self._riding = []
-        self.joining = [r for r in self.joining if not self.leave_if_done(r)]  # (rows freed)
-        plan = plan_step(
-            [RowView(r.id, r.done) for r in self.running],
-            [RowView(r.id, r.done) for r in self.waiting],
+    def _plan_joins(self, now: float | None) -> Joins:
+        """The turn's start, decided: queued requests past their deadline or ended leave; joiners
+        that ended leave; the oldest waiting take the free rows (within the KV budget,
+        preempting newer rows if that makes room)."""
+        table, lifecycle = self.table, self.lifecycle
+        now = time.monotonic() if now is None else now
+        expired = lifecycle.expired(now)
+        ended = tuple(r for r in table.prefilling if r.done)
+        waiting = [r for r in table.waiting if r not in expired]
+        changes = plan_rows(
+            [RowView(r.id, r.done) for r in table.running],
+            [RowView(r.id, r.done) for r in waiting],
             self.max_running,
-            prefilling=len(self.joining),
+            prefilling=len(table.prefilling) - len(ended),
         )
-        by_id = {r.id: r for r in self.waiting}
-        for rid in plan.dropped:
-            request = by_id[rid]
-            self.waiting.remove(request)
-            self.finish(request)  # (a copy of an n > 1 request may have ended on its first token)
-        joining = [by_id[rid] for rid in plan.joining]
+        by_id = {r.id: r for r in waiting}
+        joining = [by_id[rid] for rid in changes.joining]
+        preempted: list[Request] = []
         if self.kv_budget_tokens:
-            live = [r for r in (*self.running, *self.joining) if not r.done]
-            preempt, joining = fit(live, joining, self.kv_budget_tokens)
-            for request in preempt:
+            live = [r for r in (*table.running, *table.prefilling) if not r.done]
+            preempted, joining = fit(live, joining, self.kv_budget_tokens)
+        return Joins(
+            expired,
+            tuple(by_id[rid] for rid in changes.dropped),
+            ended,
+            tuple(preempted),
+            tuple(joining),
+            now,
+        )
+
+    def _book_joins(self, joins: Joins) -> None:
+        lifecycle = self.lifecycle
+        for request in joins.expired:
+            lifecycle.time_out(request, joins.now)
+        for request in joins.ended:
+            lifecycle.end_before_joining(request)
+        for request in joins.dropped:
+            # (a copy of an n > 1 request may have ended on its first token)
+            lifecycle.finish(request)
+        # (a drain may have ended any of them meanwhile)
+        for request in joins.preempted:
+            if not request.status.finished:
                 self._preempt(request)
         now = time.monotonic()
-        for request in joining:
-            self.waiting.remove(request)
+        for request in joins.joined:
+            if request.status.finished:
+                continue
             if request.scheduled_at is None:
                 request.scheduled_at = now
-            request.status = RequestStatus.PREFILLING
-            self.joining.append(request)
+            self.table.move(request, RequestStatus.PREFILLING)
 
     def _preempt(self, request: Request) -> None:
-        """A row leaves the live batch at this rebatch, or a joiner its prefill; its snapshot
-        waits, with its tokens and sampler, to resume where it stopped."""
+        """A row leaves the live batch at this turn's rebatch, or a joiner its prefill; its
+        snapshot waits, with its tokens and sampler, to resume where it stopped."""
         self.counters.preemptions += 1
         request.preemptions += 1
-        if request in self.running:
+        if request.status is RequestStatus.RUNNING:
             self._preempting.append(request)
             return
-        self.joining.remove(request)
-        self.prefills.forget(request)
+        if request.restored is not None:  # (a session read for a first chunk never planned)
+            self.lifecycle.queue(DropCached((request.restored[0],)))
+            request.restored = None
         if request.snapshot_id is not None:
-            self.queue(Offload((request.snapshot_id,)))
-        self.requeue(request)
+            self.lifecycle.queue(Offload((request.snapshot_id,)))
+        self.table.move(request, RequestStatus.WAITING)
 
-    def _preempted(self) -> list[Request]:
+    def _take_preempted(self) -> list[Request]:
         """The rows preempted for this rebatch (those that have ended since just leave)."""
         preempted, self._preempting = self._preempting, []
-        return [r for r in preempted if not r.done]
-
-    def finish(self, request: Request, session_error: str | None = None) -> None:
-        self.prefills.forget(request)  # (a session read for a first chunk never planned)
-        super().finish(request, session_error)
+        return [r for r in preempted if not r.done and r.status is RequestStatus.RUNNING]
 
     # ---- prefill ------------------------------------------------------------------------------
 
-    def _to_prefill(self) -> list[Request]:
-        """Joiners to prefill whole, each in a forward of its own: nobody waits on a decode
-        step. While rows decode, the joiners' chunks ride the steps instead (`_riding`)."""
+    def _start_prefills(self) -> None:
+        """The turn's joiners to prefill: each whole, in a forward of its own, while no row
+        decodes (nobody waits on a decode step); else in chunks within the decode steps."""
         todo = self._prefilling()
-        if self.running:
-            self._riding = todo
-            return []
-        return todo
+        if self.table.running:
+            self._riding, self._turn = todo, deque()
+        else:
+            self._turn = deque(todo)
+        self._loads_due = True
 
     def _prefilling(self) -> list[Request]:
         """The joiners with prompt left to prefill, oldest first, but for copies (n > 1) that
         another copy's prefill fills: of a request's copies, one prefills (one that has
         started, else the first), and its last chunk gives the others its snapshot. Were two
         prefilled in one step, the second would count its prompt twice and never join."""
-        todo = [r for r in self.joining if not r.done and r.prefilled < len(r.prompt_ids)]
+        todo = [r for r in self.table.prefilling if not r.done and r.prefilled < len(r.prompt_ids)]
         at = {r: i for i, r in enumerate(todo)}
 
         def filled_by_copy(request: Request) -> bool:
@@ -257,7 +383,7 @@ class Scheduler(Lifecycle):
         return [r for r in todo if not filled_by_copy(r)]
 
     def _rides(self) -> tuple[PrefillPlan, ...]:
-        """The chunks riding this turn's decode step: the joiners', oldest first, within the
+        """The joiners' chunks prefilled in this turn's decode step, oldest first, within the
         step's budget of prompt tokens (`ride_budget`)."""
         rides = [r for r in self._riding if not r.done and r.prefilled < len(r.prompt_ids)]
         self._riding = []
@@ -272,20 +398,111 @@ class Scheduler(Lifecycle):
         return tuple(chunks)
 
     def ride_budget(self, joiners: int = 1) -> int:
-        """Prompt tokens `joiners` riding chunks may add to the next step, together."""
+        """Prompt tokens `joiners` chunks in a decode step may add to it, together."""
         return self.costs.ride_budget(joiners)
 
-    def book_prefill(self, plan: PrefillPlan, outcome: PrefillOutcome, alone: bool = True) -> None:
+    def _book_prefill(self, plan: PrefillPlan, outcome: PrefillOutcome, alone: bool = True) -> None:
         """A chunk's result; after the last chunk, the first tokens of the request and its
         copies. `alone`: it ran in a forward of its own (its time then feeds the cost model),
-        rather than riding a decode step."""
+        rather than in a decode step."""
         if alone:
             self.costs.prefill.observe(len(plan.tokens), outcome.seconds)
             self.counters.timing["prefill"] += outcome.seconds
             self.counters.timing["sampling"] += outcome.sampling_seconds
-        self.prefills.book(plan, outcome)
+        self._queue(self.prefills.book(plan, outcome))
         for request, sampled in zip(plan.sampled, outcome.tokens, strict=True):
-            self.accept(request, sampled)
+            self.lifecycle.accept(request, sampled)
+
+    # ---- the rebatch and the decode step -------------------------------------------------------
+
+    def _book_rebatch(self, plan: RebatchPlan, outcome: RebatchOutcome) -> None:
+        """Indexes what the prefix cache took, ends the rows that left, queues the preempted
+        again; the new live batch (if any row is left) runs."""
+        lifecycle, table = self.lifecycle, self.table
+        self.counters.rebatches += 1
+        if outcome.cached is not None:
+            for (request, sid), nbytes, length in zip(
+                plan.cache, outcome.cached.nbytes, outcome.cached.lengths, strict=True
+            ):
+                # the worker kept the prompt's columns (see Prefills.worth_caching)
+                self._queue(self.prefills.index_entry(sid, request.prompt_ids[:length], nbytes))
+        # (a drain or a fault may have ended any of them while the device rebatched)
+        for request in plan.leaving:
+            if request in plan.saving and not request.status.finished:
+                lifecycle.saved(request)
+                if request in self._saved_early:
+                    lifecycle.book_saved(request, self._saved_early.pop(request))
+                continue
+            lifecycle.finish(request)
+            table.drop_rows((request,))
+        survivors = len(plan.order) - len(plan.joined)  # (extracted first, then the preempted)
+        waits = plan.ids[survivors : survivors + len(plan.preempted)]
+        for request, sid in zip(plan.preempted, waits, strict=True):
+            if request.status.finished:
+                table.drop_rows((request,))
+                lifecycle.queue(DropSnapshots((sid,)))
+                continue
+            request.snapshot_id = sid
+            table.move(request, RequestStatus.WAITING)
+        for request in plan.joined:
+            if request.status.finished:
+                table.add_row(request)
+            else:
+                table.move(request, RequestStatus.RUNNING)
+            request.snapshot_id = None  # moved into the live batch
+        assert table.running == plan.order, "the live batch's rows are the rebatch's order"
+        self.counters.timing["rebatch"] += outcome.seconds
+        self.batch.live = bool(plan.order)
+        self.batch.padding_columns = outcome.padding_columns
+
+    def _book_decode(self, plan: DecodePlan, outcome: DecodeOutcome) -> None:
+        """One step's tokens, and the results of the chunks prefilled in it."""
+        lifecycle, c, seconds = self.lifecycle, self.counters, outcome.seconds
+        c.timing["sampling"] += outcome.sampling_seconds
+        if not plan.rides:
+            self.costs.observe_step(seconds)
+            c.timing["forward"] += seconds
+        else:
+            extra = self.costs.observe_ride(seconds, sum(len(r.tokens) for r in plan.rides))
+            c.timing["forward"] += seconds - extra
+            c.timing["prefill"] += extra
+            c.riding_chunks += len(plan.rides)
+            for ride, done in zip(plan.rides, outcome.rides, strict=True):
+                self._book_prefill(ride, done, alone=False)
+        rows = plan.rows
+        alone = None
+        if len(rows) == 1:
+            alone = "no_peer"
+            if self.table.prefilling or self.table.waiting:
+                alone = "peer_prefilling" if self.table.prefilling else "peer_queued"
+        kv = sum(r.total_tokens for r in rows)  # fed tokens, this step's included
+        c.count_step(len(rows), self.batch.padding_columns, kv, self.kv_held(), alone)
+        drafting = self.batch.drafting
+        if plan.proposals:
+            drafting.book(rows, plan.proposals, outcome.proposed, outcome.tokens, outcome.drafted)
+        if not outcome.drafted:
+            for request, sampled in zip(rows, outcome.tokens, strict=True):
+                lifecycle.accept(request, sampled)
+            return
+        trim = []
+        forced = outcome.forced or (0,) * len(rows)
+        for request, sampled, drafted, jumped in zip(
+            rows, outcome.tokens, outcome.drafted, forced, strict=True
+        ):
+            taken = lifecycle.accept(request, sampled)
+            # the row's KV keeps its fed token and the drafts before its last emitted token
+            trim.append(drafted + 1 - max(1, taken))
+            if jumped:
+                c.jump_forward_tokens += min(jumped, max(0, taken - 1))
+            elif drafted:
+                assert request.speculation is not None
+                request.speculation.drafted += drafted
+                request.speculation.accepted += len(sampled.accepted)
+                c.spec_verify_rows += 1
+                c.spec_draft_tokens += drafted
+                c.spec_accepted_tokens += len(sampled.accepted)
+                c.spec_emitted_tokens += taken
+        self.batch.trim = tuple(trim) if any(trim) else ()
 
     # ---- the invariants ---------------------------------------------------------------------
 
@@ -297,7 +514,7 @@ class Scheduler(Lifecycle):
         and comes back with what was wrong with it, for the log."""
         prefilling = set(self._prefilling())
         stuck = []
-        for request in self.joining:
+        for request in self.table.prefilling:
             prompt = len(request.prompt_ids)
             if request.done or request.prefilled == prompt or request in prefilling:
                 continue
@@ -322,40 +539,34 @@ class Scheduler(Lifecycle):
 
     # ---- the rest -----------------------------------------------------------------------------
 
-    def add_time(self, kind: str, seconds: float) -> None:
-        """Books time the engine spent: forward, prefill, rebatch, sampling or draft."""
-        self.counters.timing[kind] += seconds
-
     def clear(self) -> None:
-        """After a fault: nothing is running, joining or waiting any more, nor queued."""
-        self.running.clear()
-        self.entering.clear()
-        self.joining.clear()
-        self.waiting.clear()
-        self.take_ops()
-        self.prefills.clear()
+        """After a fault, once every request has ended (`end_all`): nothing is queued any
+        more, and the worker's stores are gone."""
+        self.table.clear()
+        self.lifecycle.take_ops()
         self.batch.clear()
         self._preempting, self._riding, self._turn = [], [], None
+        self._loads_due = False
+        self._saved_early.clear()
 
     def stats(self, healthy: bool) -> EngineStats:
         """The counters and the queues' sizes now. Meant for the engine's thread; another
-        thread (a test's sampler) may read it too: the queue is copied in one step first."""
-        c = self.counters
+        thread (a test's sampler) may read it too: the table's lists are copied in one step."""
+        c, table = self.counters, self.table
         counts = {k: v for k, v in vars(c).items() if not isinstance(v, dict)}
+        running, prefilling, waiting = table.running, table.prefilling, table.waiting
         return EngineStats(
             # rows leaving at the next rebatch no longer count: never above max_running
-            running=sum(not r.done for r in self.running)
-            + sum(not r.done for r in self.entering)
-            + len(self.joining),
-            queued=len(self.waiting),
-            live_batch_size=len(self.running) if self.batch.live else 0,
+            running=sum(not r.done for r in running) + len(prefilling),
+            queued=len(waiting),
+            live_batch_size=len(running) if self.batch.live else 0,
             healthy=healthy,
             timing=dict(c.timing),
             batch_size_steps=dict(c.batch_size_steps),
             alone_steps=dict(c.alone_steps),
             prefix_cache_entries=len(self.prefix) if self.prefix else 0,
             prefix_cache_bytes=self.prefix.bytes if self.prefix else 0,
-            preempted=sum(r.preemptions > 0 for r in list(self.waiting)),
+            preempted=sum(r.preemptions > 0 for r in waiting),
             kv_budget_tokens=self.kv_budget_tokens,
             kv_tokens=self.kv_held(),
             **counts,
