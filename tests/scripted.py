@@ -20,6 +20,25 @@ from neuronpy.engine.engine import Engine
 FORCE = 30.0  # how far above the row's maximum a scripted token's logit is set
 
 
+def live_requests(engine: Engine) -> dict[int, Any]:
+    """The engine's admitted requests by id, recorded as they are admitted from the first
+    call on (a plan names its rows by frozen references; the scripts read what the engine's
+    requests hold when the step is sampled, as the engine's own sampling does)."""
+    known: dict[int, Any] | None = getattr(engine, "_scripted_requests", None)
+    if known is None:
+        known = {}
+        admit = engine.admit
+
+        def recording(*args: Any, **kwargs: Any) -> Any:
+            requests = admit(*args, **kwargs)
+            known.update((r.id, r) for r in requests)
+            return requests
+
+        engine._scripted_requests = known  # type: ignore[attr-defined]
+        engine.admit = recording  # type: ignore[method-assign]
+    return known
+
+
 class Scripts:
     """Registered scripts by key; `attach` makes an engine follow them."""
 
@@ -45,10 +64,12 @@ class Scripts:
     def attach(self, engine: Engine) -> None:
         tokenizer = engine.tokenizer
         sampling = engine._runner.sampling
+        requests = live_requests(engine)
 
         def script_of(slot: Any) -> tuple[int, ...] | None:
             if slot.id not in self._by_slot:
-                prompt = tokenizer.decode(list(slot.prompt_ids), skip_special_tokens=False)
+                prompt_ids = requests[slot.id].prompt_ids
+                prompt = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
                 found = [s for key, s in self._scripts.items() if key in prompt]
                 self._by_slot[slot.id] = found[0] if found else None
             return self._by_slot[slot.id]
@@ -62,7 +83,8 @@ class Scripts:
             def sample(logits: torch.Tensor) -> Any:
                 logits = logits.clone()
                 for row, (slot, script) in enumerate(zip(slots, scripts, strict=True)):
-                    step = len(slot.output_ids)  # the engine appends after the job returns
+                    # (the engine appends the token after the job returns)
+                    step = len(requests[slot.id].output_ids)
                     hold = self._holds.get(script) if script is not None else None
                     if hold is not None and step == hold[0]:
                         assert hold[1].wait(timeout=120), "a held script was never released"
@@ -87,7 +109,7 @@ class Scripts:
                 at = 0
                 for slot, script, row_drafts in zip(slots, scripts, drafts, strict=True):
                     for j in range(1 + len(row_drafts)):
-                        step = len(slot.output_ids) + j
+                        step = len(requests[slot.id].output_ids) + j
                         if script is not None and step < len(script):
                             logits[at + j, script[step]] = logits[at + j].max() + FORCE
                     at += 1 + len(row_drafts)
@@ -117,6 +139,7 @@ class Paced:
     def __enter__(self) -> Paced:
         inner, polled, free, label = self._sampling, self._polled, self._free, self._label
         rows = self._engine.rows
+        live = live_requests(self._engine)
 
         def answered() -> Any:
             polled.set()
@@ -126,7 +149,9 @@ class Paced:
             sample = inner(requests)
 
             def held() -> bool:
-                return not free.is_set() and any(r.label == label and not r.done for r in requests)
+                return not free.is_set() and any(
+                    live[r.id].label == label and not live[r.id].done for r in requests
+                )
 
             def step(logits: Any) -> Any:  # (on the engine's worker thread)
                 while held():

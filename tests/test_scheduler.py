@@ -200,7 +200,7 @@ def test_head_of_line_order_fills_free_rows_oldest_first() -> None:
     assert finishes(s)[0] == Finish(FinishReason.STOP)
     assert s.counters.finished == 1
     # a row decodes: the joiner's prompt rides the step, then it joins
-    assert plan.decode is not None and [c.request.id for c in plan.decode.rides] == [2]
+    assert plan.decode is not None and [c.row.id for c in plan.decode.rides] == [2]
     assert ids(s.table.prefilling) == [2] and ids(s.table.waiting) == [3]
     assert s.counters.riding_chunks == 1
     plan = turn(s)
@@ -267,7 +267,7 @@ def test_the_newest_row_is_preempted_and_resumes_before_newer_requests() -> None
     plan = turn(s)
     assert plan.rebatch is not None and ids(plan.rebatch.order) == [1, 2]
     assert ids(s.table.prefilling) == [3]
-    rejoined = plan.rebatch.order[1]
+    (rejoined,) = [r for r in s.table.running if r.id == plan.rebatch.order[1].id]
     assert rejoined.preemptions == 1 and rejoined.status is RequestStatus.RUNNING
     assert len(rejoined.output_ids) == 3 + 1  # where it stopped, and this turn's step
 
@@ -316,8 +316,8 @@ def test_n_copies_share_one_prefill_and_each_gets_a_snapshot() -> None:
     step = schedule(s)
     plan = step.prefill
     assert step.phase is Phase.PREFILL and plan is not None
-    assert plan.last and plan.request is first
-    assert plan.clones == tuple(copies) and len(set(plan.clone_ids)) == 2
+    assert plan.last and plan.row.id == first.id
+    assert ids(plan.clones) == ids(copies) and len(set(plan.clone_ids)) == 2
     assert plan.snapshot_id not in plan.clone_ids
     update(s, step, StepOutcome(prefill=PrefillOutcome((Sampled(4), Sampled(5), Sampled(6)))))
     assert [r.output_ids for r in (first, *copies)] == [[4], [5], [6]]
@@ -343,12 +343,12 @@ def test_copies_joining_while_a_row_decodes_share_one_riding_prefill() -> None:
     turn(s)
     first, second = admit(s, n=2)
     plan = turn(s)
-    assert plan.decode is not None and [c.request for c in plan.decode.rides] == [first]
+    assert plan.decode is not None and [c.row.id for c in plan.decode.rides] == [first.id]
     assert s.counters.riding_chunks == 1 and s.counters.prefill_tokens == 10 + 10
     assert [r.prefilled for r in (first, second)] == [10, 10]
     assert [r.output_ids for r in (first, second)] == [[TOKEN], [TOKEN]]
     rebatch = turn(s).rebatch  # both join together
-    assert rebatch is not None and rebatch.order[1:] == (first, second)
+    assert rebatch is not None and ids(rebatch.order[1:]) == ids((first, second))
     assert s.table.prefilling == () and {first.status, second.status} == {RequestStatus.RUNNING}
 
 
@@ -365,14 +365,14 @@ def test_copies_of_a_long_prompt_wait_for_its_chunks_and_join_together() -> None
         assert [c.prefilled for c in copies[1:]] == [0, 0]  # filled by the last chunk only
         plan = turn(s)
         assert plan.decode is not None
-        assert plan.decode.rides[0].request is copies[0]  # the oldest rides first
+        assert plan.decode.rides[0].row.id == copies[0].id  # the oldest rides first
         steps += 1
         assert s.audit() == []  # the waiting copies are waiting for a named reason
     assert steps > 1 and [c.prefilled for c in copies] == [5 * MIN_CHUNK] * 3
     assert s.counters.prefill_tokens - before == 5 * MIN_CHUNK + other.prefilled
     assert [len(c.output_ids) for c in copies] == [1, 1, 1]
     rebatch = turn(s).rebatch
-    assert rebatch is not None and set(copies) <= set(rebatch.order)
+    assert rebatch is not None and set(ids(copies)) <= set(ids(rebatch.order))
 
 
 def test_several_requests_of_n_copies_joining_together_all_run_to_their_end() -> None:
@@ -394,7 +394,7 @@ def test_a_joiner_in_no_state_that_can_move_on_fails_alone() -> None:
     s = make_scheduler(max_running=4)
     broken, fine = admit(s), admit(s, first=300)
     plan = schedule(s)  # both join; the first prefills
-    assert plan.prefill is not None and plan.prefill.request is broken[0]
+    assert plan.prefill is not None and plan.prefill.row.id == broken[0].id
     update(s, plan, answer(plan))
     broken[0].prefilled = 12  # more than its 10 prompt tokens: it would never join
     (stuck,) = s.audit()
@@ -486,12 +486,12 @@ def test_a_leaving_row_goes_to_the_prefix_cache_and_its_session() -> None:
     turn(s, {saved.id: EOS, cached.id: EOS})
     s.cancel(cancelled)
     plan = turn(s).rebatch
-    assert plan is not None and set(plan.leaving) == {saved, cached, cancelled}
+    assert plan is not None and set(ids(plan.leaving)) == {saved.id, cached.id, cancelled.id}
     saves = [op for op in plan.ops if isinstance(op, SaveSession)]
     # the prefix cache took each prompt once it was prefilled, and it keeps prompts alone (a
     # reply's KV is a decode step's, not what a prefill of it computes): the rows leaving add
     # nothing to it, so the one with a session saves and its snapshot goes with the save
-    assert [(op.request, op.drop) for op in saves] == [(saved, True)]
+    assert [(op.row.id, op.drop) for op in saves] == [(saved.id, True)]
     assert plan.cache == ()
     assert saved.status is RequestStatus.SAVING and saved in s.saving
     assert cancelled.status is RequestStatus.FINISHED_ABORTED
@@ -501,7 +501,7 @@ def test_a_leaving_row_goes_to_the_prefix_cache_and_its_session() -> None:
     assert held == prompts
     ended = finishes(s)
     assert saved.id not in ended  # it ends once its file is on disk
-    assert finishes(s, s.book_saved(saved))[saved.id] == Finish(FinishReason.STOP)
+    assert finishes(s, s.record_saved(saved.id))[saved.id] == Finish(FinishReason.STOP)
     assert s.counters.sessions_saved == 1 and s.idle
 
 
@@ -512,7 +512,7 @@ def test_a_session_that_cannot_be_written_keeps_its_reply_and_says_so() -> None:
     turn(s, {request.id: EOS})
     turn(s)
     error = "session 'x' could not be saved (No space left on device)"
-    finish = finishes(s, s.book_saved(request, error))[request.id]
+    finish = finishes(s, s.record_saved(request.id, error))[request.id]
     assert finish.reason is FinishReason.STOP and finish.error is None
     assert finish.session_error == "session 'x' could not be saved (No space left on device)"
     assert (s.counters.session_save_failures, s.counters.failed, s.counters.finished) == (1, 0, 1)
@@ -529,7 +529,7 @@ def test_a_session_is_read_in_a_plan_of_its_own_and_its_chunk_starts_after_it() 
     plan = schedule(s)
     assert plan.phase is Phase.LOAD and plan.prefill is None and plan.decode is None
     (load,) = plan.loads
-    assert load.request is request
+    assert load.row.id == request.id
     update(s, plan, StepOutcome(loads=(Loaded(held),)))
     plan = schedule(s)
     chunk = plan.prefill
@@ -540,7 +540,7 @@ def test_a_session_is_read_in_a_plan_of_its_own_and_its_chunk_starts_after_it() 
     update(s, plan, answer(plan))
     plan = until_step(s)  # the session's snapshot goes once its chunk is in
     assert DropCached((load.cache_id,)) in plan.ops
-    assert plan.rebatch is not None and plan.rebatch.order == (request,)
+    assert plan.rebatch is not None and ids(plan.rebatch.order) == [request.id]
 
 
 def test_a_session_read_for_a_chunk_never_planned_is_dropped() -> None:
@@ -570,7 +570,7 @@ def test_plans_and_outcomes_are_frozen_and_share_no_list_with_the_scheduler() ->
     assert isinstance(rows, tuple) and isinstance(s.table.running, tuple)
     update(s, plan, answer(plan, {rows[0].id: EOS}))
     turn(s)  # the first row leaves the table's running rows; the plan keeps both
-    assert plan.decode.rows == rows and len(rows) == 2 and s.table.running == rows[1:]
+    assert plan.decode.rows == rows and len(rows) == 2 and ids(s.table.running) == ids(rows[1:])
     with pytest.raises(AttributeError):
         plan.decode = None  # type: ignore[misc]
 
@@ -599,7 +599,7 @@ def test_cancelled_while_prefilling_leaves_without_joining() -> None:
     plan = turn(s)  # a row decodes: the joiner's chunks ride the steps
     assert plan.decode is not None and plan.prefill is None
     (chunk,) = plan.decode.rides
-    assert chunk.request is joiner and not chunk.last and len(chunk.tokens) < 200
+    assert chunk.row.id == joiner.id and not chunk.last and len(chunk.tokens) < 200
     s.cancel(joiner)
     plan = schedule(s)  # it leaves: its partial snapshot is dropped
     assert DropSnapshots((chunk.snapshot_id,)) in plan.ops
@@ -615,7 +615,7 @@ def test_cancelled_while_running_leaves_at_the_next_rebatch() -> None:
     s.cancel(goes)
     assert s.stats(True).running == 1  # a leaving row no longer counts
     plan = turn(s).rebatch
-    assert plan is not None and plan.leaving == (goes,) and plan.order == (stays,)
+    assert plan is not None and ids(plan.leaving) == [goes.id] and ids(plan.order) == [stays.id]
     assert finishes(s)[goes.id].reason is FinishReason.ABORT
     assert s.counters.cancelled == 1 and s.counters.finished == 0
 
@@ -627,7 +627,7 @@ def test_cancelled_while_saving_is_counted_once() -> None:
     turn(s)
     assert request.status is RequestStatus.SAVING
     s.cancel(request)
-    s.book_saved(request)
+    s.record_saved(request.id)
     assert request.status is RequestStatus.FINISHED_ABORTED
     assert (s.counters.cancelled, s.counters.finished) == (1, 0)
 
@@ -666,10 +666,10 @@ def test_joiners_ride_one_step_together_oldest_first_and_join_in_one_rebatch() -
     budget = s.ride_budget(3)
     assert budget == 3 * s.ride_budget(1)  # nothing measured yet: the least chunk each
     plan = turn(s)
-    assert plan.decode is not None and [c.request for c in plan.decode.rides] == joiners
+    assert plan.decode is not None and [c.row.id for c in plan.decode.rides] == ids(joiners)
     assert s.counters.riding_chunks == 3 and all(j.prefilled == len(j.prompt_ids) for j in joiners)
     rebatch = turn(s).rebatch
-    assert rebatch is not None and rebatch.order[1:] == tuple(joiners)
+    assert rebatch is not None and ids(rebatch.order[1:]) == ids(joiners)
     # measured costs: the budget is chunk_steps of a step per joiner, never past max_chunk
     s.costs.step_seconds, s.costs.ride_seconds_per_token = 0.1, 0.001
     per_joiner = s.ride_budget(1)
@@ -692,7 +692,7 @@ def test_a_request_joining_while_its_rebatch_runs_stays_counted_and_can_be_ended
         turn(s)  # its prompt rides the decode steps of the live row
     plan = schedule(s)  # the device is now rebatching: nothing is booked yet
     rebatch = plan.rebatch
-    assert rebatch is not None and second in rebatch.order
+    assert rebatch is not None and second.id in ids(rebatch.order)
     assert s.stats(healthy=True).running == 2
     assert not s.idle and {first, second} <= set(s.active())
     ended = finishes(s, s.end_all(Cause.ABORTED, "the server is shutting down"))

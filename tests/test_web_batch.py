@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.scripted import Paced
+from tests.scripted import Paced, live_requests
 from tests.servers import open_streams
 from tests.test_web import browser, script, served  # noqa: F401  (the fixtures)
 
@@ -294,12 +294,15 @@ class EveryNthPoll:
             self._free,
         )
 
+        live = live_requests(self._engine)
+
         def paced(requests: Any) -> Any:
             sample = inner(requests)
 
             def held() -> bool:
                 return not free.is_set() and any(
-                    (r.label or "").startswith(prefix) and not r.done for r in requests
+                    (live[r.id].label or "").startswith(prefix) and not live[r.id].done
+                    for r in requests
                 )
 
             def step(logits: Any) -> Any:  # (on the engine's worker thread)

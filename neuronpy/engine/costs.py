@@ -54,7 +54,7 @@ class StepCosts:
         self.step_seconds = ema(self.step_seconds, seconds)
 
     def observe_ride(self, seconds: float, tokens: int) -> float:
-        """Books a step that carried a chunk of `tokens`; returns the chunk's share of it."""
+        """Records a step that carried a chunk of `tokens`; returns the chunk's share of it."""
         extra = max(0.0, seconds - self.step_seconds)
         self.ride_seconds_per_token = ema(self.ride_seconds_per_token, extra / tokens)
         return extra

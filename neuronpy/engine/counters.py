@@ -57,7 +57,7 @@ class Counters:
     )
 
     def count_step(self, rows: int, padding: int, kv: int, held: int, alone: str | None) -> None:
-        """Books one decode step of `rows` rows."""
+        """Records one decode step of `rows` rows."""
         self.decode_steps += 1
         self.decoded_rows += rows
         self.multi_row_steps += rows > 1

@@ -325,6 +325,7 @@ class Engine(Generates):
         params: SamplingParams,
         n: int,
         session: SessionRequest | None = None,
+        labels: Sequence[str | None] = (),
     ) -> list[RequestStream]:
         """Admits `n` completions of one prompt (OpenAI's `n`), or raises before anything is
         allocated; each copy counts as one request against max_in_flight and max_queue. The
@@ -332,8 +333,10 @@ class Engine(Generates):
         its own sampler, seeded `seed + i` when `params.seed` is set.
 
         `session`: continue from that session's saved KV (as much of it as starts the prompt)
-        and, when the request ends on its own, save its KV there (see engine/sessions.py)."""
-        return [self._start_router(r) for r in self.admit(prompt_ids, params, n, session)]
+        and, when the request ends on its own, save its KV there (see engine/sessions.py).
+        `labels`: what its client and the server's log call each copy (none: empty)."""
+        admitted = self.admit(prompt_ids, params, n, session, labels)
+        return [self._start_router(r) for r in admitted]
 
     def admit(
         self,
@@ -341,6 +344,7 @@ class Engine(Generates):
         params: SamplingParams,
         n: int,
         session: SessionRequest | None = None,
+        labels: Sequence[str | None] = (),
     ) -> list[Request]:
         """What `submit_many` does but route: admits the `n` completions (or raises before
         anything is allocated) with their samplers; their caller routes their messages (a
@@ -354,7 +358,8 @@ class Engine(Generates):
         if self._refusal is not None:
             raise ShuttingDownError(self._refusal)
         copies = self.admission.copies(params, n)
-        requests = self._scheduler.admit(prompt, copies, self.admission.stop_ids(params), session)
+        stop_ids = self.admission.stop_ids(params)
+        requests = self._scheduler.admit(prompt, copies, stop_ids, session, labels=labels)
         for request in requests:
             self._start_sampler(request, reasoning)
         self._idle = anyio.Event()
@@ -532,8 +537,8 @@ class Engine(Generates):
         self._scheduler.leave(request)
         self._wake.set()
 
-    def _saved(self, request: Request, error: str | None) -> None:
-        self._deliver(self._scheduler.book_saved(request, error))
+    def _saved(self, request_id: int, error: str | None) -> None:
+        self._deliver(self._scheduler.record_saved(request_id, error))
         self._wake.set()
 
     def _spawn(self, fn: Callable[[], Awaitable[None]], name: str) -> None:
@@ -544,7 +549,7 @@ class Engine(Generates):
 
     async def _loop(self) -> None:
         """While anything is admitted (or housekeeping waits): the scheduler plans, the runner
-        runs the plan, the scheduler books its outcome, the routers get their messages. A turn
+        runs the plan, the scheduler records its outcome, the routers get their messages. A turn
         that moves nothing on is a bug: the scheduler fails what it strands rather than let the
         loop spin. With nothing admitted it sleeps until a submit (or a session written) wakes
         it."""

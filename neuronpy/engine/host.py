@@ -135,7 +135,7 @@ class EngineHost:
     def _submit(self, message: Submit) -> None:
         try:
             requests = self.engine.admit(
-                message.prompt, message.params, len(message.ids), message.session
+                message.prompt, message.params, len(message.ids), message.session, message.labels
             )
         except Exception as exc:  # refused: what the client admitted meanwhile ends with it
             for id in message.ids:

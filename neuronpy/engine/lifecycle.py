@@ -133,9 +133,13 @@ class Lifecycle:
         stop_ids: frozenset[int],
         session: SessionRequest | None = None,
         now: float | None = None,
+        labels: Sequence[str | None] = (),
     ) -> list[Request]:
         """Queues one request per entry of `copies` (a validated prompt's n completions), or
-        raises QueueFullError when they do not fit in max_in_flight + max_queue."""
+        raises QueueFullError when they do not fit in max_in_flight + max_queue. `labels`: what
+        each copy is called (none: empty)."""
+        if labels and len(labels) != len(copies):
+            raise ValueError(f"{len(labels)} labels for {len(copies)} copies")
         n = len(copies)
         if len(self.table.active()) + n > self.max_running + self.max_queue:
             self.counters.rejected += 1
@@ -149,6 +153,7 @@ class Lifecycle:
         for index, params in enumerate(copies):
             rid = self.table.new_request_id()
             request = Request(rid, prompt, params, stop_ids, arrived, index, group, session)
+            request.label = labels[index] if labels else None
             method = self.speculation_method(params)
             if method != "off":
                 request.speculation = Speculation(self.speculative, method)
@@ -329,15 +334,15 @@ class Lifecycle:
         """The job that writes the request's snapshot to its session file."""
         assert request.session is not None
         session = request.session
-        return SaveSession(request, snapshot_id, session.save_path or session.path, drop)
+        return SaveSession(request.ref(), snapshot_id, session.save_path or session.path, drop)
 
     def saved(self, request: Request) -> None:
         """The request's session is being written (`save_op`): it ends once the file is on
-        disk (book_saved)."""
+        disk (record_saved)."""
         self.table.move(request, RequestStatus.SAVING)
         self.ended += 1
 
-    def book_saved(self, request: Request, error: str | None = None) -> Messages:
+    def record_saved(self, request: Request, error: str | None = None) -> Messages:
         """Its session file is on disk, or could not be written: the request still ends as it
         ended (its reply is the user's), and says so; answers what the routers are to be told."""
         if error is None:

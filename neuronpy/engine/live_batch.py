@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from neuronpy.engine.budget import RowView, plan_rows
 from neuronpy.engine.drafting.planner import DraftPlanner
 from neuronpy.engine.lifecycle import Lifecycle
-from neuronpy.engine.plans import DecodePlan, Offload, Op, PrefillPlan, RebatchPlan
+from neuronpy.engine.plans import DecodePlan, Offload, Op, PrefillPlan, RebatchPlan, RowRef
 from neuronpy.engine.prefill import Prefills
 from neuronpy.engine.request import Request
 from neuronpy.engine.speculative import cut_at_stop
@@ -56,7 +56,7 @@ class LiveBatch:
             return None
         extracted: tuple[Request, ...] = ()
         ids: tuple[int, ...] = ()
-        cache: tuple[tuple[Request, int], ...] = ()
+        cache: tuple[tuple[RowRef, int], ...] = ()
         saving: tuple[Request, ...] = ()
         ops: list[Op] = []
         if self.live:
@@ -65,7 +65,7 @@ class LiveBatch:
             extracted = (*survivors, *preempted, *kept, *(r for r in saving if r not in kept))
             ids = tuple(q.table.new_kv_id() for _ in extracted)
             sid = dict(zip(extracted, ids, strict=True))
-            cache = tuple((r, sid[r]) for r in extracted if r in kept)
+            cache = tuple((r.ref(), sid[r]) for r in extracted if r in kept)
             if preempted:
                 ops.append(Offload(tuple(sid[r] for r in preempted)))
             for request in saving:  # (the worker copies them before the prefix cache takes them)
@@ -81,21 +81,19 @@ class LiveBatch:
             ids,
             tuple(ops),
             cache,
-            leaving,
-            order,
+            refs(leaving),
+            refs(order),
             tuple(snapshots) if order else (),
             extract=self.live,
             trim=trim if self.live else (),
-            joined=joined,
-            preempted=tuple(preempted),
-            saving=saving,
+            joined=refs(joined),
+            preempted=refs(preempted),
+            saving=refs(saving),
         )
 
     # ---- decode -------------------------------------------------------------------------------
 
-    def plan_decode(
-        self, rows: tuple[Request, ...], rides: Sequence[PrefillPlan] = ()
-    ) -> DecodePlan:
+    def plan_decode(self, rows: Sequence[Request], rides: Sequence[PrefillPlan] = ()) -> DecodePlan:
         """The next step over `rows` (the live batch's, as the rebatch before it leaves them):
         every row's token, the rows that draft and how (see DraftPlanner), the columns the last
         verify step gave back."""
@@ -103,7 +101,7 @@ class LiveBatch:
         trim, self.trim = self.trim, ()
         forced = tuple(self._forced(r) for r in rows)
         return DecodePlan(
-            rows,
+            refs(rows),
             tokens,  # type: ignore[arg-type]
             tuple(rides),
             self.drafting.plan(rows),
@@ -121,3 +119,8 @@ class LiveBatch:
             self.requests.context_len - request.total_tokens,
         )
         return cut_at_stop(request.forced[: max(0, room - 1)], request.stop_ids)
+
+
+def refs(requests: Sequence[Request]) -> tuple[RowRef, ...]:
+    """How a plan names these requests."""
+    return tuple(r.ref() for r in requests)

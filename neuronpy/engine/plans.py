@@ -1,4 +1,8 @@
-"""What the scheduler asks of the device (plans) and what the runner answers: plain data only."""
+"""What the scheduler asks of the device (plans) and what the runner answers: plain frozen data.
+
+A plan names a request by a frozen `RowRef` (its id and what the device side needs of it as it
+was planned), never by the scheduler's live Request object: nothing a plan holds changes after
+it is made, and the scheduler finds its requests by id when it records the answer."""
 
 from __future__ import annotations
 
@@ -7,8 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuronpy.engine.drafting.proposer import Proposal, Proposals
-from neuronpy.engine.request import Request
-from neuronpy.engine.types import TokenLogprob
+from neuronpy.engine.types import SamplingParams, SessionRequest, TokenLogprob
+
+
+@dataclass(frozen=True)
+class RowRef:
+    """A request as a plan names it, frozen when the plan was made."""
+
+    id: int
+    prompt_len: int  # its prompt's tokens
+    total_tokens: int  # its prompt's and its output's, when planned
+    params: SamplingParams
+    stop_ids: frozenset[int]  # the tokens that end it (a draft is cut at one)
+    session: SessionRequest | None = None
+    done: bool = False  # its end was decided when planned: it gets no token
+
 
 # ---- housekeeping: KV to drop or move; the scheduler queues them, the runner runs them in order
 
@@ -39,7 +56,7 @@ class SaveSession:
     """Write the request's snapshot to its session file; the request ends once it is on disk.
     `drop`: the snapshot then goes (else a job that follows takes it: the prefix cache)."""
 
-    request: Request
+    row: RowRef
     snapshot_id: int
     path: Path
     drop: bool
@@ -65,7 +82,7 @@ class LoadSession:
     """Read the request's session file into the cache store under `cache_id`, for its prefill.
     `hit`: what the prefix cache offered instead ((entry id, tokens) or None)."""
 
-    request: Request
+    row: RowRef
     cache_id: int
     path: Path
     hit: tuple[int, int] | None
@@ -88,22 +105,22 @@ class PrefillPlan:
     snapshots are copies stored under `clone_ids`; `cache_id`: the prompt's KV joins the prefix
     cache under it. `session_id`: a session's snapshot read for this chunk only, dropped after."""
 
-    request: Request
+    row: RowRef
     snapshot_id: int
     tokens: tuple[int, ...]
     parent_id: int | None
     parent_length: int | None
     last: bool
     cache_id: int | None = None
-    clones: tuple[Request, ...] = ()
+    clones: tuple[RowRef, ...] = ()
     clone_ids: tuple[int, ...] = ()
     session_id: int | None = None
     start: int = 0  # where `tokens` start in the prompt
 
     @property
-    def sampled(self) -> tuple[Request, ...]:
+    def sampled(self) -> tuple[RowRef, ...]:
         """The requests this chunk samples a token for, in the order of the answer."""
-        return (self.request, *self.clones) if self.last else ()
+        return (self.row, *self.clones) if self.last else ()
 
 
 @dataclass(frozen=True)
@@ -143,7 +160,7 @@ class PrefillOutcome:
 class DecodePlan:
     """One lockstep step: row b feeds tokens[b]; joiners' chunks may ride it (one each)."""
 
-    rows: tuple[Request, ...]
+    rows: tuple[RowRef, ...]
     tokens: tuple[int, ...]
     rides: tuple[PrefillPlan, ...] = ()
     # the rows that draft before the step (speculative decoding), by method: the runner asks
@@ -176,20 +193,20 @@ class RebatchPlan:
     preempted rows, and leaving rows the prefix cache or a session keeps), then `ops` run
     (offload the preempted, save sessions), then the rows in `cache` join the prefix cache, then
     the snapshots `assemble` (the rows of `order`, in that order) become the new live batch.
-    Booking it, the scheduler ends `leaving`, queues `preempted` again and runs `order`."""
+    Recording it, the scheduler ends `leaving`, queues `preempted` again and runs `order`."""
 
     rows: tuple[int, ...]
     ids: tuple[int, ...]
     ops: tuple[Op, ...]
-    cache: tuple[tuple[Request, int], ...]  # (request, its extracted snapshot id)
-    leaving: tuple[Request, ...]
-    order: tuple[Request, ...]  # survivors, then joiners
+    cache: tuple[tuple[RowRef, int], ...]  # (request, its extracted snapshot id)
+    leaving: tuple[RowRef, ...]
+    order: tuple[RowRef, ...]  # survivors, then joiners
     assemble: tuple[int, ...]  # the snapshot of each row of `order`; empty: no row is left
     extract: bool = True  # False: there is no live batch yet to take rows from
     trim: tuple[int, ...] = ()  # per row of the live batch: as DecodePlan.trim, before extracting
-    joined: tuple[Request, ...] = ()  # the joiners of `order` (its last rows)
-    preempted: tuple[Request, ...] = ()  # rows that wait as snapshots (`ids` after survivors')
-    saving: tuple[Request, ...] = ()  # of `leaving`, those whose KV goes to their session
+    joined: tuple[RowRef, ...] = ()  # the joiners of `order` (its last rows)
+    preempted: tuple[RowRef, ...] = ()  # rows that wait as snapshots (`ids` after survivors')
+    saving: tuple[RowRef, ...] = ()  # of `leaving`, those whose KV goes to their session
 
 
 @dataclass(frozen=True)
@@ -211,14 +228,14 @@ class RebatchOutcome:
 @dataclass(frozen=True)
 class Joins:
     """Who gets a row and who gives one up, decided at the start of a turn (and, for joiners
-    that ended, before its rebatch): the scheduler moves them when it books the plan."""
+    that ended, before its rebatch): the scheduler moves them when it records the plan."""
 
-    expired: tuple[Request, ...] = ()  # waited past queue_timeout: they end
-    dropped: tuple[Request, ...] = ()  # queued, ended before they ran (cancelled, say)
-    ended: tuple[Request, ...] = ()  # joiners that ended before joining the live batch
+    expired: tuple[RowRef, ...] = ()  # waited past queue_timeout: they end
+    dropped: tuple[RowRef, ...] = ()  # queued, ended before they ran (cancelled, say)
+    ended: tuple[RowRef, ...] = ()  # joiners that ended before joining the live batch
     # over the KV budget: joiners wait again now, rows at the turn's rebatch
-    preempted: tuple[Request, ...] = ()
-    joined: tuple[Request, ...] = ()  # waiting requests that get a row, oldest first
+    preempted: tuple[RowRef, ...] = ()
+    joined: tuple[RowRef, ...] = ()  # waiting requests that get a row, oldest first
     now: float = 0.0  # when it was decided (what a timed-out request is told it waited)
 
     def __bool__(self) -> bool:
@@ -227,7 +244,7 @@ class Joins:
 
 class Phase(enum.Enum):
     """Which part of a turn of the engine's loop a StepPlan is (see Scheduler.schedule). A
-    part that needs the device's answer to an earlier one is planned once that is booked."""
+    part that needs the device's answer to an earlier one is planned once that is recorded."""
 
     JOIN = "join"  # who joins, leaves the queue or is preempted (housekeeping jobs alone)
     LOAD = "load"  # the session files the turn's first chunks start after
@@ -238,7 +255,7 @@ class Phase(enum.Enum):
 @dataclass(frozen=True)
 class StepPlan:
     """Everything one call of the runner does, in this order: the housekeeping `ops` queued
-    since the last plan (`joins` needs nothing of the device: the scheduler books it), the
+    since the last plan (`joins` needs nothing of the device: the scheduler records it), the
     session `loads`, the `prefill` in a forward of its own, the
     `rebatch` (extract, cache, assemble), then the `decode` step (its drafting rows' proposers
     draft first: `DecodePlan.proposals`)."""

@@ -19,10 +19,10 @@ from neuronpy.engine.request import Cause, Request
 
 class Prefills:
     """Plans prompts' prefill chunks, with the prefix cache's index (None: the cache is off)
-    and the sessions' restores; books their results into the requests and the index.
+    and the sessions' restores; records their results into the requests and the index.
 
     Planning changes nothing: a plan names the snapshot, the prefix it starts after and the
-    copies it fills, and booking its result applies them. What a booking leaves to run on the
+    copies it fills, and recording its result applies them. What a recording leaves to run on the
     device (cache entries or a session's snapshot to drop) is returned, never queued here.
 
     A session's KV is read before its request's first chunk is planned (the tokens the file
@@ -58,13 +58,12 @@ class Prefills:
         limit = len(request.prompt_ids) - 1  # one token is left to prefill: it samples
         if common_prefix(session.token_ids[:limit], request.prompt_ids) <= (hit[1] if hit else 0):
             return None
-        return LoadSession(request, self._new_kv_id(), session.path, hit)
+        return LoadSession(request.ref(), self._new_kv_id(), session.path, hit)
 
-    def book_session_load(self, load: LoadSession, loaded: Loaded) -> Op | None:
+    def record_session_load(self, request: Request, load: LoadSession, loaded: Loaded) -> Op | None:
         """Keeps what the session gives (its snapshot and the prefix length) for the request's
         first chunk; answers the snapshot to drop when the file changed and holds no more than
         the cache. A file that could not be read fails the request (the scheduler ends it)."""
-        request = load.request
         if loaded.error is not None:
             assert request.session is not None
             param = "session" if loaded.invalid else None
@@ -119,24 +118,31 @@ class Prefills:
                 if r is not request and r.prefilled == 0 and r.snapshot_id is None and not r.done
             )
         return PrefillPlan(
-            request,
+            request.ref(),
             snapshot_id,
             prompt[start:end],
             parent,
             parent_length,
             last,
             cache_id,
-            clones,
+            tuple(c.ref() for c in clones),
             tuple(self._new_kv_id() for _ in clones),
             session_id,
             start,
         )
 
-    def book(self, plan: PrefillPlan, outcome: PrefillOutcome) -> tuple[Op, ...]:
-        """A chunk's result: the request's snapshot and progress, the cache entry, the
-        counters, and after the last chunk the copies' snapshots (their first tokens are the
-        scheduler's to accept). Answers the jobs it leaves (snapshots to drop)."""
-        request, c = plan.request, self._counters
+    def record(
+        self,
+        request: Request,
+        clones: Sequence[Request],
+        plan: PrefillPlan,
+        outcome: PrefillOutcome,
+    ) -> tuple[Op, ...]:
+        """A chunk's result (the plan's request and its clones given): the request's snapshot
+        and progress, the cache entry, the counters, and after the last chunk the copies'
+        snapshots (their first tokens are the scheduler's to accept). Answers the jobs it
+        leaves (snapshots to drop)."""
+        c = self._counters
         ops: list[Op] = []
         if request.snapshot_id is None:  # its first chunk
             if plan.session_id is not None:
@@ -158,7 +164,7 @@ class Prefills:
         c.prefill_chunks += 1
         if plan.last:
             c.prefills += 1
-            for clone, sid in zip(plan.clones, plan.clone_ids, strict=True):
+            for clone, sid in zip(clones, plan.clone_ids, strict=True):
                 clone.snapshot_id = sid
                 clone.prefilled = len(clone.prompt_ids)
                 clone.cached_tokens = request.cached_tokens

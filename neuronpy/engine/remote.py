@@ -58,12 +58,19 @@ class RemoteRequest:
     """A request as the server's process knows it: what its stream reports of it, updated
     from the engine's frames."""
 
-    def __init__(self, client: EngineClient, id: int, index: int, prompt_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        client: EngineClient,
+        id: int,
+        index: int,
+        prompt_ids: tuple[int, ...],
+        label: str | None = None,
+    ):
         self._client = client
         self.id = id
         self.index = index
         self.prompt_ids = prompt_ids
-        self._label: str | None = None
+        self._label = label
         self.cached_tokens = 0
         self.drafts = (0, 0)
         self.queue_seconds: float | None = None
@@ -301,10 +308,13 @@ class EngineClient(Generates):
         params: SamplingParams,
         n: int,
         session: SessionRequest | None = None,
+        labels: Sequence[str | None] = (),
     ) -> list[RequestStream]:
         """As Engine.submit_many: checked here by the engine's own rules (Admission), so a
         refusal is raised before anything is sent; the engine checks again, and a request it
         refuses after all (it failed meanwhile) ends with that error."""
+        if labels and len(labels) != n:
+            raise ValueError(f"{len(labels)} labels for {n} copies")
         prompt = self.admission.check(prompt_ids, params, n, session)
         if not self.healthy:
             raise EngineUnhealthyError(self.failure or f"model {self.name!r} is not ready")
@@ -322,10 +332,11 @@ class EngineClient(Generates):
         streams = []
         ids = []
         for index, copy in enumerate(self.admission.copies(params, n)):
-            request = RemoteRequest(self, next(self._ids), index, prompt)
+            label = labels[index] if labels else None
+            request = RemoteRequest(self, next(self._ids), index, prompt, label)
             streams.append(self._start_router(request, copy, stop_ids))
             ids.append(request.id)
-        self.send(Submit(tuple(ids), prompt, params, session))
+        self.send(Submit(tuple(ids), prompt, params, session, tuple(labels)))
         return streams
 
     def _start_router(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from neuronpy.engine.plans import RowRef
 from neuronpy.engine.speculative import Speculation
 from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest, TokenLogprob
 
@@ -160,6 +161,12 @@ class Request:
         spec = self.speculation
         draft = spec.kv_need(self.total_tokens) if spec is not None else 0
         return self.total_tokens + 1 + draft
+
+    def ref(self) -> RowRef:
+        """How a plan names it: frozen, as it is now."""
+        prompt = len(self.prompt_ids)
+        total = prompt + len(self.output_ids)
+        return RowRef(self.id, prompt, total, self.params, self.stop_ids, self.session, self.done)
 
     def end(self, cause: Cause, error: str | None = None, param: str | None = None) -> None:
         """Decides how it ends; a later cause changes nothing."""

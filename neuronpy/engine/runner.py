@@ -34,12 +34,12 @@ from neuronpy.engine.plans import (
     RebatchOutcome,
     RebatchPlan,
     ReleaseDrafts,
+    RowRef,
     Sampled,
     SaveSession,
     StepOutcome,
     StepPlan,
 )
-from neuronpy.engine.request import Request
 from neuronpy.engine.sampling import Sampler, sample_rows, verify_rows
 from neuronpy.engine.speculative import SpeculativeConfig
 from neuronpy.engine.types import TokenLogprob
@@ -73,8 +73,8 @@ from neuronpy.worker.worker import DeviceWorker
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# a session's save is booked once its file is on disk: (request, None) or (request, error)
-OnSaved = Callable[[Request, str | None], None]
+# a session's save is recorded once its file is on disk: (request id, None) or (id, error)
+OnSaved = Callable[[int, str | None], None]
 Spawn = Callable[[Callable[[], Awaitable[None]], str], None]
 
 
@@ -156,7 +156,7 @@ class Runner:
         return await result_of(fut)
 
     async def _timed(
-        self, job: Job, constrained: Sequence[Request] = ()
+        self, job: Job, constrained: Sequence[RowRef] = ()
     ) -> tuple[Any, float, float]:
         """The job's result, its seconds with sampling aside, and its sampling seconds. The
         `constrained` requests' next-token bitmasks are filled while its forward runs."""
@@ -168,11 +168,11 @@ class Runner:
         sampling = self._sampling_seconds
         return result, time.perf_counter() - began - sampling, sampling
 
-    def _matcher(self, request: Request) -> Matcher | None:
-        sampler = None if request.done else self.samplers.get(request.id)
+    def _matcher(self, row: RowRef) -> Matcher | None:
+        sampler = None if row.done else self.samplers.get(row.id)
         return None if sampler is None else sampler.matcher
 
-    def sampling(self, requests: Sequence[Request]) -> RowSampler:
+    def sampling(self, requests: Sequence[RowRef]) -> RowSampler:
         """Samples the requests' rows on the worker thread, so that no tensor operation runs on
         the event loop's thread: two threads running parallel ops make OpenMP's teams
         oversubscribe the cores and both run slower. A request done by now gets no token; one
@@ -184,7 +184,7 @@ class Runner:
 
         return sample
 
-    def _collect(self, requests: Sequence[Request], run: Callable[[dict[int, Exception]], T]) -> T:
+    def _collect(self, requests: Sequence[RowRef], run: Callable[[dict[int, Exception]], T]) -> T:
         """Runs `run(errors)` (on the worker thread), keeping the rows' errors by request and
         the time it took as sampling time (a job may sample twice: the rows, and a riding
         chunk's first token)."""
@@ -197,7 +197,7 @@ class Runner:
                 self._errors[requests[row].id] = exc
             self._sampling_seconds += time.perf_counter() - began
 
-    def _failure(self, request: Request) -> Sampled | None:
+    def _failure(self, request: RowRef) -> Sampled | None:
         """The row's sampling error as its outcome, if its sampler raised."""
         exc = self._errors.pop(request.id, None)
         if exc is None:
@@ -211,7 +211,7 @@ class Runner:
         return Sampled(None, error=f"sampling failed ({type(exc).__name__}: {exc})")
 
     def _sampled(
-        self, requests: Sequence[Request], tokens: Sequence[int | None]
+        self, requests: Sequence[RowRef], tokens: Sequence[int | None]
     ) -> tuple[Sampled, ...]:
         """Each row's token with the log-probabilities its sampler recorded with it, or the
         error its sampler raised."""
@@ -246,7 +246,7 @@ class Runner:
     async def _save(self, op: SaveSession) -> None:
         """Takes the snapshot's CPU copy now (jobs that follow may drop it); the file is written
         on a thread of its own, and the request ends once it is on disk."""
-        request = op.request
+        request = op.row
         job = SaveKvSnapshot(op.snapshot_id, op.path, self._session_metadata(), drop=op.drop)
         try:
             result: SaveResult = await self.call(job)
@@ -260,16 +260,16 @@ class Runner:
             except Exception as exc:
                 self._saved(request, exc)
             else:
-                self._on_saved(request, None)
+                self._on_saved(request.id, None)
 
         self._spawn(wait, f"neuronpy-session-{request.id}")
 
-    def _saved(self, request: Request, exc: Exception) -> None:
+    def _saved(self, request: RowRef, exc: Exception) -> None:
         log.warning("session %r not saved: %s", request.session, exc)
         # the client's words: what went wrong, never where (an OSError's text names the path)
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         assert request.session is not None
-        self._on_saved(request, f"session {request.session.name!r} could not be saved ({why})")
+        self._on_saved(request.id, f"session {request.session.name!r} could not be saved ({why})")
 
     # ---- prefill and decode -------------------------------------------------------------------
 
@@ -290,7 +290,7 @@ class Runner:
             parent_id=plan.parent_id,
             sample=self.sampling(plan.sampled) if plan.last else None,
             # later chunks grow it in place; the headroom lets it join without a copy
-            reserve=len(plan.request.prompt_ids) + DEFAULT_HEADROOM,
+            reserve=plan.row.prompt_len + DEFAULT_HEADROOM,
             parent_length=plan.parent_length,
             cache_id=plan.cache_id,
             clone_ids=plan.clone_ids,
@@ -342,7 +342,7 @@ class Runner:
         return DecodeOutcome(tokens, rides, seconds, sampling, drafted)
 
     def verifying(
-        self, requests: Sequence[Request], drafts: Sequence[tuple[int, ...]]
+        self, requests: Sequence[RowRef], drafts: Sequence[tuple[int, ...]]
     ) -> RowVerifier:
         """Verifies the requests' drafts on the worker thread (as `sampling` samples)."""
         samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
@@ -355,7 +355,7 @@ class Runner:
         return verify
 
     def _verified(
-        self, requests: Sequence[Request], rows: Sequence[tuple[int, ...] | None]
+        self, requests: Sequence[RowRef], rows: Sequence[tuple[int, ...] | None]
     ) -> tuple[Sampled, ...]:
         """Each row's emitted tokens with their log-probabilities, or its sampler's error."""
         out = []
@@ -387,7 +387,7 @@ class Runner:
         cached = None
         if plan.cache:
             ids = tuple(i for _, i in plan.cache)
-            keep = tuple(len(r.prompt_ids) for r, _ in plan.cache)
+            keep = tuple(r.prompt_len for r, _ in plan.cache)
             result: CacheResult = await self.call(CacheKvSnapshots(ids, keep))
             cached = CacheOutcome(result.nbytes, result.lengths)
         padding = 0

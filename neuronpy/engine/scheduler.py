@@ -6,13 +6,13 @@ outcome back (`update`), which answers what the routers are to be told. Nothing 
 between the three but those frozen plans and outcomes.
 
 The admitted requests are in a RequestTable, by status. Planning moves none of them: a plan
-says who joins, leaves or is preempted, and `update` makes those moves as it books the
+says who joins, leaves or is preempted, and `update` makes those moves as it records the
 device's answer (the planners, LiveBatch and Prefills, only read the table). The only moves
 made elsewhere come from outside a turn: an admission, a session file written, and ending
 every request at once (a drain past its deadline, a fault).
 
 A turn of the loop takes up to four kinds of plan, in this order, each planned whole once
-the device's answer to the one before is booked:
+the device's answer to the one before is recorded:
 1. JOIN, when anything changes: queued requests that timed out or were cancelled end, the
    oldest waiting ones take the free rows (within the KV budget, preempting newer rows if
    that makes room);
@@ -38,7 +38,7 @@ from neuronpy.engine.budget import RowView, fit, plan_rows
 from neuronpy.engine.costs import MIN_CHUNK, StepCosts
 from neuronpy.engine.counters import EngineStats
 from neuronpy.engine.lifecycle import Lifecycle, Messages
-from neuronpy.engine.live_batch import LiveBatch
+from neuronpy.engine.live_batch import LiveBatch, refs
 from neuronpy.engine.plans import (
     DecodeOutcome,
     DecodePlan,
@@ -52,6 +52,7 @@ from neuronpy.engine.plans import (
     PrefillPlan,
     RebatchOutcome,
     RebatchPlan,
+    RowRef,
     StepOutcome,
     StepPlan,
 )
@@ -70,7 +71,7 @@ STUCK = "the request could not make progress (an internal error of the server); 
 
 class Scheduler:
     """Plans each turn (who joins and who is preempted within the KV budget, the prefills,
-    the rebatch, the decode step) and books what the device answered, over its request table;
+    the rebatch, the decode step) and records what the device answered, over its request table;
     the requests' own lifecycle (admission, deadlines, cancellation, their end) is its
     Lifecycle's."""
 
@@ -123,9 +124,11 @@ class Scheduler:
         # `moves` when this turn began (None: it began with nothing admitted, housekeeping
         # only; a request admitted since joins at the next turn)
         self._turn_moves: int | None = None
-        self._loads = 0  # sessions read (a turn that reads one has moved on)
-        # sessions written before the rebatch that ends their requests was booked
-        self._saved_early: dict[Request, str | None] = {}
+        self._loads = 0  # sessions read (a turn that reads one has made progress)
+        # sessions written before the rebatch that ends their requests was recorded, by id
+        self._saved_early: dict[int, str | None] = {}
+        # the requests a plan may name, by id, as they were when it was made (`_get`)
+        self._named: dict[int, Request] = {}
 
     # ---- what the engine asks of the table and the lifecycle ----------------------------------
 
@@ -139,8 +142,9 @@ class Scheduler:
         stop_ids: frozenset[int],
         session: SessionRequest | None = None,
         now: float | None = None,
+        labels: Sequence[str | None] = (),
     ) -> list[Request]:
-        return self.lifecycle.admit(prompt, copies, stop_ids, session, now)
+        return self.lifecycle.admit(prompt, copies, stop_ids, session, now, labels)
 
     def cancel(self, request: Request) -> None:
         self.lifecycle.cancel(request)
@@ -173,7 +177,7 @@ class Scheduler:
 
     @property
     def moves(self) -> int:
-        """How often the scheduler has moved on: sessions read, chunks prefilled, rebatches,
+        """How often the scheduler has made progress: sessions read, chunks prefilled, rebatches,
         decode steps, requests ended. A turn of the engine's loop that leaves it unchanged
         ran nothing."""
         c = self.counters
@@ -188,6 +192,7 @@ class Scheduler:
 
     def schedule(self, now: float | None = None) -> StepPlan:
         """The next plan of the turn under way, or of a new turn (see the module's docstring)."""
+        self._named = {r.id: r for r in self.table.active()}
         if self._turn is None:
             self._turn_moves = self.moves if self.table.active() else None
             self._riding = []
@@ -217,62 +222,71 @@ class Scheduler:
         rebatch = self.batch.plan_rebatch(self._take_preempted())
         for request, why in self.audit():
             log.error("%s: request %d is stuck (%s); it fails", self.name, request.id, why)
-        rows = self.table.running if rebatch is None else rebatch.order
+        rows = self.table.running if rebatch is None else self._get_all(rebatch.order)
         decode = self.batch.plan_decode(rows, self._rides()) if rows else None
         for release in self.batch.drafting.releases(rows):  # (rows gone: their drafts' state)
             self.lifecycle.queue(release)
         return StepPlan(
             Phase.STEP,
             self.lifecycle.take_ops(),
-            joins=Joins(ended=ended) if ended else None,
+            joins=Joins(ended=refs(ended)) if ended else None,
             rebatch=rebatch,
             decode=decode,
         )
 
     def update(self, plan: StepPlan, outcome: StepOutcome) -> Messages:
-        """Books what the device answered to `plan`, making the moves it says; answers what the
+        """Records what the device answered to `plan`, making the moves it says; answers what the
         routers are to be told (everything since the last answer, in order)."""
         if plan.joins is not None:
-            self._book_joins(plan.joins)
+            self._record_joins(plan.joins)
         if plan.phase is Phase.JOIN:
             self._start_prefills()
         for load, loaded in zip(plan.loads, outcome.loads, strict=True):
             self._loads += 1
-            drop = self.prefills.book_session_load(load, loaded)
+            request = self._get(load.row)
+            drop = self.prefills.record_session_load(request, load, loaded)
             self._queue(() if drop is None else (drop,))
             if loaded.error is not None:
-                self.lifecycle.finish(load.request)
+                self.lifecycle.finish(request)
         if plan.prefill is not None:
             assert outcome.prefill is not None
-            self._book_prefill(plan.prefill, outcome.prefill)
+            self._record_prefill(plan.prefill, outcome.prefill)
         if plan.rebatch is not None:
             assert outcome.rebatch is not None
-            self._book_rebatch(plan.rebatch, outcome.rebatch)
+            self._record_rebatch(plan.rebatch, outcome.rebatch)
         if plan.decode is not None:
             assert outcome.decode is not None
             self.counters.timing["draft"] += outcome.draft_seconds
-            self._book_decode(plan.decode, outcome.decode)
+            self._record_decode(plan.decode, outcome.decode)
         elif plan.phase is Phase.STEP and self.moves == self._turn_moves and self.active():
-            # (a turn that began with requests admitted and ended without moving one on)
+            # (a turn that began with requests admitted and ended without letting one make progress)
             stuck = self.stalled()
             log.error(
-                "%s: a turn moved nothing on; %d requests fail: %s",
+                "%s: a turn made no progress; %d requests fail: %s",
                 self.name,
                 len(stuck),
                 {r.id: r.status.name.lower() for r in stuck},
             )
         return self.lifecycle.take_messages()
 
-    def book_saved(self, request: Request, error: str | None = None) -> Messages:
-        """Its session file is on disk, or could not be written: the request ends as it ended
-        (its reply is the user's), and says so; answers what the routers are to be told. A
-        file written before the rebatch that moved its request to SAVING is booked with it."""
-        if request.status.finished:  # (ended by a drain or a fault meanwhile)
-            return ()
-        if request.status is not RequestStatus.SAVING:
-            self._saved_early[request] = error
-            return ()
-        return self.lifecycle.book_saved(request, error)
+    def record_saved(self, request_id: int, error: str | None = None) -> Messages:
+        """A request's session file is on disk, or could not be written: the request ends as
+        it ended (its reply is the user's), and says so; answers what the routers are to be
+        told. A file written before the rebatch that moved its request to SAVING is recorded
+        with it; one of a request ended meanwhile (a drain, a fault) changes nothing."""
+        saving = next((r for r in self.table.saving if r.id == request_id), None)
+        if saving is not None:
+            return self.lifecycle.record_saved(saving, error)
+        if any(r.id == request_id and not r.status.finished for r in self.table.running):
+            self._saved_early[request_id] = error
+        return ()
+
+    def _get(self, ref: RowRef) -> Request:
+        """The request a plan names."""
+        return self._named[ref.id]
+
+    def _get_all(self, refs: Sequence[RowRef]) -> tuple[Request, ...]:
+        return tuple(self._named[ref.id] for ref in refs)
 
     def _queue(self, ops: Sequence[Op]) -> None:
         for op in ops:
@@ -302,29 +316,29 @@ class Scheduler:
             live = [r for r in (*table.running, *table.prefilling) if not r.done]
             preempted, joining = fit(live, joining, self.kv_budget_tokens)
         return Joins(
-            expired,
-            tuple(by_id[rid] for rid in changes.dropped),
-            ended,
-            tuple(preempted),
-            tuple(joining),
+            refs(expired),
+            tuple(by_id[rid].ref() for rid in changes.dropped),
+            refs(ended),
+            refs(preempted),
+            refs(joining),
             now,
         )
 
-    def _book_joins(self, joins: Joins) -> None:
+    def _record_joins(self, joins: Joins) -> None:
         lifecycle = self.lifecycle
-        for request in joins.expired:
+        for request in self._get_all(joins.expired):
             lifecycle.time_out(request, joins.now)
-        for request in joins.ended:
+        for request in self._get_all(joins.ended):
             lifecycle.end_before_joining(request)
-        for request in joins.dropped:
+        for request in self._get_all(joins.dropped):
             # (a copy of an n > 1 request may have ended on its first token)
             lifecycle.finish(request)
         # (a drain may have ended any of them meanwhile)
-        for request in joins.preempted:
+        for request in self._get_all(joins.preempted):
             if not request.status.finished:
                 self._preempt(request)
         now = time.monotonic()
-        for request in joins.joined:
+        for request in self._get_all(joins.joined):
             if request.status.finished:
                 continue
             if request.scheduled_at is None:
@@ -401,7 +415,9 @@ class Scheduler:
         """Prompt tokens `joiners` chunks in a decode step may add to it, together."""
         return self.costs.ride_budget(joiners)
 
-    def _book_prefill(self, plan: PrefillPlan, outcome: PrefillOutcome, alone: bool = True) -> None:
+    def _record_prefill(
+        self, plan: PrefillPlan, outcome: PrefillOutcome, alone: bool = True
+    ) -> None:
         """A chunk's result; after the last chunk, the first tokens of the request and its
         copies. `alone`: it ran in a forward of its own (its time then feeds the cost model),
         rather than in a decode step."""
@@ -409,53 +425,57 @@ class Scheduler:
             self.costs.prefill.observe(len(plan.tokens), outcome.seconds)
             self.counters.timing["prefill"] += outcome.seconds
             self.counters.timing["sampling"] += outcome.sampling_seconds
-        self._queue(self.prefills.book(plan, outcome))
-        for request, sampled in zip(plan.sampled, outcome.tokens, strict=True):
-            self.lifecycle.accept(request, sampled)
+        request, clones = self._get(plan.row), self._get_all(plan.clones)
+        self._queue(self.prefills.record(request, clones, plan, outcome))
+        for row, sampled in zip(plan.sampled, outcome.tokens, strict=True):
+            self.lifecycle.accept(self._get(row), sampled)
 
     # ---- the rebatch and the decode step -------------------------------------------------------
 
-    def _book_rebatch(self, plan: RebatchPlan, outcome: RebatchOutcome) -> None:
+    def _record_rebatch(self, plan: RebatchPlan, outcome: RebatchOutcome) -> None:
         """Indexes what the prefix cache took, ends the rows that left, queues the preempted
         again; the new live batch (if any row is left) runs."""
         lifecycle, table = self.lifecycle, self.table
         self.counters.rebatches += 1
         if outcome.cached is not None:
-            for (request, sid), nbytes, length in zip(
+            for (row, sid), nbytes, length in zip(
                 plan.cache, outcome.cached.nbytes, outcome.cached.lengths, strict=True
             ):
                 # the worker kept the prompt's columns (see Prefills.worth_caching)
-                self._queue(self.prefills.index_entry(sid, request.prompt_ids[:length], nbytes))
+                prompt = self._get(row).prompt_ids[:length]
+                self._queue(self.prefills.index_entry(sid, prompt, nbytes))
         # (a drain or a fault may have ended any of them while the device rebatched)
-        for request in plan.leaving:
-            if request in plan.saving and not request.status.finished:
+        saving = {row.id for row in plan.saving}
+        for request in self._get_all(plan.leaving):
+            if request.id in saving and not request.status.finished:
                 lifecycle.saved(request)
-                if request in self._saved_early:
-                    lifecycle.book_saved(request, self._saved_early.pop(request))
+                if request.id in self._saved_early:
+                    lifecycle.record_saved(request, self._saved_early.pop(request.id))
                 continue
             lifecycle.finish(request)
             table.drop_rows((request,))
         survivors = len(plan.order) - len(plan.joined)  # (extracted first, then the preempted)
         waits = plan.ids[survivors : survivors + len(plan.preempted)]
-        for request, sid in zip(plan.preempted, waits, strict=True):
+        for request, sid in zip(self._get_all(plan.preempted), waits, strict=True):
             if request.status.finished:
                 table.drop_rows((request,))
                 lifecycle.queue(DropSnapshots((sid,)))
                 continue
             request.snapshot_id = sid
             table.move(request, RequestStatus.WAITING)
-        for request in plan.joined:
+        for request in self._get_all(plan.joined):
             if request.status.finished:
                 table.add_row(request)
             else:
                 table.move(request, RequestStatus.RUNNING)
             request.snapshot_id = None  # moved into the live batch
-        assert table.running == plan.order, "the live batch's rows are the rebatch's order"
+        order = tuple(row.id for row in plan.order)
+        assert tuple(r.id for r in table.running) == order, "the rows are the rebatch's order"
         self.counters.timing["rebatch"] += outcome.seconds
         self.batch.live = bool(plan.order)
         self.batch.padding_columns = outcome.padding_columns
 
-    def _book_decode(self, plan: DecodePlan, outcome: DecodeOutcome) -> None:
+    def _record_decode(self, plan: DecodePlan, outcome: DecodeOutcome) -> None:
         """One step's tokens, and the results of the chunks prefilled in it."""
         lifecycle, c, seconds = self.lifecycle, self.counters, outcome.seconds
         c.timing["sampling"] += outcome.sampling_seconds
@@ -468,8 +488,8 @@ class Scheduler:
             c.timing["prefill"] += extra
             c.riding_chunks += len(plan.rides)
             for ride, done in zip(plan.rides, outcome.rides, strict=True):
-                self._book_prefill(ride, done, alone=False)
-        rows = plan.rows
+                self._record_prefill(ride, done, alone=False)
+        rows = self._get_all(plan.rows)
         alone = None
         if len(rows) == 1:
             alone = "no_peer"
@@ -529,7 +549,7 @@ class Scheduler:
         return stuck
 
     def stalled(self) -> list[Request]:
-        """When a turn moved nothing on (`moves`) while requests are admitted (nothing can
+        """When a turn made no progress (`moves`) while requests are admitted (nothing can
         progress: a bug), every one of them ends now (failed), for the log, rather than wait
         forever on a loop that spins."""
         stuck = [r for r in self.active() if not r.done]
@@ -548,6 +568,7 @@ class Scheduler:
         self._preempting, self._riding, self._turn = [], [], None
         self._loads_due = False
         self._saved_early.clear()
+        self._named = {}
 
     def stats(self, healthy: bool) -> EngineStats:
         """The counters and the queues' sizes now. Meant for the engine's thread; another

@@ -103,7 +103,7 @@ class DraftLength:
 
 class Speculation:
     """One request's speculation: its method, its draft length, and what its method's proposer
-    holds of it (engine/drafting/proposer.py), as the scheduler books it: `fed` tokens of its
+    holds of it (engine/drafting/proposer.py), as the scheduler records it: `fed` tokens of its
     context at its last proposal, `held` tokens then held (the context and any drafts the
     proposer fed itself), of which `kept` still agree with the context once the target has
     verified (the rest, `held - kept`, the next proposal rolls back). All 0: it holds nothing.

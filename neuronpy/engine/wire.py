@@ -56,6 +56,7 @@ class Submit:
     prompt: tuple[int, ...]
     params: SamplingParams
     session: SessionRequest | None
+    labels: tuple[str | None, ...] = ()  # what each copy is called (none: empty)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 from neuronpy.engine.drafting.proposer import Proposal, Proposer
 from neuronpy.engine.grammar import Matcher
-from neuronpy.engine.plans import DecodePlan, ReleaseDrafts
-from neuronpy.engine.request import Request
+from neuronpy.engine.plans import DecodePlan, ReleaseDrafts, RowRef
 from neuronpy.engine.speculative import cut_at_stop
 
 
@@ -33,7 +32,7 @@ class Drafter:
     def __init__(
         self,
         proposers: Mapping[str, Proposer],
-        matcher: Callable[[Request], Matcher | None],
+        matcher: Callable[[RowRef], Matcher | None],
     ) -> None:
         self.proposers = proposers
         self._matcher = matcher  # a request's grammar, when constrained and not done
@@ -52,7 +51,7 @@ class Drafter:
         drafted = tuple(rows) if any(rows) else ()
         return Drafts(drafted, tuple(answers), time.perf_counter() - began)
 
-    def _cut(self, request: Request, drafts: Sequence[int]) -> tuple[int, ...]:
+    def _cut(self, request: RowRef, drafts: Sequence[int]) -> tuple[int, ...]:
         drafts = cut_at_stop(tuple(drafts), request.stop_ids)
         matcher = self._matcher(request) if drafts else None
         return drafts if matcher is None else drafts[: matcher.valid_prefix(drafts)]

@@ -19,7 +19,7 @@ BATCHED = frozenset({"draft"})
 
 
 class DraftPlanner:
-    """Plans each decode step's proposals and books their answers, over the rows' Speculation
+    """Plans each decode step's proposals and records their answers, over the rows' Speculation
     (what each row's proposer holds of it)."""
 
     def __init__(self, config: SpeculativeConfig, context_len: int) -> None:
