@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from neuronpy.engine.budget import fit
 from neuronpy.engine.costs import MIN_CHUNK
 from neuronpy.engine.drafting.ngram import NgramProposer
-from neuronpy.engine.drafting.proposer import Proposal, Proposals
 from neuronpy.engine.lifecycle import Messages
 from neuronpy.engine.plans import (
     CacheOutcome,
@@ -28,6 +27,8 @@ from neuronpy.engine.plans import (
     Offload,
     Phase,
     PrefillOutcome,
+    Proposal,
+    Proposals,
     RebatchOutcome,
     ReleaseDrafts,
     Sampled,

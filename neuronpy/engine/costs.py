@@ -1,4 +1,5 @@
-"""The chunk cost model: what steps and prefills take, and how large a riding chunk may be."""
+"""The chunk cost model: what steps and prefills take, and how large a prompt chunk prefilled
+within a decode step's forward may be."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ def ema(average: float, sample: float, weight: float = 0.2) -> float:
 
 class PrefillCost:
     """Fits prefill time = fixed + per_token * tokens over the recent prefills run on their own.
-    The fixed part is reading every weight once, which a chunk riding a decode step does not
-    pay: its per-token part is what such a chunk costs at the least (see StepCosts.ride_budget)."""
+    The fixed part is reading every weight once, which a prompt chunk prefilled within a decode
+    step does not pay: its per-token part is what such a chunk costs at the least (see
+    StepCosts.ride_budget)."""
 
     def __init__(self, window: int = 32) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=window)
@@ -41,13 +43,15 @@ class PrefillCost:
 
 
 class StepCosts:
-    """Measured costs: a decode step's forward, a prefill's, and what a riding chunk adds."""
+    """Measured costs: a decode step's forward, a prefill's, and what a prompt chunk prefilled
+    within a step adds."""
 
     def __init__(self, chunk_steps: float, max_chunk: int) -> None:
-        self.chunk_steps = chunk_steps  # decode steps' time a riding chunk may add to a step
+        # decode steps' time a prompt chunk may add to the step it is prefilled in
+        self.chunk_steps = chunk_steps
         self.max_chunk = max_chunk
         self.step_seconds = 0.0  # moving average of a decode step's forward
-        self.ride_seconds_per_token = 0.0  # what a riding chunk adds to a step, per token
+        self.ride_seconds_per_token = 0.0  # what a prompt chunk adds to its step, per token
         self.prefill = PrefillCost()
 
     def observe_step(self, seconds: float) -> None:
@@ -60,15 +64,15 @@ class StepCosts:
         return extra
 
     def ride_budget(self, joiners: int = 1) -> int:
-        """Prompt tokens the chunks riding one step may add: about `chunk_steps` decode steps'
-        time per joiner, at what riding chunks have cost per token (no weight reads of their
-        own: more tokens fit than in a chunk run on its own), at least MIN_CHUNK per joiner,
-        and never past `max_chunk`.
-        Joiners share it oldest first, so a burst of arrivals fills the batch within a few
-        steps instead of joining one by one while the batch decodes half empty."""
+        """Prompt tokens the chunks prefilled within one step may add: about `chunk_steps` decode
+        steps' time per joining request, at what such chunks have cost per token (no weight
+        reads of their own: more tokens fit than in a chunk run on its own), at least MIN_CHUNK
+        per joining request, and never past `max_chunk`.
+        The joining requests share it oldest first, so a burst of arrivals fills the batch
+        within a few steps instead of joining one by one while the batch decodes half empty."""
         fit = self.prefill.fit()
         # a chunk's compute costs at least about what it does run on its own, weights aside:
-        # the fit's per-token figure bounds a noisy (or not yet measured) riding estimate
+        # the fit's per-token figure bounds a noisy (or not yet measured) estimate
         per_token = max(self.ride_seconds_per_token, fit[1] if fit else 0.0)
         joiners = max(1, joiners)
         budget = 0

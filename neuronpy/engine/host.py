@@ -27,7 +27,6 @@ from neuronpy.engine.wire import (
     Close,
     Facts,
     Frame,
-    Label,
     Leave,
     Reply,
     Status,
@@ -121,9 +120,6 @@ class EngineHost:
             case Leave(id=id):
                 if (request := self._requests.get(id)) is not None:
                     self.engine.leave(request)
-            case Label(id=id, label=label):
-                if (request := self._requests.get(id)) is not None:
-                    request.label = label
             case Call(method="stop_admitting", args=args):
                 self.engine.stop_admitting(*args)
             case Call():

@@ -10,7 +10,6 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuronpy.engine.drafting.proposer import Proposal, Proposals
 from neuronpy.engine.types import SamplingParams, SessionRequest, TokenLogprob
 
 
@@ -25,6 +24,44 @@ class RowRef:
     stop_ids: frozenset[int]  # the tokens that end it (a draft is cut at one)
     session: SessionRequest | None = None
     done: bool = False  # its end was decided when planned: it gets no token
+
+
+# ---- drafting: what the scheduler asks of a proposer and what it answers
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One row's part in a proposal: up to `length` drafts to follow its context (its prompt
+    and output so far; the last token is the one the target is fed next). The proposer first
+    gives back the last `rollback` tokens it holds of the row (its own drafts that the target
+    rejected), then takes `tokens`, the part of the context it lacks. `fresh`: it holds nothing
+    of the row, or drops what it holds; `tokens` is then the whole context."""
+
+    row: int  # the row's index in its decode step (DecodePlan.rows)
+    key: int  # the request's id: what the proposer keeps the row's state under
+    length: int
+    tokens: tuple[int, ...]
+    rollback: int = 0
+    fresh: bool = False
+    context: int = 0  # tokens of the row's context: what the proposer has of it after the call
+
+
+@dataclass(frozen=True)
+class Proposals:
+    """The rows of one decode step that draft with one method, in row order."""
+
+    method: str
+    rows: tuple[DraftRow, ...]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A proposer's answer, per row of its Proposals: the drafts (at most its `length`), and
+    the tokens it now holds of the row (its context, and any drafts it fed itself: those of
+    them the target accepts it keeps, the rest the next call rolls back)."""
+
+    drafts: tuple[tuple[int, ...], ...]
+    held: tuple[int, ...]
 
 
 # ---- housekeeping: KV to drop or move; the scheduler queues them, the runner runs them in order
@@ -158,7 +195,8 @@ class PrefillOutcome:
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """One lockstep step: row b feeds tokens[b]; joiners' chunks may ride it (one each)."""
+    """One lockstep step: row b feeds tokens[b]. The prompt chunks of requests joining the
+    batch (`rides`, one each) are prefilled in the same forward."""
 
     rows: tuple[RowRef, ...]
     tokens: tuple[int, ...]
@@ -249,7 +287,8 @@ class Phase(enum.Enum):
     JOIN = "join"  # who joins, leaves the queue or is preempted (housekeeping jobs alone)
     LOAD = "load"  # the session files the turn's first chunks start after
     PREFILL = "prefill"  # one joiner's whole prompt (nothing decodes): the next may start after it
-    STEP = "step"  # the rebatch, then one decode step with joiners' chunks riding it
+    # the rebatch, then one decode step, with joining requests' prompt chunks in its forward
+    STEP = "step"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ from neuronpy.engine.wire import (
     EngineInfo,
     Facts,
     Frame,
-    Label,
     Leave,
     ModelFacts,
     Reply,
@@ -78,11 +77,6 @@ class RemoteRequest:
     @property
     def label(self) -> str | None:
         return self._label
-
-    @label.setter
-    def label(self, value: str | None) -> None:
-        self._label = value
-        self._client.send(Label(self.id, value))
 
     def learn(self, facts: Facts) -> None:
         self.cached_tokens = facts.cached_tokens

@@ -186,8 +186,8 @@ class Runner:
 
     def _collect(self, requests: Sequence[RowRef], run: Callable[[dict[int, Exception]], T]) -> T:
         """Runs `run(errors)` (on the worker thread), keeping the rows' errors by request and
-        the time it took as sampling time (a job may sample twice: the rows, and a riding
-        chunk's first token)."""
+        the time it took as sampling time (a job may sample twice: the rows, and a prompt chunk
+        prefilled in the same forward: its first token)."""
         began = time.perf_counter()
         errors: dict[int, Exception] = {}
         try:
@@ -315,8 +315,8 @@ class Runner:
     async def decode(
         self, plan: DecodePlan, drafts: Sequence[tuple[int, ...]] = ()
     ) -> DecodeOutcome:
-        """One lockstep step, and the chunks riding it; with `drafts` (per row), a verify
-        step."""
+        """One lockstep step, and the prompt chunks prefilled in its forward; with `drafts` (per
+        row), a verify step."""
         drafts = tuple(drafts)
         job = ForwardLogitsBatch(
             plan.tokens,

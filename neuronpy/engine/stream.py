@@ -32,12 +32,8 @@ class RequestStream:
 
     @property
     def label(self) -> str | None:
-        """What its client and the server's log call it: its request id (set by the server)."""
+        """What its client and the server's log call it: its request id (given at submit)."""
         return self._request.label
-
-    @label.setter
-    def label(self, value: str | None) -> None:
-        self._request.label = value
 
     @property
     def index(self) -> int:

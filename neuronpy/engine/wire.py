@@ -74,14 +74,6 @@ class Leave:
 
 
 @dataclass(frozen=True)
-class Label:
-    """What the server's log and the batch view call the request."""
-
-    id: int
-    label: str | None
-
-
-@dataclass(frozen=True)
 class Call:
     """A question with an answer (`Reply` with the same `call`): `method` of EngineHost's
     CALLS, with `args`."""

@@ -168,12 +168,9 @@ async def admit(
         for ids in prompts
     ]
     opened = None if session is None else await session(engine)
-    groups = await _admit(receive, engine, plans, n, opened, req.param_names)
+    groups = await _admit(receive, engine, plans, n, opened, req.param_names, label)
     if groups is None:
         return None
-    streams = [stream for group in groups for stream in group]
-    for k, stream in enumerate(streams):
-        stream.label = label if label is None or len(streams) == 1 else f"{label}#{k}"
     return Admitted(prompts, plans[0][1], groups)
 
 
@@ -193,18 +190,23 @@ async def _admit(
     n: int,
     session: SessionRequest | None,
     names: dict[str, str],
+    label: str | None = None,
 ) -> list[list[RequestStream]] | None:
     """Each prompt's n copies admitted, or none of them: every prompt is checked first, and a
     refusal at admission (a full queue) cancels those admitted before it. None: the client
-    left while the constraints compiled."""
+    left while the constraints compiled. Each copy is labelled `label` when it is the only
+    one, else `label#k` for the k-th of all prompts' copies."""
+    total = len(plans) * n
+    labels = [label if label is None or total == 1 else f"{label}#{k}" for k in range(total)]
     groups: list[list[RequestStream]] = []
     try:
         for ids, params in plans:
             engine.validate(ids, params)
         if not await prepare_while_connected(receive, engine, plans):
             return None
-        for ids, params in plans:
-            groups.append(engine.submit_many(ids, params, n, session))
+        for i, (ids, params) in enumerate(plans):
+            copies = labels[i * n : (i + 1) * n]
+            groups.append(engine.submit_many(ids, params, n, session, labels=copies))
     except NeuronError as exc:
         for stream in (s for group in groups for s in group):
             stream.cancel()

@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from neuronpy.engine.drafting.proposer import Proposal, Proposer
+from neuronpy.engine.drafting.proposer import Proposer
 from neuronpy.engine.grammar import Matcher
-from neuronpy.engine.plans import DecodePlan, ReleaseDrafts, RowRef
+from neuronpy.engine.plans import DecodePlan, Proposal, ReleaseDrafts, RowRef
 from neuronpy.engine.speculative import cut_at_stop
 
 

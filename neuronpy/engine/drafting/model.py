@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from neuronpy.engine.drafting.proposer import DraftRow, Proposal
+from neuronpy.engine.plans import DraftRow, Proposal
 from neuronpy.engine.sampling import Sampler
 from neuronpy.worker.jobs import DraftResult, DraftSampler, DraftTokens, Job, ReleaseDraftKv
 

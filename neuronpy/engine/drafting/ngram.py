@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from neuronpy.engine.drafting.proposer import DraftRow, Proposal
+from neuronpy.engine.plans import DraftRow, Proposal
 
 
 class NgramDrafter:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from neuronpy.engine.drafting.proposer import DraftRow, Proposal, Proposals
-from neuronpy.engine.plans import ReleaseDrafts, Sampled
+from neuronpy.engine.plans import DraftRow, Proposal, Proposals, ReleaseDrafts, Sampled
 from neuronpy.engine.request import Request
 from neuronpy.engine.speculative import SpeculativeConfig, share_budget
 
