@@ -520,6 +520,24 @@ def test_a_session_that_cannot_be_written_keeps_its_reply_and_says_so() -> None:
     assert other.status is RequestStatus.RUNNING
 
 
+def test_a_session_written_before_its_rebatch_is_recorded_loses_no_other_rows_message() -> None:
+    """The engine writes a session file while the device rebatches, so the file can be on disk
+    before the rebatch that moved its row to SAVING is recorded: recording it then ends that
+    request, and every other message of that record (the rows that left beside it) still
+    reaches the routers."""
+    s = make_scheduler()
+    (other,) = admit(s)
+    (saved,) = admit(s, session=SessionRequest("x", Path("/s/x.safetensors")))
+    turn(s, {other.id: EOS, saved.id: EOS})
+    plan = until_step(s)
+    assert plan.rebatch is not None and set(ids(plan.rebatch.leaving)) == {other.id, saved.id}
+    assert s.record_saved(saved.id) == ()  # (its row has not left yet)
+    update(s, plan, answer(plan))
+    ended = finishes(s)
+    assert ended == {other.id: Finish(FinishReason.STOP), saved.id: Finish(FinishReason.STOP)}
+    assert s.counters.sessions_saved == 1 and s.idle and not s.saving
+
+
 def test_a_session_is_read_in_a_plan_of_its_own_and_its_chunk_starts_after_it() -> None:
     """The tokens a session file holds decide where the first chunk starts: the turn reads it
     first (LOAD), and plans the prefill once that is booked."""

@@ -345,9 +345,13 @@ class Lifecycle:
     def record_saved(self, request: Request, error: str | None = None) -> Messages:
         """Its session file is on disk, or could not be written: the request still ends as it
         ended (its reply is the user's), and says so; answers what the routers are to be told."""
+        self.end_saved(request, error)
+        return self.take_messages()
+
+    def end_saved(self, request: Request, error: str | None = None) -> None:
+        """As `record_saved`, within a record whose messages are taken once it is done."""
         if error is None:
             self.counters.sessions_saved += 1
         else:
             self.counters.session_save_failures += 1
         self.finish(request, session_error=error)
-        return self.take_messages()

@@ -450,7 +450,7 @@ class Scheduler:
             if request.id in saving and not request.status.finished:
                 lifecycle.saved(request)
                 if request.id in self._saved_early:
-                    lifecycle.record_saved(request, self._saved_early.pop(request.id))
+                    lifecycle.end_saved(request, self._saved_early.pop(request.id))
                 continue
             lifecycle.finish(request)
             table.drop_rows((request,))
