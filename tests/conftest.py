@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 # The tests that take minutes rather than seconds, by marker: `python -m pytest` skips them and
@@ -11,6 +13,29 @@ OPT_IN = {
     "slow": "loads the real default model (minutes: its layers compile on a first start)",
     "soak": "a whole-server soak (server processes, replicas behind a router)",
 }
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): a worker per core, at most 4 (each holds ~1.5 GB: its
+    fixture models, their compiled graphs, the servers it starts)."""
+    return max(1, min(4, _cores()))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if "PYTEST_XDIST_WORKER" in os.environ and workers > 1:
+        # each worker its share of the cores, and so each server process it starts: OpenMP
+        # teams beyond the cores sleep and wake on every operation (docs/architecture.md)
+        share = str(max(1, _cores() // workers))
+        os.environ.setdefault("OMP_NUM_THREADS", share)
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
