@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -86,6 +87,16 @@ class ModelPool:
         with self._lock:
             self._idle.setdefault(key, []).append(model)
 
+    @contextlib.contextmanager
+    def borrow(self, key: Hashable, build: Callable[[], LlamaModel]) -> Iterator[LlamaModel]:
+        """A model of `key` for the block alone, to run forwards on here (no engine's)."""
+        model = self.take(key, build)
+        attributes = dict(vars(model))
+        try:
+            yield model
+        finally:
+            self.put(key, model, attributes)
+
     def lend(
         self, models: list[tuple[Hashable, LlamaModel]], build: Callable[[], Engine]
     ) -> Engine:
@@ -123,6 +134,16 @@ class LentEngine(Engine):
 
 
 MODELS = ModelPool()
+
+
+def compiled_model(name: str = "tiny-llama") -> contextlib.AbstractContextManager[LlamaModel]:
+    """neuronpy's model of a fixture in float32, its layers compiled, for a block of forwards:
+    the one make_engine's engines run on (built and compiled once, MODELS)."""
+    config = EngineConfig()
+    return MODELS.borrow(
+        ((name, "float32"), config.quantize, config.compile),
+        lambda: native_model(hf_model(name), tokenizer(name), name=name, config=config),
+    )
 
 
 def pooled_engine(
