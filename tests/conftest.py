@@ -11,7 +11,7 @@ import pytest
 # that names the marker (`python -m pytest -m soak` runs the soaks alone).
 OPT_IN = {
     "slow": "loads the real default model (minutes: its layers compile on a first start)",
-    "soak": "a whole-server soak (server processes, replicas behind a router)",
+    "soak": "a whole-server soak (hundreds of requests, or replicas behind a router)",
 }
 
 
