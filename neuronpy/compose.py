@@ -88,9 +88,33 @@ def engine_from_hf(
     model = native_model(source, tokenizer, name=name, config=config)
     draft_model = None
     if draft is not None:
-        check_draft_tokenizer(tokenizer, draft[1])
-        draft_model = LlamaModel.from_hf(draft[0], quantize=config.quantize)
-        compile_model(draft_model, f"{name} (its draft model)", config.compile)
+        draft_model = native_draft(draft, tokenizer, name=name, config=config)
+    return engine_over(model, source, tokenizer, name=name, config=config, draft=draft_model)
+
+
+def native_draft(
+    draft: tuple[Any, Any], tokenizer: Any, *, name: str, config: EngineConfig
+) -> LlamaModel:
+    """neuronpy's model of a draft model (a transformers model and its tokenizer, which must
+    be `tokenizer`), its weights in `config.quantize`, its layers compiled as `config.compile`
+    says."""
+    check_draft_tokenizer(tokenizer, draft[1])
+    model = LlamaModel.from_hf(draft[0], quantize=config.quantize)
+    compile_model(model, f"{name} (its draft model)", config.compile)
+    return model
+
+
+def engine_over(
+    model: LlamaModel,
+    source: Any,
+    tokenizer: Any,
+    *,
+    name: str,
+    config: EngineConfig,
+    draft: LlamaModel | None = None,
+) -> Engine:
+    """The engine over `model`, built from `source` as native_model builds it (and `draft`,
+    as native_draft does): the pooling, EOS ids and fingerprint of `source`."""
     task, pooling = resolve_pooling(source, config)
     if task == "embed" or pooling.source != "default":
         log.info(
@@ -108,7 +132,7 @@ def engine_from_hf(
         config=config,
         eos_token_ids=eos_token_ids(source, tokenizer),
         fingerprint=_fingerprint(source, config.quantize),
-        worker=DeviceWorker(model, name, config.prefill_chunk, draft_model),
+        worker=DeviceWorker(model, name, config.prefill_chunk, draft),
         task=task,
         pooling=pooling,
         source=source_facts(source),

@@ -16,13 +16,13 @@ import httpx
 import pytest
 import uvicorn
 
-from neuronpy.compose import engine_from_hf
 from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.engine.engine import Engine
 from neuronpy.engine.remote import EngineClient
 from neuronpy.engine_process import start_engine_process
 from neuronpy.loading import load_pretrained
 from neuronpy.server.app import ServerState, create_app
+from tests.factories import pooled_engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY_LLAMA = FIXTURES / "tiny-llama"
@@ -74,8 +74,12 @@ def engine_loader(
 
     def load() -> Engine:
         weights = load_pretrained(str(model_dir), dtype=dtype)
-        return engine_from_hf(
-            weights.hf_model, weights.tokenizer, name=weights.name, config=EngineConfig(**config)
+        return pooled_engine(  # (its model built and compiled once for the suite: factories.py)
+            weights.hf_model,
+            weights.tokenizer,
+            key=(str(model_dir), dtype),
+            name=weights.name,
+            config=EngineConfig(**config),
         )
 
     return load

@@ -494,6 +494,7 @@ def _healthy(router: str) -> int:
     return -1
 
 
+@pytest.mark.soak  # two replica processes behind the router, drained (test_router.py's fleet)
 @pytest.mark.skipif(
     shutil.which("vllm-router") is None,
     reason="vllm-router is not installed (pip install vllm-router: Linux x86-64 wheels only)",

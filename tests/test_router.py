@@ -34,10 +34,13 @@ LONG = 300  # tokens of each request of the load (ignore_eos: exactly this many)
 KEY = "fleet-test-key"  # the replicas' API key: clients send it through the router
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("vllm-router") is None,
-    reason="vllm-router is not installed (pip install vllm-router: Linux x86-64 wheels only)",
-)
+pytestmark = [
+    pytest.mark.soak,  # two replica processes behind the router, drained, killed, restarted
+    pytest.mark.skipif(
+        shutil.which("vllm-router") is None,
+        reason="vllm-router is not installed (pip install vllm-router: Linux x86-64 wheels only)",
+    ),
+]
 
 
 @dataclass

@@ -17,7 +17,7 @@ import pytest
 from neuronpy.engine.engine import Engine
 from tests.servers import RunningServer, fixture_model, run_server
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.soak]
 
 MODEL = "tiny-llama"
 RUNNING, QUEUE, CONCURRENCY, REQUESTS = 4, 128, 12, 300
