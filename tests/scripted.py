@@ -1,23 +1,68 @@
 """Scripted replies: an engine whose model writes given token ids for chosen requests.
 
 A tiny random model never writes tool-call markup by itself. `Scripts` wraps the engine's
-sampling step (which runs on the device worker thread) so that a request whose prompt holds a
-registered key gets its script's next token: that id's logit is raised above the row's maximum
-before the real sampler (and its log-probabilities) sees the row. Everything else, the forward,
-the batch, the router and the HTTP layer, runs as it does in production.
+sampling (the runner's, on the engine's event loop, over the logits a job answered) so that a
+request whose prompt holds a registered key gets its script's next token: that id's logit is
+raised above the row's maximum before the real sampler (and its log-probabilities) sees the row.
+Everything else, the forward, the batch, the router and the HTTP layer, runs as it does in
+production.
+
+`hold_plans` makes the engine wait, before each plan that samples tokens, until a test lets it
+go on: the engine's loop awaits (a thread waits on the test's event), so the server goes on
+answering meanwhile.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import anyio
 import torch
 
 from neuronpy.engine.engine import Engine
+from neuronpy.engine.plans import RowRef, StepPlan
 
 FORCE = 30.0  # how far above the row's maximum a scripted token's logit is set
+
+Wait = Callable[[Sequence[RowRef]], Awaitable[None]]
+
+
+def sampled_rows(plan: StepPlan) -> tuple[RowRef, ...]:
+    """The rows a plan samples tokens for: its decode step's, and those of prompts whose last
+    chunk it prefills (alone or in the step's forward)."""
+    chunks = [] if plan.prefill is None else [plan.prefill]
+    rows: list[RowRef] = []
+    if plan.decode is not None:
+        chunks += plan.decode.rides
+        rows += plan.decode.rows
+    return (*rows, *(r for chunk in chunks if chunk.last for r in chunk.sampled))
+
+
+def hold_plans(engine: Engine, wait: Wait) -> Callable[[], None]:
+    """Makes the engine await `wait(rows)` before it runs each plan that samples tokens for
+    `rows`; answers what undoes it."""
+    runner = engine._runner
+    inner = runner.run
+
+    async def run(plan: StepPlan) -> Any:
+        rows = sampled_rows(plan)
+        if rows:
+            await wait(rows)
+        return await inner(plan)
+
+    runner.run = run  # type: ignore[method-assign]
+
+    def undo() -> None:
+        runner.run = inner  # type: ignore[method-assign]
+
+    return undo
+
+
+async def wait_for(event: threading.Event, timeout: float) -> bool:
+    """`event.wait(timeout)` on a thread, the event loop free meanwhile."""
+    return await anyio.to_thread.run_sync(event.wait, timeout)
 
 
 def live_requests(engine: Engine) -> dict[int, Any]:
@@ -63,7 +108,8 @@ class Scripts:
 
     def attach(self, engine: Engine) -> None:
         tokenizer = engine.tokenizer
-        sampling = engine._runner.sampling
+        runner = engine._runner
+        sample, verify = runner.sample, runner.verify
         requests = live_requests(engine)
 
         def script_of(slot: Any) -> tuple[int, ...] | None:
@@ -74,51 +120,49 @@ class Scripts:
                 self._by_slot[slot.id] = found[0] if found else None
             return self._by_slot[slot.id]
 
-        def scripted(slots: Sequence[Any]) -> Any:
-            inner = sampling(slots)
+        def scripted(slots: Sequence[Any], logits: torch.Tensor, argmax: Any = None) -> Any:
             scripts = [script_of(slot) for slot in slots]
             if not any(scripts):
-                return inner
+                return sample(slots, logits, argmax)
+            logits = logits.clone()
+            for row, (slot, script) in enumerate(zip(slots, scripts, strict=True)):
+                # (the engine appends the token after sampling)
+                step = len(requests[slot.id].output_ids)
+                if script is not None and step < len(script):
+                    logits[row, script[step]] = logits[row].max() + FORCE
+            return sample(slots, logits)  # (the argmax the worker answered is not the script's)
 
-            def sample(logits: torch.Tensor) -> Any:
-                logits = logits.clone()
-                for row, (slot, script) in enumerate(zip(slots, scripts, strict=True)):
-                    # (the engine appends the token after the job returns)
-                    step = len(requests[slot.id].output_ids)
-                    hold = self._holds.get(script) if script is not None else None
-                    if hold is not None and step == hold[0]:
-                        assert hold[1].wait(timeout=120), "a held script was never released"
-                    if script is not None and step < len(script):
-                        logits[row, script[step]] = logits[row].max() + FORCE
-                return inner(logits)
-
-            return sample
-
-        verifying = engine._runner.verifying
-
-        def scripted_verify(slots: Sequence[Any], drafts: Sequence[Sequence[int]]) -> Any:
+        def scripted_verify(
+            slots: Sequence[Any],
+            logits: torch.Tensor,
+            drafts: Sequence[tuple[int, ...]],
+            argmax: Any = None,
+        ) -> Any:
             """A verify step (drafts, or the tokens a grammar forces) holds row b's 1 +
             len(drafts[b]) logits rows in turn: each gets its place's scripted token."""
-            inner = verifying(slots, drafts)
             scripts = [script_of(slot) for slot in slots]
             if not any(scripts):
-                return inner
+                return verify(slots, logits, drafts, argmax)
+            logits = logits.clone()
+            at = 0
+            for slot, script, row_drafts in zip(slots, scripts, drafts, strict=True):
+                for j in range(1 + len(row_drafts)):
+                    step = len(requests[slot.id].output_ids) + j
+                    if script is not None and step < len(script):
+                        logits[at + j, script[step]] = logits[at + j].max() + FORCE
+                at += 1 + len(row_drafts)
+            return verify(slots, logits, drafts)
 
-            def verify(logits: torch.Tensor) -> Any:
-                logits = logits.clone()
-                at = 0
-                for slot, script, row_drafts in zip(slots, scripts, drafts, strict=True):
-                    for j in range(1 + len(row_drafts)):
-                        step = len(requests[slot.id].output_ids) + j
-                        if script is not None and step < len(script):
-                            logits[at + j, script[step]] = logits[at + j].max() + FORCE
-                    at += 1 + len(row_drafts)
-                return inner(logits)
+        async def held(slots: Sequence[RowRef]) -> None:
+            for slot in slots:
+                script = script_of(slot)
+                hold = self._holds.get(script) if script is not None else None
+                if hold is not None and len(requests[slot.id].output_ids) == hold[0]:
+                    assert await wait_for(hold[1], 120), "a held script was never released"
 
-            return verify
-
-        engine._runner.sampling = scripted  # type: ignore[method-assign]
-        engine._runner.verifying = scripted_verify  # type: ignore[method-assign]
+        runner.sample = scripted  # type: ignore[method-assign]
+        runner.verify = scripted_verify  # type: ignore[method-assign]
+        hold_plans(engine, held)
 
 
 class Paced:
@@ -131,13 +175,12 @@ class Paced:
     def __init__(self, engine: Any, label: str) -> None:
         self._engine = engine
         self._label = label
-        self._runner = engine._runner
-        self._sampling = self._runner.sampling  # (what tests/scripted.py put there)
         self._polled = threading.Event()
         self._free = threading.Event()
+        self._undo: Callable[[], None] | None = None
 
     def __enter__(self) -> Paced:
-        inner, polled, free, label = self._sampling, self._polled, self._free, self._label
+        polled, free, label = self._polled, self._free, self._label
         rows = self._engine.rows
         live = live_requests(self._engine)
 
@@ -145,28 +188,23 @@ class Paced:
             polled.set()
             return rows()
 
-        def paced(requests: Any) -> Any:
-            sample = inner(requests)
+        def held(requests: Sequence[RowRef]) -> bool:
+            return not free.is_set() and any(
+                live[r.id].label == label and not live[r.id].done for r in requests
+            )
 
-            def held() -> bool:
-                return not free.is_set() and any(
-                    live[r.id].label == label and not live[r.id].done for r in requests
-                )
-
-            def step(logits: Any) -> Any:  # (on the engine's worker thread)
-                while held():
-                    if polled.wait(0.05):
-                        polled.clear()
-                        break
-                return sample(logits)
-
-            return step
+        async def paced(requests: Sequence[RowRef]) -> None:
+            while held(requests):
+                if await wait_for(polled, 0.05):
+                    polled.clear()
+                    break
 
         self._engine.rows = answered
-        self._runner.sampling = paced
+        self._undo = hold_plans(self._engine, paced)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._free.set()
-        self._runner.sampling = self._sampling
+        if self._undo is not None:
+            self._undo()
         del self._engine.rows

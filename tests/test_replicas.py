@@ -42,6 +42,7 @@ from neuronpy.replicas import (
 from neuronpy.server.errors import ApiError
 from neuronpy.server.metrics_collector import VLLM_ALSO, VLLM_LABELS, VLLM_NAMES
 from neuronpy.server.replica import drain
+from tests.scripted import hold_plans, wait_for
 from tests.servers import TINY_LLAMA, RunningServer, engine_loader, run_server
 
 MODEL = "tiny-llama"
@@ -49,7 +50,7 @@ KEY = "replica-test-key"
 
 
 class Gate:
-    """Holds every sampling step of an engine (on its device worker thread) while closed: the
+    """Holds every plan of an engine that samples tokens while closed (its loop awaits): the
     requests in the batch stay running, those behind them waiting, for as long as a test
     needs to look at them. Open until `close()` (the start-up warm-up samples too)."""
 
@@ -68,18 +69,11 @@ class Gate:
 
         def gated() -> Engine:
             engine = load()
-            sampling = engine._runner.sampling
 
-            def held(slots: Sequence[Any]) -> Any:
-                inner = sampling(slots)
+            async def held(rows: Sequence[Any]) -> None:
+                await wait_for(self._open, 120)
 
-                def sample(logits: Any) -> Any:
-                    self._open.wait(timeout=120)
-                    return inner(logits)
-
-                return sample
-
-            engine._runner.sampling = held  # type: ignore[method-assign]
+            hold_plans(engine, held)
             return engine
 
         return {MODEL: gated}

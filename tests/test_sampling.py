@@ -244,3 +244,10 @@ def test_sample_rows_matches_row_by_row_and_skips_none() -> None:
     assert batched[4].output_ids == []
     with pytest.raises(ValueError, match="samplers for logits"):
         sample_rows(rows[:3], logits)
+    # given each row's argmax as the device worker answers it: the same tokens, and a greedy
+    # row's token (even alone) comes from it
+    given = [Sampler(p, [1, 2], VOCAB) for p in params]
+    argmax = logits.argmax(dim=-1).tolist()
+    assert sample_rows([*given[:4], None], logits, argmax=argmax) == tokens
+    (lone,) = [Sampler(SamplingParams(temperature=0.0), [1, 2], VOCAB)]
+    assert sample_rows([lone], logits[:1], argmax=[11]) == [11]

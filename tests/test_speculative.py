@@ -393,6 +393,38 @@ def test_sampled_draft_model_tokens_follow_the_target_distribution() -> None:
     assert again == results[:40]  # the same seeds, the same tokens
 
 
+@pytest.mark.anyio
+async def test_every_job_a_drafting_engine_sends_its_worker_is_plain_data() -> None:
+    """The worker runs no code of the engine: every job, sampled draft-model drafts and the
+    prompts' first tokens included, is plain data (it pickles, as a tensor-parallel group
+    sends it to its other ranks), and the engine samples from the logits the jobs answer."""
+    import pickle
+
+    from neuronpy.worker.jobs import DraftTokens
+
+    prompts = [encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    async with make_engine(max_in_flight=4, draft="tiny-llama", speculative="draft") as engine:
+        worker = engine._runner.worker
+        submit, jobs = worker.submit, []
+
+        def recorded(job: object) -> object:
+            jobs.append(job)
+            return submit(job)
+
+        worker.submit = recorded  # type: ignore[method-assign]
+        streams = [s for ids in prompts for s in engine.submit_many(ids, params, 2)]
+        for stream in streams:  # (n = 2: one prefill, its snapshot cloned, two first tokens)
+            events = [event async for event in stream]
+            assert events[-1].finish_reason is FinishReason.LENGTH
+        stats = engine.stats()
+    for job in jobs:
+        pickle.loads(pickle.dumps(job))
+    drafted = [job for job in jobs if isinstance(job, DraftTokens)]
+    assert any(sampling is not None for job in drafted for sampling in job.sampling)
+    assert stats.spec_draft_tokens > 0  # type: ignore[attr-defined]
+
+
 # ---- everything else keeps working --------------------------------------------------------
 
 

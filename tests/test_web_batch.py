@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.scripted import Paced, live_requests
+from tests.scripted import Paced, hold_plans, live_requests, wait_for
 from tests.servers import open_streams
 from tests.test_web import browser, script, served  # noqa: F401  (the fixtures)
 
@@ -275,45 +275,31 @@ class EveryNthPoll:
         self._engine = engine
         self._prefix = prefix
         self._every = every
-        self._runner = engine._runner
-        self._sampling = self._runner.sampling  # (tests/scripted.py's, wrapping the engine's)
         self._go = threading.Event()  # a step may run
-        self._parked = threading.Event()  # the worker waits for the next go
+        self._parked = threading.Event()  # the engine waits for the next go
         self._free = threading.Event()
+        self._undo: Any = None
         self.polls = 0
 
     def _running(self) -> bool:
         return any(str(r["label"] or "").startswith(self._prefix) for r in self._engine.rows())
 
     def __enter__(self) -> EveryNthPoll:
-        inner, prefix, go, parked, free = (
-            self._sampling,
-            self._prefix,
-            self._go,
-            self._parked,
-            self._free,
-        )
-
+        prefix, go, parked, free = self._prefix, self._go, self._parked, self._free
         live = live_requests(self._engine)
 
-        def paced(requests: Any) -> Any:
-            sample = inner(requests)
+        def held(requests: Any) -> bool:
+            return not free.is_set() and any(
+                (live[r.id].label or "").startswith(prefix) and not live[r.id].done
+                for r in requests
+            )
 
-            def held() -> bool:
-                return not free.is_set() and any(
-                    (live[r.id].label or "").startswith(prefix) and not live[r.id].done
-                    for r in requests
-                )
-
-            def step(logits: Any) -> Any:  # (on the engine's worker thread)
-                if held():
-                    parked.set()
-                    while held() and not go.wait(0.05):
-                        pass
-                    go.clear()
-                return sample(logits)
-
-            return step
+        async def paced(requests: Any) -> None:  # (on the engine's event loop, before a step)
+            if held(requests):
+                parked.set()
+                while held(requests) and not await wait_for(go, 0.05):
+                    pass
+                go.clear()
 
         async def rows() -> list[dict[str, object]]:  # (on the server's event loop)
             self.polls += 1
@@ -326,13 +312,13 @@ class EveryNthPoll:
             return self._engine.rows()  # type: ignore[no-any-return]
 
         self._engine.batch_rows = rows
-        self._runner.sampling = paced
+        self._undo = hold_plans(self._engine, paced)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._free.set()
         self._go.set()
-        self._runner.sampling = self._sampling
+        self._undo()
         del self._engine.batch_rows
 
 

@@ -60,8 +60,6 @@ from neuronpy.worker.jobs import (
     OffloadKv,
     Prefill,
     PrefillResult,
-    RowSampler,
-    RowVerifier,
     SaveKvSnapshot,
     SaveResult,
     WorkerStats,
@@ -118,7 +116,6 @@ class Runner:
         self._session_metadata = session_metadata
         self._on_saved = on_saved
         self._spawn = spawn
-        self._sampling_seconds = 0.0  # spent sampling on the worker thread, in the last job
         self._errors: dict[int, Exception] = {}  # request id -> why its sampler raised
 
     def add_sampler(self, request_id: int, sampler: Sampler) -> None:
@@ -155,47 +152,61 @@ class Runner:
             meanwhile()
         return await result_of(fut)
 
-    async def _timed(
-        self, job: Job, constrained: Sequence[RowRef] = ()
-    ) -> tuple[Any, float, float]:
-        """The job's result, its seconds with sampling aside, and its sampling seconds. The
-        `constrained` requests' next-token bitmasks are filled while its forward runs."""
-        self._sampling_seconds = 0.0
+    async def _timed(self, job: Job, constrained: Sequence[RowRef] = ()) -> tuple[Any, float]:
+        """The job's result and its seconds. The `constrained` requests' next-token bitmasks
+        are filled while its forward runs."""
         began = time.perf_counter()
         matchers = [m for r in constrained if (m := self._matcher(r)) is not None]
         fill = (lambda: [m.fill_ahead() for m in matchers]) if matchers else None
         result = await self.call(job, fill)
-        sampling = self._sampling_seconds
-        return result, time.perf_counter() - began - sampling, sampling
+        return result, time.perf_counter() - began
 
     def _matcher(self, row: RowRef) -> Matcher | None:
         sampler = None if row.done else self.samplers.get(row.id)
         return None if sampler is None else sampler.matcher
 
-    def sampling(self, requests: Sequence[RowRef]) -> RowSampler:
-        """Samples the requests' rows on the worker thread, so that no tensor operation runs on
-        the event loop's thread: two threads running parallel ops make OpenMP's teams
-        oversubscribe the cores and both run slower. A request done by now gets no token; one
-        whose sampler raises gets none either, and its error (see `_sampled`)."""
+    def _greedy(self, requests: Sequence[RowRef]) -> bool:
+        """Whether any of the requests samples its argmax (the job answers the argmax then)."""
+        return any(
+            not r.done and (s := self.samplers.get(r.id)) is not None and s.plain_greedy
+            for r in requests
+        )
+
+    def sample(
+        self,
+        requests: Sequence[RowRef],
+        logits: torch.Tensor,
+        argmax: Sequence[int] | None = None,
+    ) -> list[int | None]:
+        """Each request's token from its row of `logits` ([B, vocab], CPU: the job's answer),
+        by its sampler; `argmax`: each row's, as the job answered it (a plain greedy row's
+        token then costs this thread no tensor operation). A request done by now gets no
+        token; one whose sampler raises gets none either, and its error (see `_sampled`)."""
         samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
+        return self._collect(requests, lambda errors: sample_rows(samplers, logits, errors, argmax))
 
-        def sample(logits: torch.Tensor) -> list[int | None]:
-            return self._collect(requests, lambda errors: sample_rows(samplers, logits, errors))
-
-        return sample
+    def verify(
+        self,
+        requests: Sequence[RowRef],
+        logits: torch.Tensor,
+        drafts: Sequence[tuple[int, ...]],
+        argmax: Sequence[int] | None = None,
+    ) -> list[tuple[int, ...] | None]:
+        """Each request's emitted tokens from a verify step's logits ([N, vocab]: row b's
+        1 + len(drafts[b]) rows in turn), as `sample` samples."""
+        samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
+        return self._collect(
+            requests, lambda errors: verify_rows(samplers, logits, drafts, errors, argmax)
+        )
 
     def _collect(self, requests: Sequence[RowRef], run: Callable[[dict[int, Exception]], T]) -> T:
-        """Runs `run(errors)` (on the worker thread), keeping the rows' errors by request and
-        the time it took as sampling time (a job may sample twice: the rows, and a prompt chunk
-        prefilled in the same forward: its first token)."""
-        began = time.perf_counter()
+        """Runs `run(errors)`, keeping the rows' errors by request."""
         errors: dict[int, Exception] = {}
         try:
             return run(errors)
         finally:
             for row, exc in errors.items():
                 self._errors[requests[row].id] = exc
-            self._sampling_seconds += time.perf_counter() - began
 
     def _failure(self, request: RowRef) -> Sampled | None:
         """The row's sampling error as its outcome, if its sampler raised."""
@@ -288,28 +299,33 @@ class Runner:
             plan.snapshot_id,
             plan.tokens,
             parent_id=plan.parent_id,
-            sample=self.sampling(plan.sampled) if plan.last else None,
             # later chunks grow it in place; the headroom lets it join without a copy
             reserve=plan.row.prompt_len + DEFAULT_HEADROOM,
             parent_length=plan.parent_length,
             cache_id=plan.cache_id,
             clone_ids=plan.clone_ids,
             logits=plan.last,
+            argmax=plan.last and self._greedy(plan.sampled),
         )
 
     def _prefill_outcome(self, plan: PrefillPlan, result: PrefillResult) -> PrefillOutcome:
-        tokens = (result.token, *result.clone_tokens) if plan.last else ()
-        return PrefillOutcome(
-            self._sampled(plan.sampled, tokens),
-            result.cached_bytes,
-            cached_length=result.cached_length,
-        )
+        """The chunk's outcome; the prompt's last samples each copy's first token from the
+        same logits row."""
+        sampled: tuple[Sampled, ...] = ()
+        if plan.last:
+            assert result.logits is not None
+            rows = result.logits[None].expand(len(plan.sampled), -1)
+            argmax = None if result.argmax is None else [result.argmax] * len(plan.sampled)
+            sampled = self._sampled(plan.sampled, self.sample(plan.sampled, rows, argmax))
+        return PrefillOutcome(sampled, result.cached_bytes, cached_length=result.cached_length)
 
     async def prefill(self, plan: PrefillPlan) -> PrefillOutcome:
         """A chunk in a forward of its own."""
         sampled = plan.sampled if plan.last else ()
-        result, seconds, sampling = await self._timed(self._prefill_job(plan), sampled)
+        result, seconds = await self._timed(self._prefill_job(plan), sampled)
+        began = time.perf_counter()
         outcome = self._prefill_outcome(plan, result)
+        sampling = time.perf_counter() - began
         return dataclasses.replace(outcome, seconds=seconds, sampling_seconds=sampling)
 
     async def decode(
@@ -320,39 +336,29 @@ class Runner:
         drafts = tuple(drafts)
         job = ForwardLogitsBatch(
             plan.tokens,
-            sample=None if drafts else self.sampling(plan.rows),
             prefills=tuple(self._prefill_job(ride) for ride in plan.rides),
             drafts=drafts,
-            verify=self.verifying(plan.rows, drafts) if drafts else None,
+            argmax=self._greedy(plan.rows),
             trim=plan.trim,
         )
         riding = [r for ride in plan.rides if ride.last for r in ride.sampled]
-        result, seconds, sampling = await self._timed(job, [*plan.rows, *riding])
+        result, seconds = await self._timed(job, [*plan.rows, *riding])
         assert isinstance(result, ForwardResult)
+        began = time.perf_counter()
         rides = tuple(
             self._prefill_outcome(ride, done)
             for ride, done in zip(plan.rides, result.prefills, strict=True)
         )
+        argmax = result.argmax or None
         if not drafts:
-            assert result.tokens is not None
-            return DecodeOutcome(self._sampled(plan.rows, result.tokens), rides, seconds, sampling)
-        assert result.verified is not None
-        tokens = self._verified(plan.rows, result.verified)
+            tokens = self._sampled(plan.rows, self.sample(plan.rows, result.logits, argmax))
+            sampling = time.perf_counter() - began
+            return DecodeOutcome(tokens, rides, seconds, sampling)
+        chosen = self.verify(plan.rows, result.logits, drafts, argmax)
+        verified = self._verified(plan.rows, chosen)
+        sampling = time.perf_counter() - began
         drafted = tuple(len(d) for d in drafts)
-        return DecodeOutcome(tokens, rides, seconds, sampling, drafted)
-
-    def verifying(
-        self, requests: Sequence[RowRef], drafts: Sequence[tuple[int, ...]]
-    ) -> RowVerifier:
-        """Verifies the requests' drafts on the worker thread (as `sampling` samples)."""
-        samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
-
-        def verify(logits: torch.Tensor) -> list[tuple[int, ...] | None]:
-            return self._collect(
-                requests, lambda errors: verify_rows(samplers, logits, drafts, errors)
-            )
-
-        return verify
+        return DecodeOutcome(verified, rides, seconds, sampling, drafted)
 
     def _verified(
         self, requests: Sequence[RowRef], rows: Sequence[tuple[int, ...] | None]

@@ -11,6 +11,7 @@ import torch
 
 from neuronpy.engine.grammar import Matcher
 from neuronpy.engine.types import SamplingParams, TokenLogprob
+from neuronpy.worker.draw import DraftSampling, Truncation, distribution, draw, generator_of
 
 
 class Sampler:
@@ -62,9 +63,10 @@ class Sampler:
         # [vocab] count per id; made on first use (on the thread that samples, not this one)
         self._counts = torch.empty(0, dtype=torch.float32)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self._generator = torch.Generator(device="cpu")
-        # manual_seed takes any 64-bit pattern; the request's seed may be any Python int.
-        self._generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+        self._generator = generator_of(seed)
+        self._truncation = Truncation(
+            params.greedy, params.temperature, params.top_k, params.top_p, params.min_p
+        )
 
     @property
     def plain_greedy(self) -> bool:
@@ -142,40 +144,26 @@ class Sampler:
         """The [vocab] distribution `sample` draws from (one-hot at the argmax when greedy)."""
         return self._distribution(self.penalize(logits))
 
-    def draft(self, logits: torch.Tensor) -> int:
-        """A draft token from a draft model's logits ([vocab] CPU), drawn with this request's
-        temperature and truncation (no penalty, bias or grammar: the verify step applies them
-        to the target's logits) from its own generator; the draft distribution is kept for
-        the verify step (`verify`). Greedy: the argmax."""
+    def draft_sampling(self) -> DraftSampling | None:
+        """How the draft model draws this request's drafts of its next draft job (on the
+        worker thread, from plain data): with this request's temperature and truncation (no
+        penalty, bias or grammar: the verify step applies them to the target's logits), from a
+        generator seeded by its own; None when greedy (the draft model's argmax). Forgets the
+        draft distributions of a verify step that did not reach them (a draft rejected)."""
+        self.end_verify()
         if self._greedy:
-            return int(torch.argmax(logits))
-        q = self._distribution(logits.to(torch.float32, copy=True))
-        self._draft_probs.append(q)
-        return self._draw(q)
+            return None
+        seed = int(torch.randint(0, 2**62, (1,), generator=self._generator))
+        return DraftSampling(self._truncation, seed)
+
+    def drafted(self, probs: Sequence[torch.Tensor]) -> None:
+        """The draft distributions its draft job drew its drafts from, in order, kept for the
+        verify step (`verify`)."""
+        self._draft_probs = list(probs)
 
     def _distribution(self, x: torch.Tensor) -> torch.Tensor:
         """x: a float32 copy of penalized logits, changed in place."""
-        p = self.params
-        if self._greedy:
-            return torch.zeros_like(x).scatter_(0, torch.argmax(x).view(1), 1.0)
-        if p.temperature != 1.0:
-            x.div_(p.temperature)
-        probs = torch.softmax(x, dim=0)
-        truncated = False
-        if 0 < p.top_k < probs.shape[0]:
-            kth = torch.topk(probs, p.top_k, sorted=False).values.min()
-            # Ids tied with the k-th stay, as in HF and vLLM.
-            probs.masked_fill_(probs < kth, 0.0)
-            truncated = True
-        if p.top_p < 1.0:
-            # Over what top-k left, renormalized, as in HF and vLLM.
-            keep = _nucleus(probs, p.top_p)
-            probs = torch.zeros_like(probs).index_copy_(0, keep, probs[keep])
-            truncated = True
-        if p.min_p > 0.0:
-            probs.masked_fill_(probs < p.min_p * probs.max(), 0.0)
-            truncated = True
-        return probs / probs.sum() if truncated else probs
+        return distribution(x, self._truncation)
 
     def verify(self, logits: torch.Tensor, draft: int) -> int:
         """The token at a position whose drafted token is `draft` ([vocab] logits of the
@@ -214,17 +202,7 @@ class Sampler:
         return token
 
     def _draw(self, probs: torch.Tensor) -> int:
-        """Inverse-CDF draw: one uniform from the request's generator (torch.multinomial
-        draws one exponential per vocabulary entry, ~10x slower at 50k entries)."""
-        cdf = torch.cumsum(probs, dim=0, dtype=torch.float64)
-        total = cdf[-1]
-        u = torch.rand(1, generator=self._generator, dtype=torch.float64) * total
-        # right=True never lands on a zero-probability id: its cdf equals its predecessor's.
-        token = int(torch.searchsorted(cdf, u, right=True))
-        if token >= cdf.numel():
-            # u rounded up to the total: take the last id with nonzero probability.
-            token = int(torch.searchsorted(cdf, total.view(1)))
-        return token
+        return draw(probs, self._generator)
 
     def _check(self, logits: torch.Tensor) -> torch.Tensor:
         if logits.dim() != 1:
@@ -273,9 +251,11 @@ def sample_rows(
     samplers: Sequence[Sampler | None],
     logits: torch.Tensor,
     errors: dict[int, Exception] | None = None,
+    argmax: Sequence[int] | None = None,
 ) -> list[int | None]:
     """One token per row of `logits` ([B, vocab] CPU) from that row's sampler (None: skip the
-    row). Plain greedy rows share one argmax over their rows, the same tokens as row by row.
+    row). Plain greedy rows share one argmax over their rows, the same tokens as row by row;
+    `argmax` given: each row's, computed where the logits were (the device worker's thread).
 
     `errors` given: a row whose sampler raises (its parameters or its data) gets no token and
     its exception there, by row, and the other rows are sampled as ever; else the error
@@ -293,9 +273,13 @@ def sample_rows(
         tokens[i] = None
 
     greedy = [i for i, s in enumerate(samplers) if s is not None and s.plain_greedy]
-    if len(greedy) > 1:
-        rows = logits if len(greedy) == len(samplers) else logits[greedy]
-        for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+    if greedy and (argmax is not None or len(greedy) > 1):
+        if argmax is not None:
+            found = [argmax[i] for i in greedy]
+        else:
+            rows = logits if len(greedy) == len(samplers) else logits[greedy]
+            found = rows.argmax(dim=-1).tolist()
+        for i, token in zip(greedy, found, strict=True):
             sampler = samplers[i]
             assert sampler is not None
             try:
@@ -320,18 +304,21 @@ def verify_rows(
     logits: torch.Tensor,
     drafts: Sequence[Sequence[int]],
     errors: dict[int, Exception] | None = None,
+    argmax: Sequence[int] | None = None,
 ) -> list[tuple[int, ...] | None]:
     """Each row's tokens from a verify step: `logits` [N, vocab] holds row b's 1 + len(
     drafts[b]) rows one after another (after its fed token, after each draft). A row emits
     its drafts while they stand, then the token the target chose where one did not (or one
     more after the last): 1 to 1 + len(drafts[b]) tokens, each chosen by the row's sampler
     exactly as one-token steps would (greedy: the same tokens; sampled: the same distribution).
-    Rows without drafts are sampled as `sample_rows` does. `errors`: as `sample_rows`."""
+    Rows without drafts are sampled as `sample_rows` does. `errors`, `argmax`: as
+    `sample_rows`."""
     counts = [1 + len(d) for d in drafts]
     if logits.dim() != 2 or logits.shape[0] != sum(counts) or len(samplers) != len(drafts):
         raise ValueError(f"{len(samplers)} rows' {counts} tokens for logits {tuple(logits.shape)}")
     greedy = any(s is not None and s.plain_greedy for s in samplers)
-    argmax = logits.argmax(dim=-1).tolist() if greedy else []
+    if argmax is None:
+        argmax = logits.argmax(dim=-1).tolist() if greedy else []
     out: list[tuple[int, ...] | None] = []
     at = 0
     for i, (sampler, row_drafts) in enumerate(zip(samplers, drafts, strict=True)):
@@ -421,24 +408,3 @@ def _fit(q: torch.Tensor, size: int) -> torch.Tensor:
     if q.shape[0] > size:
         return q[:size]
     return torch.cat([q, q.new_zeros(size - q.shape[0])])
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Ids of the smallest set of most likely ids that holds top_p of the mass of `probs`.
-
-    Sorting is the cost, so only the ids within a factor of the most likely one are sorted,
-    widening the factor only while they hold too little mass: a peaked distribution sorts a
-    handful of values rather than the whole vocabulary.
-    """
-    target = top_p * float(probs.sum())
-    top = probs.max()
-    for ratio in (1e-3, 1e-6, 0.0):
-        # ratio 0: every id with any mass (few of them after top-k).
-        cand = torch.nonzero(probs >= top * ratio if ratio else probs > 0).squeeze(1)
-        if not ratio or float(probs[cand].sum()) >= target:
-            break
-    vals, order = torch.sort(probs[cand], descending=True, stable=True)
-    mass = torch.cumsum(vals, dim=0)
-    # Rounding may leave the whole mass a hair under the target: then keep all of them.
-    n = min(int(torch.searchsorted(mass, target)) + 1, vals.numel())
-    return cand[order[:n]]

@@ -10,6 +10,7 @@ import torch
 from neuronpy.arch.kv import DEFAULT_HEADROOM, KvBatch, KvSource, assemble_batch
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.errors import WorkerError
+from neuronpy.worker.draw import distribution, draw, generator_of
 from neuronpy.worker.jobs import DraftResult, DraftTokens
 
 
@@ -41,6 +42,8 @@ class DraftBatch:
         n = len(job.keys)
         if not n == len(job.tokens) == len(job.rollback) == len(job.fresh) == len(job.lengths):
             raise WorkerError("DraftTokens needs tokens, a rollback, fresh and a length per key")
+        if job.sampling and len(job.sampling) != n:
+            raise WorkerError("DraftTokens' sampling, when given, is one entry per key")
         held = {key: i for i, key in enumerate(self.keys) if key is not None}
         left_out = set(held) - set(job.keys)
         if left_out:
@@ -61,20 +64,25 @@ class DraftBatch:
         lasts = torch.tensor(counts, device=model.device).cumsum(0) - 1
         steps = max(job.lengths)
         drafts: list[list[int]] = [[] for _ in job.keys]
+        sampling = job.sampling or (None,) * n
+        generators = [None if s is None else generator_of(s.seed) for s in sampling]
+        probs: list[list[torch.Tensor]] = [[] for _ in job.keys]
         for step in range(steps):
             logits = model.logits(hidden[lasts] if step == 0 else hidden).to("cpu")
-            tokens = (
-                logits.argmax(dim=-1).tolist()
-                if job.sample is None
-                else [int(t) for t in job.sample(logits, step)]
-            )
+            tokens = logits.argmax(dim=-1).tolist()
+            for b, (how, generator) in enumerate(zip(sampling, generators, strict=True)):
+                if how is not None and generator is not None and step < job.lengths[b]:
+                    q = distribution(logits[b].to(torch.float32, copy=True), how.truncation)
+                    probs[b].append(q)
+                    tokens[b] = draw(q, generator)
             for row, token in zip(drafts, tokens, strict=True):
                 row.append(token)
             if step + 1 < steps:
                 fed = torch.tensor(tokens, dtype=torch.long, device=model.device)[:, None]
                 hidden = model.forward_batch_decode(self.batch, fed)
         out = tuple(tuple(d[:k]) for d, k in zip(drafts, job.lengths, strict=True))
-        return DraftResult(out, tuple(len(t) for t in self.batch.token_ids))
+        held = tuple(len(t) for t in self.batch.token_ids)
+        return DraftResult(out, held, tuple(tuple(p) for p in probs))
 
     def _rebuild(
         self, job: DraftTokens, held: dict[int, int]

@@ -1,36 +1,28 @@
-"""The device worker's jobs and results. Results carry no tensors but CPU logits."""
+"""The device worker's jobs and results: plain data, never code of the engine (the worker runs
+no closure of it). Results carry no tensors but CPU logits (and draft distributions)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-# Chooses tokens from a [B, vocab] logits tensor, one per row (None: no token wanted for that
-# row). Runs on the worker thread, so that every tensor operation of the engine runs there.
-RowSampler = Callable[[torch.Tensor], Sequence[int | None]]
-# Chooses each row's draft token from a draft model's [B, vocab] logits at draft step `step`
-# (0 first), on the worker thread.
-DraftSampler = Callable[[torch.Tensor, int], Sequence[int]]
-# Verifies each row's drafts (speculative decoding): given the [N, vocab] logits of every token
-# the step fed (row by row: its token, then its drafts), answers per row the tokens it emits
-# (the drafts that stand, then one of the target's own), or None for a row that wants none.
-RowVerifier = Callable[[torch.Tensor], Sequence[tuple[int, ...] | None]]
+from neuronpy.worker.draw import DraftSampling
 
 
 @dataclass(frozen=True)
 class Prefill:
     """Prefill `token_ids` at B=1 (after snapshot `parent_id`'s tokens, if given) into snapshot
     `snapshot_id`; answer the last position's logits. With `parent_id == snapshot_id` the
-    snapshot is extended (a prompt prefilled chunk by chunk between decode steps)."""
+    snapshot is extended (a prompt prefilled chunk by chunk between decode steps). The engine
+    samples from the logits: a job carries plain data, never code of the engine."""
 
     snapshot_id: int
     token_ids: tuple[int, ...]
     parent_id: int | None = None
-    sample: RowSampler | None = None  # given: answer the sampled token rather than the logits
     reserve: int = 0  # tokens the snapshot will grow to (chunk by chunk): allocated up front
     # Only the parent's first `parent_length` tokens (a prefix-cache hit may use part of a
     # cached snapshot). The parent may be a cached snapshot: it is copied, never extended.
@@ -39,20 +31,22 @@ class Prefill:
     # copied: they are never written again).
     cache_id: int | None = None
     # Copies of the finished snapshot, stored under these ids (n > 1 completions of one
-    # prompt). With `sample`, the sampler gets one logits row per snapshot, the original first.
+    # prompt): each samples its first token from the same logits.
     clone_ids: tuple[int, ...] = ()
-    # False: answer neither logits nor a token (a chunk before the prompt's last: the
-    # vocabulary projection is not computed)
+    # False: answer no logits (a chunk before the prompt's last: the vocabulary projection is
+    # not computed)
     logits: bool = True
+    # answer the logits' argmax too (the first token of a plain greedy request: the engine's
+    # thread then runs no tensor operation for it)
+    argmax: bool = False
 
 
 @dataclass(frozen=True)
 class PrefillResult:
     snapshot_id: int
     length: int
-    logits: torch.Tensor | None  # [vocab] float32, CPU; None when the job sampled (or said no)
-    token: int | None = None  # the sampled token, when the job had `sample`
-    clone_tokens: tuple[int | None, ...] = ()  # the clones' sampled tokens, in clone_ids order
+    logits: torch.Tensor | None  # [vocab] float32, CPU; None when the job asked for none
+    argmax: int | None = None  # the logits' argmax, when the job asked
     cached_bytes: int = 0  # what the prefix-cache entry (cache_id) holds: its whole buffers
     # the tokens the entry holds: the whole prompt, or (a model with fixed-size states) up to
     # the last STATE_BLOCK boundary its states were kept at; 0: no entry was kept
@@ -81,15 +75,15 @@ class ForwardLogitsBatch:
     from the live batch the worker holds."""
 
     token_ids: tuple[int, ...]
-    sample: RowSampler | None = None  # given: answer sampled tokens rather than the logits
     # prompt chunks of sequences entering the batch (one sequence each), prefilled in the
     # same forward: they share the step's weight reads (LlamaModel.forward_step); a chunk
-    # that ends its prompt samples with its own `sample`
+    # that ends its prompt answers its last logits
     prefills: tuple[Prefill, ...] = ()
     # per row: tokens drafted to follow token_ids[b], verified in this step (row b feeds
-    # 1 + len(drafts[b]) tokens); `verify` then answers instead of `sample`. Empty: no drafts
+    # 1 + len(drafts[b]) tokens, and has as many logits rows). Empty: no drafts
     drafts: tuple[tuple[int, ...], ...] = ()
-    verify: RowVerifier | None = None
+    # answer each logits row's argmax too (the tokens of plain greedy rows)
+    argmax: bool = False
     # per row of the live batch: decode columns to give back before the step (the drafts the
     # previous verify step rejected); empty: none
     trim: tuple[int, ...] = ()
@@ -97,10 +91,10 @@ class ForwardLogitsBatch:
 
 @dataclass(frozen=True)
 class ForwardResult:
-    logits: torch.Tensor | None  # [B, vocab] float32, CPU; None when the job sampled
-    tokens: tuple[int | None, ...] | None = None  # when the job had `sample`
+    # [B, vocab] float32, CPU (with drafts: [N, vocab], row b's 1 + len(drafts[b]) in turn)
+    logits: torch.Tensor
     prefills: tuple[PrefillResult, ...] = ()  # the prefill chunks', in order
-    verified: tuple[tuple[int, ...] | None, ...] | None = None  # when the job had `verify`
+    argmax: tuple[int, ...] = ()  # each logits row's argmax, when the job asked
 
 
 @dataclass(frozen=True)
@@ -112,14 +106,16 @@ class DraftTokens:
     of the context), every row in one batched step of its own; a row it does not hold, or
     `fresh[b]`, starts over: tokens[b] is its whole context, prefilled. Then lengths' max
     (B, 1) steps draft. Every row the draft model holds is in the job (ReleaseDraftKv lets
-    one go). `sample` chooses the tokens (None: each row's argmax)."""
+    one go). A row drafts its draft model's argmax, or with `sampling[b]` (empty: every row
+    greedy), draws from its truncated distribution; a row draws only its own lengths[b] drafts
+    (steps past them take the argmax), so its draws never depend on the other rows."""
 
     keys: tuple[int, ...]
     tokens: tuple[tuple[int, ...], ...]
     rollback: tuple[int, ...]
     fresh: tuple[bool, ...]
     lengths: tuple[int, ...]
-    sample: DraftSampler | None = None
+    sampling: tuple[DraftSampling | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,6 +124,8 @@ class DraftResult:
     # per row: the tokens of KV the draft model holds of it now (its context, and the drafts
     # it fed itself: lengths' max - 1 of them)
     held: tuple[int, ...] = ()
+    # per row: the distributions its drafts were drawn from (a sampled row's; empty: greedy)
+    probs: tuple[tuple[torch.Tensor, ...], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ must only be reachable by the ranks themselves.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import pickle
 import threading
@@ -76,18 +75,6 @@ class ShardSpec:
     @property
     def heartbeat_seconds(self) -> float:
         return self.heartbeat if self.heartbeat is not None else min(5.0, self.timeout / 5)
-
-
-def _without_sampler(job: Any) -> Any:
-    """The job as followers get it: samplers (closures over the engine) only run on rank 0,
-    the step's prefill chunks' included."""
-    changes = {}
-    for name in ("sample", "verify"):
-        if getattr(job, name, None) is not None:
-            changes[name] = None
-    if getattr(job, "prefills", ()):
-        changes["prefills"] = tuple(_without_sampler(p) for p in job.prefills)
-    return dataclasses.replace(job, **changes) if changes else job
 
 
 class TensorParallelWorker(DeviceWorker):
@@ -140,7 +127,7 @@ class TensorParallelWorker(DeviceWorker):
                 return None
             raise WorkerError(self.broken)
         # pickled before any collective: a job that cannot travel fails alone, breaking nothing
-        payload = pickle.dumps(_without_sampler(job))
+        payload = pickle.dumps(job)
         result: Any = None
         error: Exception | None = None
         try:

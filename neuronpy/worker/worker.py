@@ -261,7 +261,7 @@ class DeviceWorker:
 
     def _prefilled(self, job: Prefill, snapshot: KvSnapshot, last: torch.Tensor) -> PrefillResult:
         """Stores a prefill's snapshot (and its prefix-cache entry and clones); answers the
-        logits of its last token `last` ([hidden], final-normed), or the sampled tokens."""
+        logits of its last token `last` ([hidden], final-normed), if it asked."""
         self._snapshots[job.snapshot_id] = snapshot
         cached_bytes = cached_length = 0
         if job.cache_id is not None and self.model.has_states:
@@ -282,15 +282,11 @@ class DeviceWorker:
         for sid in job.clone_ids:
             self._snapshots[sid] = _compact(snapshot)
         cached = {"cached_bytes": cached_bytes, "cached_length": cached_length}
-        if job.sample is None and not job.logits:
+        if not job.logits:
             return PrefillResult(job.snapshot_id, snapshot.length, None, **cached)
         logits = self.model.logits(last).to("cpu")
-        if job.sample is not None:
-            token, *clone_tokens = job.sample(logits[None].expand(1 + len(job.clone_ids), -1))
-            return PrefillResult(
-                job.snapshot_id, snapshot.length, None, token, tuple(clone_tokens), **cached
-            )
-        return PrefillResult(job.snapshot_id, snapshot.length, logits, **cached)
+        argmax = int(torch.argmax(logits)) if job.argmax else None
+        return PrefillResult(job.snapshot_id, snapshot.length, logits, argmax, **cached)
 
     def _cache_snapshots(self, job: CacheKvSnapshots) -> CacheResult:
         self._require(job.snapshot_ids)
@@ -417,11 +413,8 @@ class DeviceWorker:
                 )
             )
         logits = self.model.logits(hidden).to("cpu")
-        if counts is not None and job.verify is not None:
-            return ForwardResult(None, prefills=prefilled, verified=tuple(job.verify(logits)))
-        if job.sample is not None:
-            return ForwardResult(None, tuple(job.sample(logits)), prefilled)
-        return ForwardResult(logits, prefills=prefilled)
+        argmax = tuple(logits.argmax(dim=-1).tolist()) if job.argmax else ()
+        return ForwardResult(logits, prefilled, argmax)
 
     def _extract(self, job: ExtractKvRows) -> ExtractResult:
         if len(job.rows) != len(job.snapshot_ids):
