@@ -251,3 +251,28 @@ def test_sample_rows_matches_row_by_row_and_skips_none() -> None:
     assert sample_rows([*given[:4], None], logits, argmax=argmax) == tokens
     (lone,) = [Sampler(SamplingParams(temperature=0.0), [1, 2], VOCAB)]
     assert sample_rows([lone], logits[:1], argmax=[11]) == [11]
+
+
+def test_the_engine_threads_sampling_runs_serial_and_leaves_other_threads_parallel() -> None:
+    """The engine samples on its own thread while the device worker waits: that thread's
+    tensor operations run on it alone (no OpenMP team of its own beside the worker's), and
+    every other thread keeps its own thread count."""
+    import threading
+
+    from neuronpy.engine.sampling import _omp_set_num_threads, serial_ops_here
+
+    if _omp_set_num_threads() is None or torch.get_num_threads() < 2:
+        pytest.skip("torch runs without an OpenMP runtime here, or on one thread")
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    def engine_thread() -> None:
+        serial_ops_here()
+        seen.append(torch.get_num_threads())
+        seen.append(sample_rows([sampler(vocab=VOCAB, temperature=0.7)], torch.randn(1, VOCAB))[0])
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen[0] == 1 and 0 <= seen[1] < VOCAB
+    assert torch.get_num_threads() == before

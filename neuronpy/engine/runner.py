@@ -40,7 +40,7 @@ from neuronpy.engine.plans import (
     StepOutcome,
     StepPlan,
 )
-from neuronpy.engine.sampling import Sampler, sample_rows, verify_rows
+from neuronpy.engine.sampling import Sampler, sample_rows, serial_ops_here, verify_rows
 from neuronpy.engine.speculative import SpeculativeConfig
 from neuronpy.engine.types import TokenLogprob
 from neuronpy.errors import WorkerError
@@ -182,6 +182,7 @@ class Runner:
         by its sampler; `argmax`: each row's, as the job answered it (a plain greedy row's
         token then costs this thread no tensor operation). A request done by now gets no
         token; one whose sampler raises gets none either, and its error (see `_sampled`)."""
+        serial_ops_here()
         samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
         return self._collect(requests, lambda errors: sample_rows(samplers, logits, errors, argmax))
 
@@ -194,6 +195,7 @@ class Runner:
     ) -> list[tuple[int, ...] | None]:
         """Each request's emitted tokens from a verify step's logits ([N, vocab]: row b's
         1 + len(drafts[b]) rows in turn), as `sample` samples."""
+        serial_ops_here()
         samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
         return self._collect(
             requests, lambda errors: verify_rows(samplers, logits, drafts, errors, argmax)

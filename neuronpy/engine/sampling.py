@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import math
 import secrets
+import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -245,6 +249,47 @@ class Sampler:
         if self._repetition and token not in self._seen:
             self._seen.add(token)
             self._seen_ids = torch.cat([self._seen_ids, torch.tensor([token])])
+
+
+_serial = threading.local()
+
+
+def serial_ops_here() -> None:
+    """Makes the calling thread's tensor operations run on it alone, from now on (once per
+    thread). The engine's thread samples while the device worker waits, and any thread that
+    runs a parallel operation keeps an OpenMP team of its own: with the worker's team that is
+    more threads than cores, and libgomp then sleeps between operations rather than spin, which
+    made every decode step slower. OpenMP's thread count is the calling thread's own setting,
+    so this thread's operations go serial while the worker's stay parallel. (torch's own
+    set_num_threads would change every thread started after it.)"""
+    if getattr(_serial, "done", False):
+        return
+    _serial.done = True
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        torch.get_num_threads()  # (torch sets a thread's count on its first use: first that)
+        set_threads(1)
+
+
+@functools.cache
+def _omp_set_num_threads() -> ctypes._CFuncPtr | None:
+    """The OpenMP runtime's omp_set_num_threads, of the runtime torch runs on (None: none
+    found, as in a build without OpenMP)."""
+    names = ("libgomp", "libomp", "libiomp5")
+    loaded = []
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        for line in maps.read_text().splitlines():
+            path = line.rsplit(" ", 1)[-1]
+            if any(Path(path).name.startswith(n) for n in names):
+                loaded.append(path)
+    loaded += [str(p) for n in names for p in Path(torch.__file__).parent.glob(f"lib/{n}*")]
+    for path in dict.fromkeys(loaded):
+        try:
+            return ctypes.CDLL(path).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def sample_rows(
