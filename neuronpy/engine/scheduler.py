@@ -572,7 +572,7 @@ class Scheduler:
 
     def stats(self, healthy: bool) -> EngineStats:
         """The counters and the queues' sizes now. Meant for the engine's thread; another
-        thread (a test's sampler) may read it too: the table's lists are copied in one step."""
+        thread may read it too: the table's lists are copied in one step."""
         c, table = self.counters, self.table
         counts = {k: v for k, v in vars(c).items() if not isinstance(v, dict)}
         running, prefilling, waiting = table.running, table.prefilling, table.waiting

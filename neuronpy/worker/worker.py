@@ -285,7 +285,8 @@ class DeviceWorker:
         if not job.logits:
             return PrefillResult(job.snapshot_id, snapshot.length, None, **cached)
         logits = self.model.logits(last).to("cpu")
-        argmax = int(torch.argmax(logits)) if job.argmax else None
+        # (a tensor-parallel follower's head computes no logits: it answers no argmax either)
+        argmax = int(torch.argmax(logits)) if job.argmax and logits.numel() else None
         return PrefillResult(job.snapshot_id, snapshot.length, logits, argmax, **cached)
 
     def _cache_snapshots(self, job: CacheKvSnapshots) -> CacheResult:
@@ -413,7 +414,7 @@ class DeviceWorker:
                 )
             )
         logits = self.model.logits(hidden).to("cpu")
-        argmax = tuple(logits.argmax(dim=-1).tolist()) if job.argmax else ()
+        argmax = tuple(logits.argmax(dim=-1).tolist()) if job.argmax and logits.numel() else ()
         return ForwardResult(logits, prefilled, argmax)
 
     def _extract(self, job: ExtractKvRows) -> ExtractResult:
