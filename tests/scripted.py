@@ -120,17 +120,30 @@ class Scripts:
                 self._by_slot[slot.id] = found[0] if found else None
             return self._by_slot[slot.id]
 
-        def scripted(slots: Sequence[Any], logits: torch.Tensor, argmax: Any = None) -> Any:
+        def forced(slots: Sequence[Any], logits: torch.Tensor, counts: Sequence[int]) -> Any:
+            """`logits` with each scripted slot's tokens raised above their rows' maximum: slot
+            b's counts[b] rows in turn (a verify step's: its token, then each draft) get the
+            script's next tokens, or None when no slot has a script."""
             scripts = [script_of(slot) for slot in slots]
             if not any(scripts):
-                return sample(slots, logits, argmax)
+                return None
             logits = logits.clone()
-            for row, (slot, script) in enumerate(zip(slots, scripts, strict=True)):
-                # (the engine appends the token after sampling)
-                step = len(requests[slot.id].output_ids)
-                if script is not None and step < len(script):
-                    logits[row, script[step]] = logits[row].max() + FORCE
-            return sample(slots, logits)  # (the argmax the worker answered is not the script's)
+            at = 0
+            for slot, script, count in zip(slots, scripts, counts, strict=True):
+                for j in range(count):
+                    # (the engine appends the tokens after sampling)
+                    step = len(requests[slot.id].output_ids) + j
+                    if script is not None and step < len(script):
+                        logits[at + j, script[step]] = logits[at + j].max() + FORCE
+                at += count
+            return logits
+
+        def scripted(slots: Sequence[Any], logits: torch.Tensor, argmax: Any = None) -> Any:
+            scripted_logits = forced(slots, logits, [1] * len(slots))
+            if scripted_logits is None:
+                return sample(slots, logits, argmax)
+            # (the argmax the worker answered is not the script's)
+            return sample(slots, scripted_logits)
 
         def scripted_verify(
             slots: Sequence[Any],
@@ -140,18 +153,10 @@ class Scripts:
         ) -> Any:
             """A verify step (drafts, or the tokens a grammar forces) holds row b's 1 +
             len(drafts[b]) logits rows in turn: each gets its place's scripted token."""
-            scripts = [script_of(slot) for slot in slots]
-            if not any(scripts):
+            scripted_logits = forced(slots, logits, [1 + len(d) for d in drafts])
+            if scripted_logits is None:
                 return verify(slots, logits, drafts, argmax)
-            logits = logits.clone()
-            at = 0
-            for slot, script, row_drafts in zip(slots, scripts, drafts, strict=True):
-                for j in range(1 + len(row_drafts)):
-                    step = len(requests[slot.id].output_ids) + j
-                    if script is not None and step < len(script):
-                        logits[at + j, script[step]] = logits[at + j].max() + FORCE
-                at += 1 + len(row_drafts)
-            return verify(slots, logits, drafts)
+            return verify(slots, scripted_logits, drafts)
 
         async def held(slots: Sequence[RowRef]) -> None:
             for slot in slots:

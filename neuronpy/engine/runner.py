@@ -182,8 +182,7 @@ class Runner:
         by its sampler; `argmax`: each row's, as the job answered it (a plain greedy row's
         token then costs this thread no tensor operation). A request done by now gets no
         token; one whose sampler raises gets none either, and its error (see `_sampled`)."""
-        serial_ops_here()
-        samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
+        samplers = self._samplers_of(requests)
         return self._collect(requests, lambda errors: sample_rows(samplers, logits, errors, argmax))
 
     def verify(
@@ -195,11 +194,16 @@ class Runner:
     ) -> list[tuple[int, ...] | None]:
         """Each request's emitted tokens from a verify step's logits ([N, vocab]: row b's
         1 + len(drafts[b]) rows in turn), as `sample` samples."""
-        serial_ops_here()
-        samplers = tuple(None if r.done else self.samplers[r.id] for r in requests)
+        samplers = self._samplers_of(requests)
         return self._collect(
             requests, lambda errors: verify_rows(samplers, logits, drafts, errors, argmax)
         )
+
+    def _samplers_of(self, requests: Sequence[RowRef]) -> tuple[Sampler | None, ...]:
+        """The requests' samplers (None: done by now), to run on this thread, whose tensor
+        operations then run on it alone (see serial_ops_here)."""
+        serial_ops_here()
+        return tuple(None if r.done else self.samplers[r.id] for r in requests)
 
     def _collect(self, requests: Sequence[RowRef], run: Callable[[dict[int, Exception]], T]) -> T:
         """Runs `run(errors)`, keeping the rows' errors by request."""

@@ -276,17 +276,20 @@ def _omp_set_num_threads() -> ctypes._CFuncPtr | None:
     """The OpenMP runtime's omp_set_num_threads, of the runtime torch runs on (None: none
     found, as in a build without OpenMP)."""
     names = ("libgomp", "libomp", "libiomp5")
+    own = Path(torch.__file__).parent / "lib"
     loaded = []
     maps = Path("/proc/self/maps")
     if maps.exists():
         for line in maps.read_text().splitlines():
-            path = line.rsplit(" ", 1)[-1]
-            if any(Path(path).name.startswith(n) for n in names):
+            path = Path(line.rsplit(" ", 1)[-1])
+            if any(path.name.startswith(n) for n in names):
                 loaded.append(path)
-    loaded += [str(p) for n in names for p in Path(torch.__file__).parent.glob(f"lib/{n}*")]
+    # torch's own runtime first, where it ships one (another library's may be loaded too)
+    loaded.sort(key=lambda path: path.parent != own)
+    loaded += [p for n in names for p in own.glob(f"{n}*")]
     for path in dict.fromkeys(loaded):
         try:
-            return ctypes.CDLL(path).omp_set_num_threads
+            return ctypes.CDLL(str(path)).omp_set_num_threads
         except (OSError, AttributeError):
             continue
     return None

@@ -64,15 +64,19 @@ class DraftBatch:
         lasts = torch.tensor(counts, device=model.device).cumsum(0) - 1
         steps = max(job.lengths)
         drafts: list[list[int]] = [[] for _ in job.keys]
-        sampling = job.sampling or (None,) * n
-        generators = [None if s is None else generator_of(s.seed) for s in sampling]
+        # the sampled rows: each its truncation and its own generator for this job
+        sampled = [
+            (b, how.truncation, generator_of(how.seed))
+            for b, how in enumerate(job.sampling)
+            if how is not None
+        ]
         probs: list[list[torch.Tensor]] = [[] for _ in job.keys]
         for step in range(steps):
             logits = model.logits(hidden[lasts] if step == 0 else hidden).to("cpu")
             tokens = logits.argmax(dim=-1).tolist()
-            for b, (how, generator) in enumerate(zip(sampling, generators, strict=True)):
-                if how is not None and generator is not None and step < job.lengths[b]:
-                    q = distribution(logits[b].to(torch.float32, copy=True), how.truncation)
+            for b, truncation, generator in sampled:
+                if step < job.lengths[b]:
+                    q = distribution(logits[b].to(torch.float32, copy=True), truncation)
                     probs[b].append(q)
                     tokens[b] = draw(q, generator)
             for row, token in zip(drafts, tokens, strict=True):
