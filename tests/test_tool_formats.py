@@ -600,6 +600,23 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(FIXTURES / MODEL)
 
 
+@pytest.fixture(scope="module")
+def vocabulary(tokenizer: Any) -> tuple[Any, Any, torch.Tensor]:
+    """The fixture's tokenizer as xgrammar sees it, a grammar compiler over it, and which
+    tokens' text holds a character that closes a string or an object (CLOSERS)."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
+    texts = [tokenizer.decode([t]) for t in range(info.vocab_size)]
+    closing = torch.tensor([any(c in text for c in CLOSERS) for text in texts])
+    return info, xgr.GrammarCompiler(info), closing
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A matcher's filled bitmask (one row of int32 words, token t at bit t % 32 of word
+    t // 32) as one bool per token."""
+    bits = (bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab_size].bool()
+
+
 SCHEMA_TOOLS = [
     {
         "name": "get_weather",
@@ -617,14 +634,14 @@ CLOSERS = ('"', "<", "}", "]")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_forced_tool_choice_writes_calls_the_format_reads_back(fmt: str, tokenizer: Any) -> None:
+def test_a_forced_tool_choice_writes_calls_the_format_reads_back(
+    fmt: str, tokenizer: Any, vocabulary: tuple[Any, Any, torch.Tensor]
+) -> None:
     """Seeded random walks through the grammar of tool_choice "required" (and of one call):
     whatever the model picks among the tokens it allows, the text is read back as calls of
     the given tools, their JSON arguments valid (FunctionGemma's: its notation's keys)."""
-    info = xgr.TokenizerInfo.from_huggingface(tokenizer)
-    compiler = xgr.GrammarCompiler(info)
+    info, compiler, closing = vocabulary
     eos = tokenizer.eos_token_id
-    texts = [tokenizer.decode([t]) for t in range(info.vocab_size)]
     for parallel in (True, False):
         spec = {"tools": SCHEMA_TOOLS, "parallel": parallel, "format": fmt}
         grammar = compiler.compile_grammar(grammar_of(Constraint("tools", json.dumps(spec))))
@@ -636,11 +653,11 @@ def test_a_forced_tool_choice_writes_calls_the_format_reads_back(fmt: str, token
             while not matcher.is_terminated():
                 assert len(ids) < 600, tokenizer.decode(ids)
                 matcher.fill_next_token_bitmask(mask)
-                allowed = torch.nonzero(xgr.testing.bitmask_to_bool_mask(mask, info.vocab_size)[0])
-                choices = allowed.flatten().tolist()
+                allowed = allowed_tokens(mask, info.vocab_size)
+                choices = torch.nonzero(allowed).flatten().tolist()
                 # end where it may, and close strings and objects often: the walk stays short
-                closers = [t for t in choices if any(c in texts[t] for c in CLOSERS)]
-                if eos in choices:
+                closers = torch.nonzero(allowed & closing).flatten().tolist()
+                if allowed[eos]:
                     token = eos
                 else:
                     token = rng.choice(closers if closers and rng.random() < 0.5 else choices)
@@ -882,8 +899,12 @@ FORCED = {"tools": SHORT, "tool_choice": "required", "parallel_tool_calls": Fals
 
 @pytest.fixture(scope="module")
 def format_servers(tokenizer: Any) -> Iterator[dict[str, ToolServer]]:
+    # a model per format, all served at once: eager (the formats are text; compiling each
+    # copy of the one fixture would cost seconds of tracing apiece)
     models = {
-        name: engine_loader(FIXTURES / MODEL, tool_call_parser=fmt, reasoning_parser="none")
+        name: engine_loader(
+            FIXTURES / MODEL, tool_call_parser=fmt, reasoning_parser="none", compile="off"
+        )
         for name, fmt in SERVED.items()
     }
     with run_server(models) as server:
