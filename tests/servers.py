@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,21 +173,37 @@ def open_streams(
     timeout: float = 60,
 ) -> list[Iterator[str]]:
     """`n` streamed chat requests kept open on `stack` (a stream let go cancels its request),
-    the i-th asking "{i} {key}" as `x-request-id` "{label}{i}"; `wait`: each has answered its
-    first line (it runs) before the next is sent. Their readers, to read on."""
-    readers = []
-    for i in range(n):
+    the i-th asking "{i} {key}" as `x-request-id` "{label}{i}". `wait`: each has answered its
+    first line (it runs) before the next is sent; else all are sent at once (a stream's
+    headers come with its first token, which may wait for the others). Their readers."""
+
+    def stream(i: int) -> contextlib.AbstractContextManager[httpx.Response]:
         sent = {**body, "messages": [{"role": "user", "content": f"{i} {key}"}]}
-        stream = stack.enter_context(
-            httpx.stream(
-                "POST",
-                f"{server.v1}/chat/completions",
-                json=sent,
-                headers={"x-request-id": f"{label}{i}"},
-                timeout=timeout,
-            )
+        return httpx.stream(
+            "POST",
+            f"{server.v1}/chat/completions",
+            json=sent,
+            headers={"x-request-id": f"{label}{i}"},
+            timeout=timeout,
         )
-        readers.append(stream.iter_lines())
-        if wait:
+
+    if wait:
+        readers = []
+        for i in range(n):
+            readers.append(stack.enter_context(stream(i)).iter_lines())
             next(readers[-1])
-    return readers
+        return readers
+    streams = [stream(i) for i in range(n)]
+    with ThreadPoolExecutor(n) as pool:
+        entering = [pool.submit(s.__enter__) for s in streams]
+    failed = None
+    responses = []
+    for s, entered in zip(streams, entering, strict=True):
+        try:
+            responses.append(entered.result())
+            stack.push(s.__exit__)
+        except Exception as exc:  # (the others still closed by the stack)
+            failed = failed or exc
+    if failed is not None:
+        raise failed
+    return [response.iter_lines() for response in responses]

@@ -444,6 +444,7 @@ def cli_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
             log = tmp_path_factory.mktemp(name) / "server.log"
             command = [sys.executable, "-m", "neuronpy", "serve", "--model", str(TINY_LLAMA)]
             command += ["--port", str(port), "--drain-timeout", str(DRAINS[name]), *extra]
+            command += ["--compile", "off"]  # (what is tested is the server's, not the layers')
             with log.open("wb") as out:
                 process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
             servers[name] = CliServer(process, f"http://127.0.0.1:{port}", log)
@@ -627,6 +628,7 @@ def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
     command = [sys.executable, "-m", "neuronpy", "serve", "--model", str(TINY_LLAMA)]
     command += ["--port", str(port), "--header-timeout", str(HEAD_TIMEOUT)]
     command += ["--body-timeout", str(BODY_TIMEOUT), "--limit-concurrency", str(CONCURRENCY)]
+    command += ["--compile", "off"]  # (what is tested is the server's, not the layers')
     with log.open("wb") as out:
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     server = CliServer(process, f"http://127.0.0.1:{port}", log)
