@@ -29,6 +29,10 @@ def pytest_configure(config: pytest.Config) -> None:
         # teams beyond the cores sleep and wake on every operation (docs/architecture.md)
         share = str(max(1, _cores() // workers))
         os.environ.setdefault("OMP_NUM_THREADS", share)
+        # and the compiler its C++ in the worker's own process: a pool of compile processes
+        # (inductor's default, one per core) costs each worker and server process a start-up
+        # of its own, for parallelism the other workers already take
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", share)
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

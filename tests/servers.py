@@ -78,7 +78,8 @@ def engine_loader(
         return pooled_engine(  # (its model built and compiled once for the suite: factories.py)
             weights.hf_model,
             weights.tokenizer,
-            key=(str(model_dir), dtype),
+            # (a fixture's key as make_engine's: one build serves both)
+            key=(model_dir.name if model_dir.parent == FIXTURES else str(model_dir), dtype),
             name=weights.name,
             config=EngineConfig(**config),
         )
