@@ -51,26 +51,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-# The modules that take longest, first: the workers take a module at a time in this order, so a
-# long one started last would leave the other worker idle until it ends.
-LONGEST = (
-    "test_default_model.py",  # (slow)
-    "test_router.py",  # (soak)
-    "test_compile.py",
-    "test_web.py",
-    "test_served_families.py",
-    "test_quantized.py",
-    "test_engine_process.py",
-    "test_fuzz_bodies.py",
-    "test_bench.py",
-    "test_reliability.py",
-    "test_speculative.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST)))  # (stable: else as found)
     if config.getoption("--all"):
         return
     named = config.getoption("markexpr") or ""
