@@ -67,6 +67,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 break
 
 
+@pytest.fixture(autouse=True)
+def _seeded_torch() -> None:
+    """torch's global generator seeded before each test: a test's unseeded draws (torch.randn)
+    are the same whatever ran before it in its worker, so a tolerance holds or fails alike in
+    every order."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     # the server runs on asyncio (uvicorn); the engine is tested on the same backend
