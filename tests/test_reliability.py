@@ -420,6 +420,35 @@ class CliServer:
     url: str
     log: Path
 
+    @classmethod
+    def start(cls, log: Path, *flags: str) -> CliServer:
+        """Starts one on a free port with `flags`, its output in `log`. Eager: what these tests
+        test is the server's, not the layers'."""
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [sys.executable, "-m", "neuronpy", "serve", "--model", str(TINY_LLAMA)]
+        command += ["--port", str(port), "--compile", "off", *flags]
+        with log.open("wb") as out:
+            process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        return cls(process, f"http://127.0.0.1:{port}", log)
+
+    def wait_healthy(self, deadline: float) -> None:
+        """Until its /health answers 200; fails the test if it exits first or `deadline` (of
+        time.monotonic) passes."""
+        while True:
+            assert self.process.poll() is None, self.log_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            assert time.monotonic() < deadline, "the server never became healthy"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
@@ -438,31 +467,15 @@ def cli_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     servers: dict[str, CliServer] = {}
     try:
         for name, extra in flags.items():
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
             log = tmp_path_factory.mktemp(name) / "server.log"
-            command = [sys.executable, "-m", "neuronpy", "serve", "--model", str(TINY_LLAMA)]
-            command += ["--port", str(port), "--drain-timeout", str(DRAINS[name]), *extra]
-            command += ["--compile", "off"]  # (what is tested is the server's, not the layers')
-            with log.open("wb") as out:
-                process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-            servers[name] = CliServer(process, f"http://127.0.0.1:{port}", log)
+            servers[name] = CliServer.start(log, "--drain-timeout", str(DRAINS[name]), *extra)
         deadline = time.monotonic() + 180
         for server in servers.values():
-            while True:
-                assert server.process.poll() is None, server.log_text()
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "the server never became healthy"
-                time.sleep(0.1)
+            server.wait_healthy(deadline)
         yield servers
     finally:
         for server in servers.values():
-            if server.process.poll() is None:
-                server.process.kill()
-                server.process.wait()
+            server.stop()
 
 
 @pytest.mark.anyio
@@ -621,30 +634,16 @@ def trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> None:
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CliServer]:
     """`neuronpy serve` with short head and body deadlines and a concurrency limit of 2."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = tmp_path_factory.mktemp("guarded") / "server.log"
-    command = [sys.executable, "-m", "neuronpy", "serve", "--model", str(TINY_LLAMA)]
-    command += ["--port", str(port), "--header-timeout", str(HEAD_TIMEOUT)]
-    command += ["--body-timeout", str(BODY_TIMEOUT), "--limit-concurrency", str(CONCURRENCY)]
-    command += ["--compile", "off"]  # (what is tested is the server's, not the layers')
-    with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    server = CliServer(process, f"http://127.0.0.1:{port}", log)
+    server = CliServer.start(
+        tmp_path_factory.mktemp("guarded") / "server.log",
+        *("--header-timeout", str(HEAD_TIMEOUT), "--body-timeout", str(BODY_TIMEOUT)),
+        *("--limit-concurrency", str(CONCURRENCY)),
+    )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, server.log_text()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "the server never became healthy"
-            time.sleep(0.1)
+        server.wait_healthy(time.monotonic() + 180)
         yield server
     finally:
-        process.kill()
-        process.wait()
+        server.stop()
 
 
 def completion(url: str) -> httpx.Response:
