@@ -161,13 +161,13 @@ def test_int8_weight_layer_matches_and_rows_stand_alone() -> None:
     assert isinstance(lin, Int8WeightLinear)
     # its weights: each channel within half a step of the float ones
     quantized = ChannelQuant.from_float(w)
-    step = quantized.scale.float().reshape(-1, 1)
-    assert ((quantized.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    dequantized, step = quantized.dequantize(), quantized.scale.float().reshape(-1, 1)
+    assert ((dequantized - w).abs() <= step / 2 + 1e-6).all()
     # its product: those weights times bf16 rows (what the kernel takes), seeded inputs (the
     # float weights' own product differs by their rounding, ~2% of the largest output)
     x = torch.randn(33, 64, generator=torch.Generator().manual_seed(0))
     y = lin(x)
-    ref = F.linear(x.bfloat16().float(), quantized.dequantize())
+    ref = F.linear(x.bfloat16().float(), dequantized)
     assert (y - ref).abs().max() < 0.01 * ref.abs().max()
     for m in (1, 2, 5, 16, 32):
         assert torch.equal(lin(x[:m]), y[:m])
