@@ -18,6 +18,7 @@ import torch
 from neuronpy.arch.gguf import GGUFCheckpoint, read_index
 from neuronpy.arch.llama import LlamaModel, measure_input_ranges
 from neuronpy.arch.stored import StoredCheckpoint
+from neuronpy.arch.vision import VisionTower
 from neuronpy.config import EngineConfig, ModelSpec
 from neuronpy.defaults import WEIGHT_ONLY_MODES
 from neuronpy.engine.embeddings import Pooling
@@ -28,6 +29,7 @@ from neuronpy.loading import (
     gguf_spec,
     load_gguf_checkpoint,
     load_pretrained,
+    load_processor,
     load_stored_checkpoint,
     packed_experts,
     resolve_device,
@@ -125,6 +127,11 @@ def engine_over(
             ", normalized" if pooling.normalize else "",
             pooling.source,
         )
+    processor = load_processor(source)
+    vision = None
+    if processor is not None:
+        vision = VisionTower(source)
+        log.info("%s: reads images (%s vision tower)", name, _mib(vision.nbytes))
     return Engine(
         model,
         tokenizer,
@@ -132,10 +139,11 @@ def engine_over(
         config=config,
         eos_token_ids=eos_token_ids(source, tokenizer),
         fingerprint=_fingerprint(source, config.quantize),
-        worker=DeviceWorker(model, name, config.prefill_chunk, draft),
+        worker=DeviceWorker(model, name, config.prefill_chunk, draft, vision),
         task=task,
         pooling=pooling,
         source=source_facts(source),
+        processor=processor,
     )
 
 

@@ -34,6 +34,7 @@ from neuronpy.arch.gguf import (
 )
 from neuronpy.arch.linear import native_bf16
 from neuronpy.arch.stored import StoredCheckpoint
+from neuronpy.arch.weights import is_vision_language
 from neuronpy.errors import ModelLoadError
 from neuronpy.gguf_metadata import read_gguf_metadata
 
@@ -386,7 +387,15 @@ def _from_pretrained(
     try:
         with _TRANSFORMERS:
             tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, **kwargs)
-            model = transformers.AutoModelForCausalLM.from_pretrained(
+            config = transformers.AutoConfig.from_pretrained(model_dir, **kwargs)
+            # a vision-language model: the whole of it (its language model is read out of it,
+            # its vision tower encodes the prompts' images)
+            auto = (
+                transformers.AutoModelForImageTextToText
+                if is_vision_language(config)
+                else transformers.AutoModelForCausalLM
+            )
+            model = auto.from_pretrained(
                 model_dir, dtype=torch_dtype, **kwargs, **_dequantizing(model_dir, **kwargs)
             )
     except Exception as exc:  # transformers and huggingface_hub raise many types; one message
@@ -440,6 +449,21 @@ def load_stored_checkpoint(
     )
     log(f"reading {path} as stored ({torch_dtype}): its packed experts one at a time")
     return checkpoint, tokenizer, path.resolve().name
+
+
+def load_processor(hf_model: Any) -> Any:
+    """A vision-language model's processor (transformers': its images' preprocessing and its
+    prompts' placeholder tokens), read from where the model was; None for other models.
+    Raises ModelLoadError when a vision-language model has none."""
+    if not is_vision_language(getattr(hf_model, "config", None)):
+        return None
+    where = hf_model.name_or_path
+    try:
+        with _TRANSFORMERS:
+            return transformers.AutoProcessor.from_pretrained(where)
+    except Exception as exc:  # (as _from_pretrained: one message for many types)
+        reason = _reason(exc)
+        raise ModelLoadError(f"could not load the image processor of '{where}': {reason}") from exc
 
 
 def _dequantizing(model_dir: str, **kwargs: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ sequence's. The caches are indexed by a layer's place among the attention layers
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -97,6 +97,8 @@ class PrefillChunk:
     reserve: int = 0
     extend: bool = False
     capture: int | None = None  # keep the fixed-size states after this many tokens too
+    # the rows of the images whose media ids the tokens hold, by image number (see prefill)
+    media: Mapping[int, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,12 @@ from neuronpy.arch.weights import (
 )
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.envflags import env_flag
+from neuronpy.media import split_media_id
 
 # projections per layer in the compiled graph's numbering (see LlamaModel._linear)
+# rows of a forward whose input is given rather than looked up: (row indexes [K], inputs
+# [K, hidden]) (see `LlamaModel._run`)
+Inserts = tuple[torch.Tensor, torch.Tensor]
 SLOTS = 5
 # leading logits of a row a quantized tied head recomputes in fp32 (see LlamaModel._refine)
 REFINED_LOGITS = 16
@@ -240,23 +244,31 @@ class LlamaModel:
     # ---- the layers: one loop for every forward (prefill chunks, decode and verify steps) ---
 
     def _run(
-        self, ids: torch.Tensor, positions: torch.Tensor, attention: Attention
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: Attention,
+        inserts: Inserts | None = None,
     ) -> torch.Tensor:
         """Every token through every layer: ids, positions [N] -> final-normed hidden
         [N, hidden]. Each linear layer runs once over all N tokens (a decode step's rows and
         the tokens of the prompt chunks prefilled with it, together); `attention` says what
-        each token attends to, and where its K/V go. Compiled (see `compile`) or eager: the
-        same code, the same math."""
+        each token attends to, and where its K/V go. `inserts`: rows whose input is given
+        (an image's, from the vision tower) in place of their token's embedding. Compiled
+        (see `compile`) or eager: the same code, the same math."""
+        x = self._embed(ids)  # [N, hidden] (outside the graph: inserts replace its rows)
+        if inserts is not None:
+            x[inserts[0]] = inserts[1]
         self._attention = attention
         try:
             if self._compiled is None:
-                return self._layers(ids, positions)
+                return self._layers(x, positions)
             n = ids.shape[0]
             if n == 1:  # the graph takes two tokens or more: a lone token runs with a copy
-                ids, positions = ids.repeat(2), positions.repeat(2)
+                x, positions = x.repeat(2, 1), positions.repeat(2)
             # (the graph's guards tell inference tensors from others: one kind, one graph)
-            ids, positions = (t if t.is_inference() else t.clone() for t in (ids, positions))
-            return self._compiled(ids, positions)[:n]
+            x, positions = (t if t.is_inference() else t.clone() for t in (x, positions))
+            return self._compiled(x, positions)[:n]
         finally:
             self._attention = None
 
@@ -297,8 +309,8 @@ class LlamaModel:
             # AOTAutograd has traced it, so every start, warm ones too, would trace the layers
             # twice and miss AOTAutograd's cache once (the first attempt's key gets no entry)
             with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode():
-                ids = torch.zeros(2, dtype=torch.long, device=self.device)
-                compiled(ids, torch.arange(2, device=self.device))  # traced and compiled here
+                x = self._embed(torch.zeros(2, dtype=torch.long, device=self.device))
+                compiled(x, torch.arange(2, device=self.device))  # traced and compiled here
         finally:
             self._attention = None
         self._compiled = compiled
@@ -341,11 +353,10 @@ class LlamaModel:
         assert self._attention is not None, "no forward is running"
         return self._attention
 
-    def _layers(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         c = self.config
         # cos/sin [N, rotary_dim] of each RoPE the layers use, once per forward
         tables = [rope_cos_sin(f, scale, positions, self.dtype) for f, scale in self.ropes]
-        x = self._embed(ids)  # [N, hidden]
         for layer, lw in enumerate(self.layers):
             if lw.mixer is not None:  # a fixed-size-state layer: its own projections
                 out = self._mix(layer, rms_norm(x, lw.input_norm, c.rms_norm_eps))
@@ -637,6 +648,7 @@ class LlamaModel:
         reserve: int = 0,
         extend: bool = False,
         capture: int | None = None,
+        media: Mapping[int, torch.Tensor] | None = None,
     ) -> tuple[KvSnapshot, torch.Tensor]:
         """Runs one sequence's new tokens (after `past`, if given) in chunks of `chunk_size`.
 
@@ -647,6 +659,8 @@ class LlamaModel:
         `capture`: a token count at which the fixed-size states are kept too (the snapshot's
         `checkpoint`), for the prefix cache. (With fixed-size states, chunks of a multiple of
         STATE_BLOCK give the same bits as one chunk; others differ in the last bits.)
+        `media`: the rows of the images whose media ids (neuronpy/media.py) the tokens hold,
+        by image number (VisionTower.encode's).
         """
         c = self.config
         new = list(token_ids)
@@ -659,19 +673,40 @@ class LlamaModel:
         dev = self.device
         keys, values = self._kv_buffers(past, total, reserve, extend)
         states = self._state_buffers(past, extend)
-        ids = torch.tensor(new, dtype=torch.long, device=dev)
+        ids, inserts = self._token_inputs(new, media)
         hidden_out = []
         checkpoint = _kept(states, start) if capture == start and self.has_states else None
         for lo in range(0, len(new), chunk_size):
             hi = min(lo + chunk_size, len(new))
             a, b = start + lo, start + hi  # absolute columns of this chunk
             chunk = self._sequence_attention(keys, values, a, b, states, capture)
-            hidden_out.append(self._run(ids[lo:hi], torch.arange(a, b, device=dev), chunk))
+            part = _inserts_within(inserts, lo, hi)
+            hidden_out.append(self._run(ids[lo:hi], torch.arange(a, b, device=dev), chunk, part))
             if chunk.capture is not None:
                 checkpoint = chunk.capture
             elif capture == b and self.has_states:
                 checkpoint = _kept(states, b)
         return snapshot_of(keys, values, past, new, states, checkpoint), torch.cat(hidden_out)
+
+    def _token_inputs(
+        self, tokens: Sequence[int], media: Mapping[int, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, Inserts | None]:
+        """Token ids [N] for the embedding, and the rows an image's tower output takes (its
+        media ids, resolved through `media`; their ids become 0)."""
+        if min(tokens) >= 0:
+            return torch.tensor(tokens, dtype=torch.long, device=self.device), None
+        rows, values = [], []
+        for i, t in enumerate(tokens):
+            if t < 0:
+                number, j = split_media_id(t)
+                found = None if media is None else media.get(number)
+                if found is None or j >= found.shape[0]:
+                    raise ValueError("a media id in the tokens names no image row given")
+                rows.append(i)
+                values.append(found[j])
+        ids = torch.tensor([max(t, 0) for t in tokens], dtype=torch.long, device=self.device)
+        where = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return ids, (where, torch.stack(values).to(self.device, self.dtype))
 
     def _state_buffers(self, past: KvSnapshot | None, extend: bool) -> list[States]:
         """The fixed-size states a sequence's next tokens advance: past's own when `extend`
@@ -825,6 +860,7 @@ class LlamaModel:
         ids = [flat_tokens]
         spans: list[SequenceAttention] = []  # each chunk's
         kept: list[tuple[int, list[States]] | None] = []  # states kept at a chunk's start
+        inserts: list[Inserts] = []  # the chunks' image rows, by their row in the forward
         for chunk in chunks:
             new = list(chunk.token_ids)
             start = chunk.past.length if chunk.past is not None else 0
@@ -836,13 +872,20 @@ class LlamaModel:
             at_start = chunk.capture == start and self.has_states
             kept.append(_kept(states, start) if at_start else None)
             positions.append(torch.arange(start, total, device=self.device))
-            ids.append(torch.tensor(new, dtype=torch.long, device=self.device))
+            chunk_ids, chunk_inserts = self._token_inputs(new, chunk.media)
+            if chunk_inserts is not None:
+                at_row = sum(int(t.shape[0]) for t in ids)
+                inserts.append((chunk_inserts[0] + at_row, chunk_inserts[1]))
+            ids.append(chunk_ids)
             spans.append(
                 self._sequence_attention(keys, values, start, total, states, chunk.capture)
             )
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
         flat = torch.cat(ids) if len(ids) > 1 else ids[0]
-        hidden = self._run(flat, rows, StepAttention(steps, spans))  # [N + n, hidden]
+        given = None
+        if inserts:
+            given = (torch.cat([i[0] for i in inserts]), torch.cat([i[1] for i in inserts]))
+        hidden = self._run(flat, rows, StepAttention(steps, spans), given)  # [N + n, hidden]
         for step in steps:
             step.advance()
         at = 0
@@ -1000,3 +1043,14 @@ def _pad_rows(out: torch.Tensor, rows: int) -> torch.Tensor:
     if rows == out.shape[0]:
         return out
     return torch.cat((out, out.new_zeros(rows - out.shape[0], out.shape[1])))
+
+
+def _inserts_within(inserts: Inserts | None, lo: int, hi: int) -> Inserts | None:
+    """The inserts of rows [lo, hi), their rows counted from lo."""
+    if inserts is None:
+        return None
+    rows, values = inserts
+    keep = (rows >= lo) & (rows < hi)
+    if not bool(keep.any()):
+        return None
+    return rows[keep] - lo, values[keep]

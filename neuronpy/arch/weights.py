@@ -14,6 +14,7 @@ replicated (arch/moe.py).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -134,6 +135,39 @@ class HFCheckpoint:
         return name in self._params
 
 
+# the submodule names of transformers' vision-language models' language model (their
+# `get_decoder()`), which their checkpoints' text weights live under
+LANGUAGE_MODELS = ("language_model", "text_model")
+
+
+def is_vision_language(config: Any) -> bool:
+    """Whether a transformers config is a vision-language model's (a text and a vision part)."""
+    return getattr(config, "vision_config", None) is not None and hasattr(config, "text_config")
+
+
+class LanguageModelCheckpoint(HFCheckpoint):
+    """A loaded vision-language model's language model under the names a `*ForCausalLM` gives
+    it (`model.layers.0...`, `lm_head.weight`): the checkpoint neuronpy's layers are built
+    from. Its config is the text config (tied as the whole model ties its head)."""
+
+    def __init__(self, hf_model: Any) -> None:
+        super().__init__(hf_model)
+        inner = hf_model.model
+        name = next(n for n in LANGUAGE_MODELS if getattr(inner, n, None) is not None)
+        prefix = f"model.{name}."
+        params = {
+            "model." + k.removeprefix(prefix): v
+            for k, v in self._params.items()
+            if k.startswith(prefix)
+        }
+        params.update({k: v for k, v in self._params.items() if k.startswith("lm_head.")})
+        self._params = params
+        config = copy.deepcopy(hf_model.config.text_config)
+        config.tie_word_embeddings = bool(getattr(hf_model.config, "tie_word_embeddings", False))
+        self.config = config
+        self.dtype = params["model.embed_tokens.weight"].dtype
+
+
 # model_type -> (transformers' Llama name, the family's own) for the parts named otherwise
 RENAMED = {
     "lfm2": (
@@ -174,7 +208,11 @@ class Renamed:
 
 def as_checkpoint(source: Any) -> Checkpoint:
     """A Checkpoint as it is; a transformers model wrapped in one."""
-    return source if hasattr(source, "get") and hasattr(source, "dtype") else HFCheckpoint(source)
+    if hasattr(source, "get") and hasattr(source, "dtype"):
+        return source
+    if is_vision_language(source.config):
+        return LanguageModelCheckpoint(source)
+    return HFCheckpoint(source)
 
 
 def input_absmax(hf_model: Any, token_ids: Sequence[int]) -> dict[str, torch.Tensor]:

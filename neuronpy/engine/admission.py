@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import InvalidRequestError
+from neuronpy.media import Prompt, check_media_ids, media_of
 
 
 def check_prompt(
@@ -18,6 +19,7 @@ def check_prompt(
     context_len: int,
     vocab_size: int,
     kv_budget_tokens: int = 0,
+    vision: bool = False,
 ) -> tuple[int, ...]:
     """The prompt as a tuple, or InvalidRequestError naming what does not fit: an empty prompt,
     ids out of the vocabulary, no room in the context for the prompt and max_tokens, a prompt
@@ -25,13 +27,22 @@ def check_prompt(
     vocabulary."""
     if not isinstance(params, SamplingParams):
         raise TypeError("params must be SamplingParams")
-    prompt = tuple(prompt_ids)
+    prompt = prompt_ids if isinstance(prompt_ids, Prompt) else tuple(prompt_ids)
     if not prompt:
         raise InvalidRequestError("the prompt is empty", "prompt")
+    media = media_of(prompt)
+    if media:
+        if not vision:
+            raise InvalidRequestError(f"model {name!r} reads no images", "prompt")
+        try:
+            check_media_ids(prompt, media)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), "prompt") from None
+    low = -(1 << 1000) if media else 0  # (media ids are negative: checked above)
     bad = [
         t
         for t in prompt
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
+        if isinstance(t, bool) or not isinstance(t, int) or not low <= t < vocab_size
     ]
     if bad:
         raise InvalidRequestError(
@@ -89,6 +100,7 @@ class Admission:
     grammar_stop_ids: frozenset[int]  # what ends a complete constrained reply
     sessions: bool  # whether requests may continue from and save into session files
     draft_model: bool  # whether a draft model drafts for this one
+    vision: bool = False  # whether it reads images (a vision-language model)
 
     def check(
         self,
@@ -133,6 +145,7 @@ class Admission:
             context_len=self.context_len,
             vocab_size=self.vocab_size,
             kv_budget_tokens=self.kv_budget_tokens,
+            vision=self.vision,
         )
 
     def copies(self, params: SamplingParams, n: int) -> list[SamplingParams]:

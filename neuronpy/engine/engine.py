@@ -104,6 +104,7 @@ class Engine(Generates):
         task: str = "generate",
         pooling: Pooling | None = None,
         source: tuple[int, str] = (0, ""),
+        processor: Any = None,
     ) -> None:
         """`worker`: the device worker to run jobs on (one driving other processes, for
         tensor parallelism); by default a DeviceWorker of its own over `model`. `fingerprint`:
@@ -111,8 +112,11 @@ class Engine(Generates):
         checkpoint's; by default a hash of the embeddings and norms). `task`: "generate"
         (generations, and embeddings of the hidden states) or "embed" (embeddings only);
         `pooling`: how embeddings pool (by default the last token's, normalized). `source`:
-        the checkpoint's parameter count and how it stores them (ModelFacts)."""
+        the checkpoint's parameter count and how it stores them (ModelFacts). `processor`: a
+        vision-language model's (transformers'): what turns a conversation's images into
+        the prompt's media (its worker then holds the vision tower)."""
         self.model = model
+        self.processor = processor
         self._source = source
         self.tokenizer = tokenizer
         self.name = name
@@ -192,6 +196,7 @@ class Engine(Generates):
             grammar_stop_ids=self.grammars.stop_ids,
             sessions=self._worker.supports_sessions,
             draft_model=self._worker.drafts is not None,
+            vision=getattr(self._worker, "vision", None) is not None,
         )
         if task not in ("generate", "embed", "rerank"):
             raise ValueError(f"task must be 'generate', 'embed' or 'rerank', got {task!r}")
@@ -375,7 +380,7 @@ class Engine(Generates):
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """What `submit` checks of a prompt and its parameters, without admitting anything:
         InvalidRequestError (too long for the context, ids outside the vocabulary, ...)."""
-        self._scheduler.validate(prompt_ids, params)
+        self.admission.check_prompt(prompt_ids, params)
 
     def _reasoning(self, prompt_ids: Sequence[int], params: SamplingParams) -> Reasoning | None:
         """The reply's reasoning block before its constraint, if it has both."""

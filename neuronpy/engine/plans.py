@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neuronpy.engine.types import SamplingParams, SessionRequest, TokenLogprob
+from neuronpy.media import Media
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class RowRef:
     stop_ids: frozenset[int]  # the tokens that end it (a draft is cut at one)
     session: SessionRequest | None = None
     done: bool = False  # its end was decided when planned: it gets no token
+    media: tuple[Media, ...] = ()  # the images its prompt's media ids name (neuronpy/media.py)
 
 
 # ---- drafting: what the scheduler asks of a proposer and what it answers

@@ -8,6 +8,7 @@ from typing import Any
 
 from neuronpy.defaults import REASONING_PARSERS
 from neuronpy.engine import harmony
+from neuronpy.media import text_ids
 
 # name -> (start marker, end marker). "think": Qwen3, QwQ, DeepSeek-R1 and their distills.
 # "harmony": gpt-oss's analysis message (its reply is read by engine/output.py's
@@ -58,5 +59,5 @@ def prompt_opens_reasoning(tokenizer: Any, prompt_ids: Sequence[int], parser: st
     parser, so no block). `tokenizer`: a transformers tokenizer (its last ids are decoded)."""
     if parser is None or not prompt_ids:
         return False
-    tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_IDS:]), skip_special_tokens=False)
+    tail = tokenizer.decode(text_ids(prompt_ids[-PROMPT_TAIL_IDS:]), skip_special_tokens=False)
     return opens_reasoning(tail, parser)

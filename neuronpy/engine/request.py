@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from neuronpy.engine.plans import RowRef
 from neuronpy.engine.speculative import Speculation
 from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest, TokenLogprob
+from neuronpy.media import Media
 
 
 class Cause(enum.Enum):
@@ -126,6 +127,8 @@ class Request:
     scheduled_at: float | None = None  # when it first left the queue for a row (monotonic)
     # its drafter and draft length, when it speculates (engine/speculative.py)
     speculation: Speculation | None = field(default=None, repr=False)
+    # the images its prompt's media ids name (neuronpy/media.py)
+    media: tuple[Media, ...] = field(default=(), repr=False)
 
     @property
     def done(self) -> bool:
@@ -166,7 +169,16 @@ class Request:
         """How a plan names it: frozen, as it is now."""
         prompt = len(self.prompt_ids)
         total = prompt + len(self.output_ids)
-        return RowRef(self.id, prompt, total, self.params, self.stop_ids, self.session, self.done)
+        return RowRef(
+            self.id,
+            prompt,
+            total,
+            self.params,
+            self.stop_ids,
+            self.session,
+            self.done,
+            self.media,
+        )
 
     def end(self, cause: Cause, error: str | None = None, param: str | None = None) -> None:
         """Decides how it ends; a later cause changes nothing."""

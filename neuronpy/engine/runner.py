@@ -312,6 +312,7 @@ class Runner:
             clone_ids=plan.clone_ids,
             logits=plan.last,
             argmax=plan.last and self._greedy(plan.sampled),
+            media=plan.row.media if min(plan.tokens) < 0 else (),
         )
 
     def _prefill_outcome(self, plan: PrefillPlan, result: PrefillResult) -> PrefillOutcome:

@@ -15,6 +15,7 @@ import torch
 
 from neuronpy.engine.grammar import Matcher
 from neuronpy.engine.types import SamplingParams, TokenLogprob
+from neuronpy.media import text_ids
 from neuronpy.worker.draw import DraftSampling, Truncation, distribution, draw, generator_of
 
 
@@ -36,7 +37,7 @@ class Sampler:
         allows, before anything else)."""
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-        prompt = [int(t) for t in prompt_ids]
+        prompt = text_ids([int(t) for t in prompt_ids])  # (an image's tokens as its placeholder)
         if any(t < 0 for t in prompt):
             raise ValueError("prompt ids must be non-negative")
         self.params = params

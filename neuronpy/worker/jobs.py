@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from neuronpy.media import Media
 from neuronpy.worker.draw import DraftSampling
 
 
@@ -39,6 +40,9 @@ class Prefill:
     # answer the logits' argmax too (the first token of a plain greedy request: the engine's
     # thread then runs no tensor operation for it)
     argmax: bool = False
+    # the images whose media ids the tokens hold (neuronpy/media.py): the worker encodes each
+    # with the model's vision tower, once while its rows stay cached
+    media: tuple[Media, ...] = ()
 
 
 @dataclass(frozen=True)

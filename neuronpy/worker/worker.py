@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -16,8 +17,10 @@ from neuronpy.arch.attention import PrefillChunk
 from neuronpy.arch.kv import BatchRow, KvBatch, KvSnapshot, KvSource, States, assemble_batch
 from neuronpy.arch.llama import LlamaModel
 from neuronpy.arch.mixer import STATE_BLOCK
+from neuronpy.arch.vision import VisionTower
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.errors import WorkerError
+from neuronpy.media import split_media_id
 from neuronpy.threads import start_in_own_thread
 from neuronpy.worker.drafting import DraftBatch
 from neuronpy.worker.jobs import (
@@ -56,6 +59,9 @@ from neuronpy.worker.session_files import SESSION_ERRORS, read_session, write_se
 
 log = logging.getLogger(__name__)
 
+# images whose vision-tower rows the worker keeps (a few MB each at most)
+MEDIA_CACHE = 32
+
 
 class DeviceWorker:
     """Runs jobs one at a time on its own thread; tensors never leave it but as CPU logits."""
@@ -71,10 +77,15 @@ class DeviceWorker:
         name: str = "model",
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         draft_model: LlamaModel | None = None,
+        vision: VisionTower | None = None,
     ) -> None:
         """`draft_model`: a smaller model of the same tokenizer, drafting for speculative
-        decoding (DraftTokens) in a lockstep batch of its own on this thread."""
+        decoding (DraftTokens) in a lockstep batch of its own on this thread. `vision`: a
+        vision-language model's image encoder, for the prompts that hold images."""
         self.model = model
+        self.vision = vision
+        # each image's rows, by image number, the most recently used last (MEDIA_CACHE kept)
+        self._media: OrderedDict[int, torch.Tensor] = OrderedDict()
         if model.has_states:  # a mixer's chunks are cut at STATE_BLOCK multiples: so are these
             prefill_chunk = -(-prefill_chunk // STATE_BLOCK) * STATE_BLOCK
         self.prefill_chunk = prefill_chunk
@@ -228,8 +239,39 @@ class DeviceWorker:
             reserve=job.reserve,
             extend=extend,
             capture=self._capture(job, parent),
+            media=self._media_rows(job),
         )
         return self._prefilled(job, snapshot, hidden[-1])
+
+    def _media_rows(self, job: Prefill) -> dict[int, torch.Tensor] | None:
+        """The rows of the images whose media ids the job's tokens hold, by image number:
+        encoded by the vision tower once, then kept while MEDIA_CACHE more recent ones are
+        not (a preempted request's second prefill, another request of the same image)."""
+        wanted = {split_media_id(t)[0] for t in job.token_ids if t < 0}
+        if not wanted:
+            return None
+        if self.vision is None:
+            raise WorkerError("this model reads no images")
+        given = {m.number: m for m in job.media}
+        rows = {}
+        for number in wanted:
+            found = self._media.get(number)
+            if found is None:
+                media = given.get(number)
+                if media is None:
+                    raise WorkerError("a prefill names an image it does not carry")
+                found = self.vision.encode(media.inputs)
+                if found.shape[0] != media.tokens:
+                    raise WorkerError(
+                        f"the vision tower gave {found.shape[0]} rows for an image of "
+                        f"{media.tokens} tokens"
+                    )
+                self._media[number] = found
+                while len(self._media) > MEDIA_CACHE:
+                    self._media.popitem(last=False)
+            self._media.move_to_end(number)
+            rows[number] = found
+        return rows
 
     def _capture(self, job: Prefill, parent: KvSnapshot | None) -> int | None:
         """Where a prefill keeps its fixed-size states for the prefix cache: the last
@@ -404,7 +446,8 @@ class DeviceWorker:
             for p in job.prefills:
                 parent, extend = self._prefill_parent(p)
                 capture = self._capture(p, parent)
-                chunks.append(PrefillChunk(p.token_ids, parent, p.reserve, extend, capture))
+                media = self._media_rows(p)
+                chunks.append(PrefillChunk(p.token_ids, parent, p.reserve, extend, capture, media))
             out = self.model.forward_step(self._batch, tokens, chunks, counts=counts)
             hidden = out.hidden
             prefilled = tuple(

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from neuronpy.engine.plans import DraftRow, Proposal, Proposals, ReleaseDrafts, Sampled
 from neuronpy.engine.request import Request
 from neuronpy.engine.speculative import SpeculativeConfig, share_budget
+from neuronpy.media import text_ids
 
 # a draft model steps, in its own lockstep batch, every row it holds whenever it drafts: a row
 # whose draft KV lags its context by more than this many tokens starts again from its whole
@@ -117,8 +118,9 @@ class DraftPlanner:
 
 
 def _context_from(request: Request, start: int) -> tuple[int, ...]:
-    """The request's context (prompt and output) from token `start` on."""
+    """The request's context (prompt and output) from token `start` on (an image's tokens as
+    token 0: a drafter reads text; what it drafts is verified)."""
     prompt = request.prompt_ids
     if start >= len(prompt):
         return tuple(request.output_ids[start - len(prompt) :])
-    return (*prompt[start:], *request.output_ids)
+    return (*text_ids(prompt[start:]), *request.output_ids)
