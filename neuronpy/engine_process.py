@@ -102,14 +102,16 @@ def start_engine_process(name: str, spec: ModelSpec) -> EngineClient:
         raise answer.error
     assert isinstance(answer, Ready)
     log.info("%s: its engine runs in process %d", name, process.pid)
-    return EngineClient(answer.info, answer.tokenizer, answer.status, ours, process)
+    return EngineClient(
+        answer.info, answer.tokenizer, answer.status, ours, process, processor=answer.processor
+    )
 
 
 async def _serve(engine: Engine, sock: socket.socket) -> None:
     channel = await Channel.open(sock)
     async with engine:
         host = EngineHost(engine, channel)
-        channel.send(Ready(engine.info(), engine.tokenizer, host.status()))
+        channel.send(Ready(engine.info(), engine.tokenizer, host.status(), engine.processor))
         await host.serve()
     await channel.drain()
     channel.close()

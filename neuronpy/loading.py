@@ -34,7 +34,7 @@ from neuronpy.arch.gguf import (
 )
 from neuronpy.arch.linear import native_bf16
 from neuronpy.arch.stored import StoredCheckpoint
-from neuronpy.arch.weights import is_vision_language
+from neuronpy.arch.weights import reads_images
 from neuronpy.errors import ModelLoadError
 from neuronpy.gguf_metadata import read_gguf_metadata
 
@@ -388,11 +388,11 @@ def _from_pretrained(
         with _TRANSFORMERS:
             tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, **kwargs)
             config = transformers.AutoConfig.from_pretrained(model_dir, **kwargs)
-            # a vision-language model: the whole of it (its language model is read out of it,
-            # its vision tower encodes the prompts' images)
+            # a vision-language model whose images neuronpy reads: the whole of it (its
+            # language model is read out of it, its vision tower encodes the prompts' images)
             auto = (
                 transformers.AutoModelForImageTextToText
-                if is_vision_language(config)
+                if reads_images(config)
                 else transformers.AutoModelForCausalLM
             )
             model = auto.from_pretrained(
@@ -455,7 +455,7 @@ def load_processor(hf_model: Any) -> Any:
     """A vision-language model's processor (transformers': its images' preprocessing and its
     prompts' placeholder tokens), read from where the model was; None for other models.
     Raises ModelLoadError when a vision-language model has none."""
-    if not is_vision_language(getattr(hf_model, "config", None)):
+    if not reads_images(getattr(hf_model, "config", None)):
         return None
     where = hf_model.name_or_path
     try:

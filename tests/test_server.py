@@ -263,7 +263,7 @@ BAD_REQUESTS: list[tuple[str, str, Any, int, str | None]] = [
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
-        "messages[0].content",
+        "messages[0].content[0]",
     ),
     ("no-prompt", TEXT, {}, 400, "prompt"),
     ("empty-prompt", TEXT, {"prompt": ""}, 400, "prompt"),

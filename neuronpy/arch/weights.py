@@ -140,9 +140,21 @@ class HFCheckpoint:
 LANGUAGE_MODELS = ("language_model", "text_model")
 
 
+# the vision-language families whose images neuronpy reads: an image's rows take its
+# placeholder tokens' places and the language model's positions stay 1-D (a causal mask
+# over the image too). Others (Qwen-VL's multimodal RoPE, Gemma 3's bidirectional image
+# attention) serve their language model, text only.
+IMAGE_FAMILIES = ("idefics3", "smolvlm")
+
+
 def is_vision_language(config: Any) -> bool:
     """Whether a transformers config is a vision-language model's (a text and a vision part)."""
     return getattr(config, "vision_config", None) is not None and hasattr(config, "text_config")
+
+
+def reads_images(config: Any) -> bool:
+    """Whether a transformers config is a vision-language model of IMAGE_FAMILIES."""
+    return is_vision_language(config) and getattr(config, "model_type", None) in IMAGE_FAMILIES
 
 
 class LanguageModelCheckpoint(HFCheckpoint):

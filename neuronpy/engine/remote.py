@@ -103,8 +103,10 @@ class EngineClient(Generates):
         status: Status,
         sock: socket.socket,
         process: subprocess.Popen[bytes] | None = None,
+        processor: Any = None,
     ) -> None:
         self.info = info
+        self.processor = processor
         self.name = info.name
         self.config = info.config
         self.admission = info.admission

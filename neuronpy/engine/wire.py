@@ -136,6 +136,7 @@ class Ready:
     info: EngineInfo
     tokenizer: Any  # the engine's own tokenizer, pickled: the client tokenizes and detokenizes
     status: Status
+    processor: Any = None  # a vision-language model's processor: the client prepares images
 
 
 @dataclass(frozen=True)

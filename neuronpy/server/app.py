@@ -289,6 +289,10 @@ def _stats(model: ServedModel) -> dict[str, Any]:
     return out
 
 
+def _reads_images(engine: ServingEngine) -> bool:
+    return getattr(engine, "processor", None) is not None
+
+
 def _model_card(name: str, engine: ServingEngine, created: int) -> dict[str, Any]:
     return {
         "id": name,
@@ -296,6 +300,8 @@ def _model_card(name: str, engine: ServingEngine, created: int) -> dict[str, Any
         "created": created,
         "owned_by": "neuronpy",
         "max_model_len": engine.context_len,
+        # what its prompts may hold: images too, for a vision-language model
+        "input_modalities": ["text", "image"] if _reads_images(engine) else ["text"],
         # what it serves, and how /v1/embeddings pools its hidden states
         "task": engine.task,
         "pooling": {

@@ -12,6 +12,12 @@ from typing import Any, Literal
 from pydantic import PrivateAttr, field_validator, model_validator
 
 from neuronpy.errors import InvalidRequestError
+from neuronpy.server.images import (
+    ImageInput,
+    check_image_count,
+    image_from_base64,
+    image_from_url,
+)
 from neuronpy.server.schema import FieldError, WireModel, either
 from neuronpy.server.structure import decode_json
 
@@ -28,9 +34,36 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function n
 TOOL_CHOICES = ("none", "auto", "required")
 
 
+class ImageUrl(WireModel):
+    url: str
+    detail: str | None = None  # (OpenAI's "low", "high", "auto": the model's processor decides)
+
+
 class TextPart(WireModel):
-    type: str  # only "text": the message's check says so
+    """A content part: "text" (its `text`) or "image_url" (its `image_url`)."""
+
+    type: str  # "text" or "image_url": the message's check says so
     text: str | None = None
+    image_url: ImageUrl | None = None
+    # an image another API sent (Anthropic's, Ollama's): its base64 text and where that API
+    # says it is, decoded with the rest (ChatInput.images) rather than read from image_url
+    _base64: tuple[str, str] | None = PrivateAttr(default=None)
+    _where: str | None = PrivateAttr(default=None)  # where another API has its image_url
+
+
+def url_part(url: str, where: str) -> TextPart:
+    """An image part for an image url another API sent at `where` (an error names that)."""
+    part = TextPart(type="image_url", image_url=ImageUrl(url=url))
+    part._where = where
+    return part
+
+
+def image_part(data: str, where: str) -> TextPart:
+    """An image part for an image another API sent as base64 text at `where` (its own path
+    for it: an error names that)."""
+    part = TextPart(type="image_url", image_url=ImageUrl(url="data:,"))
+    part._base64 = (data, where)
+    return part
 
 
 class CalledFunction(WireModel):
@@ -77,9 +110,19 @@ class Message(WireModel):
                 raise FieldError(
                     "{at}.content must be a string or a list of text parts", "{at}.content"
                 )
-            for part in content:
+            for j, part in enumerate(content):
+                if part.type == "image_url":
+                    if part.image_url is None:
+                        at = f"{{at}}.content[{j}]"
+                        raise FieldError(f"{at} needs an 'image_url' object", at)
+                    if self.role not in ("user", "system", "developer"):
+                        raise FieldError("only a user's message may hold images", "{at}.content")
+                    continue
                 if part.type != "text":
-                    raise FieldError("only text content parts are supported", "{at}.content")
+                    raise FieldError(
+                        f"a content part is 'text' or 'image_url', got {str(part.type)[:40]!r}",
+                        "{at}.content",
+                    )
                 if part.text is None:
                     raise FieldError("a text part needs a 'text' string", "{at}.content")
         elif content is None and self.role != "assistant":
@@ -93,11 +136,28 @@ class Message(WireModel):
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "\n".join(part.text or "" for part in self.content)
+            return "\n".join(part.text or "" for part in self.content if part.type == "text")
         return self.content or ""
 
-    def for_template(self) -> dict[str, Any]:
-        item: dict[str, Any] = {"role": ROLES[self.role], "content": self.text}
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
+
+    def parts(self) -> list[dict[str, Any]]:
+        """The content as a vision-language template takes it: text and image parts, in
+        order (an image part carries nothing: its pixels go to the processor)."""
+        if not isinstance(self.content, list):
+            return [{"type": "text", "text": self.content or ""}]
+        return [
+            {"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text or ""}
+            for p in self.content
+        ]
+
+    def for_template(self, parts: bool = False) -> dict[str, Any]:
+        """As the chat template sees it; `parts`: the content as a list of parts (a
+        vision-language model's template), else its text."""
+        content: Any = self.parts() if parts else self.text
+        item: dict[str, Any] = {"role": ROLES[self.role], "content": content}
         if self.role == "assistant":
             if self.tool_calls:
                 item["tool_calls"] = [call.for_template() for call in self.tool_calls]
@@ -191,9 +251,39 @@ class ChatInput(WireModel):
         self.chat_tools  # noqa: B018 (its checks)
         return self
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as the template sees them."""
-        return [message.for_template() for message in self.messages]
+    def template_messages(self, parts: bool = False) -> list[dict[str, Any]]:
+        """The messages as the template sees them (`parts`: as Message.for_template)."""
+        return [message.for_template(parts) for message in self.messages]
+
+    @property
+    def has_images(self) -> bool:
+        return any(message.has_images for message in self.messages)
+
+    def image_parts(self) -> list[tuple[TextPart, str]]:
+        """The image parts, in order, each with where the request has it."""
+        found = []
+        for i, message in enumerate(self.messages):
+            if not isinstance(message.content, list):
+                continue
+            for j, part in enumerate(message.content):
+                if part.type == "image_url" and part.image_url is not None:
+                    where = part._where or f"messages[{i}].content[{j}].image_url"
+                    found.append((part, part._base64[1] if part._base64 else where))
+        return found
+
+    @functools.cached_property
+    def images(self) -> list[ImageInput]:
+        """The image parts' images, decoded and checked, in the order they are written in
+        (InvalidRequestError naming the part that is not one)."""
+        found = []
+        for part, where in self.image_parts():
+            check_image_count(len(found) + 1, where)
+            if part._base64 is not None:
+                found.append(image_from_base64(part._base64[0], where))
+            else:
+                assert part.image_url is not None
+                found.append(image_from_url(part.image_url.url, where))
+        return found
 
     @functools.cached_property
     def chat_tools(self) -> ChatTools:

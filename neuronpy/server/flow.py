@@ -7,6 +7,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from starlette.requests import Request
@@ -150,7 +151,9 @@ async def admit(
         req.show_tools_generically()  # (its calls in the generic format: Hermes' markup)
         tools = HERMES.name
     prompts = [
-        await anyio.to_thread.run_sync(prompt_ids, req, engine.tokenizer, i)
+        await anyio.to_thread.run_sync(
+            prompt_ids, req, engine.tokenizer, i, getattr(engine, "processor", None)
+        )
         for i in range(req.prompt_count)
     ]
     n = req.copies
@@ -174,11 +177,13 @@ async def admit(
     return Admitted(prompts, plans[0][1], groups)
 
 
-def prompt_ids(req: SamplingRequest, tokenizer: PreTrainedTokenizerBase, index: int) -> list[int]:
+def prompt_ids(
+    req: SamplingRequest, tokenizer: PreTrainedTokenizerBase, index: int, processor: Any = None
+) -> list[int]:
     """The request's prompt `index` as token ids (blocking: run it in a thread); a 400 when
-    it cannot be encoded."""
+    it cannot be encoded. `processor`: a vision-language model's (its images' media)."""
     try:
-        return req.prompt_ids(tokenizer, index)
+        return req.prompt_ids(tokenizer, index, processor)
     except InvalidRequestError as exc:
         raise api_error(exc) from None
 

@@ -11,6 +11,7 @@ import binascii
 import io
 import re
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,12 +132,10 @@ def decode_image(raw: bytes, where: str) -> ImageInput:
     return ImageInput(image, where, len(raw))
 
 
-def check_image_count(images: Sequence[ImageInput]) -> None:
-    if len(images) > MAX_IMAGES:
-        raise InvalidRequestError(
-            f"a request may hold at most {MAX_IMAGES} images, this one holds {len(images)}",
-            images[MAX_IMAGES].where,
-        )
+def check_image_count(count: int, where: str) -> None:
+    """InvalidRequestError naming `where` (the image that is one too many) past MAX_IMAGES."""
+    if count > MAX_IMAGES:
+        raise InvalidRequestError(f"a request may hold at most {MAX_IMAGES} images", where)
 
 
 def image_token_id(processor: Any) -> int:
@@ -150,7 +149,18 @@ def image_token_id(processor: Any) -> int:
 def image_marker(tokenizer: Any) -> tuple[int, ...]:
     """The tokens a model's chat template writes for an image part ("<image>", Gemma 3's
     "<start_of_image>", Qwen's "<|vision_start|><|image_pad|><|vision_end|>"): where a
-    conversation with one image differs from one without, in the template's own tokens."""
+    conversation with one image differs from one without, in the template's own tokens.
+    Worked out once per tokenizer."""
+    found = _MARKERS.get(tokenizer)
+    if found is None:
+        found = _MARKERS[tokenizer] = _image_marker(tokenizer)
+    return found
+
+
+_MARKERS: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
+
+
+def _image_marker(tokenizer: Any) -> tuple[int, ...]:
     with_image = _render_probe(tokenizer, [{"type": "image"}, {"type": "text", "text": "a"}])
     without = _render_probe(tokenizer, [{"type": "text", "text": "a"}])
     head = 0
@@ -190,7 +200,6 @@ def render_with_images(
     tiles' framing tokens and the placeholders its rows take), and each image's
     placeholders turned into its media ids; the processor's arrays for each image go with
     them (what the vision tower takes)."""
-    check_image_count(images)
     placeholder = image_token_id(processor)
     marker_text = processor.tokenizer.decode(list(marker))
     out: list[int] = []

@@ -35,6 +35,7 @@ from neuronpy.server.constraints import (
     with_tool_format,
 )
 from neuronpy.server.generic_tools import messages_with_tools, system_messages_first
+from neuronpy.server.images import image_marker, render_with_images
 from neuronpy.server.prompts import check_template_kwargs, encode_prompt, render_chat
 from neuronpy.server.schema import WireModel, either, is_int, json_type, validate
 
@@ -250,9 +251,11 @@ class SamplingRequest(WireModel):
         """max_tokens when the request gives none, `room` tokens left in the context."""
         return max(1, room)
 
-    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
+    def prompt_ids(
+        self, tokenizer: PreTrainedTokenizerBase, index: int = 0, processor: Any = None
+    ) -> list[int]:
         """Prompt `index`'s token ids (blocking: run it in a thread); InvalidRequestError if it
-        cannot be encoded."""
+        cannot be encoded. `processor`: a vision-language model's (for images)."""
         raise NotImplementedError
 
     def sampling_params(
@@ -369,7 +372,23 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
         types = parameter_types([t["function"] for t in tools.tools or ()])
         return OutputFormat(reasoning, tools.parse, tools.parallel, tool_format, types)
 
-    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
+    def prompt_ids(
+        self, tokenizer: PreTrainedTokenizerBase, index: int = 0, processor: Any = None
+    ) -> list[int]:
+        """The conversation as token ids; with images, a Prompt holding them (`processor`: a
+        vision-language model's, None for a model that reads no images: a 400 then)."""
+        if self.has_images and processor is None:
+            where = self.image_parts()[0][1]
+            raise InvalidRequestError(f"'{where}': this model reads no images", where)
+        ids = self._rendered(tokenizer, processor is not None)
+        if not self.has_images:
+            return ids
+        images = self.images
+        return render_with_images(processor, image_marker(tokenizer), ids, images)
+
+    def _rendered(self, tokenizer: PreTrainedTokenizerBase, parts: bool) -> list[int]:
+        """The chat template's tokens (`parts`: each message's content as a list of parts, as
+        a vision-language model's template takes it)."""
         tools = self.chat_tools
         continue_final = bool(self.continue_final_message)
         generic = self._generic_tools and bool(tools.tools)
@@ -383,7 +402,7 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
                 return render_chat(tokenizer, shown, None, variables, continue_final)
             return render_chat(tokenizer, messages, tools.tools, variables, continue_final)
 
-        messages = self.template_messages()
+        messages = self.template_messages(parts)
         try:
             return render(messages)
         except InvalidRequestError:
@@ -457,7 +476,9 @@ class CompletionRequest(SamplingRequest):
     def default_max_tokens(self, room: int) -> int:
         return max(1, min(DEFAULT_COMPLETION_MAX_TOKENS, room))
 
-    def prompt_ids(self, tokenizer: PreTrainedTokenizerBase, index: int = 0) -> list[int]:
+    def prompt_ids(
+        self, tokenizer: PreTrainedTokenizerBase, index: int = 0, processor: Any = None
+    ) -> list[int]:
         return encode_prompt(tokenizer, self.prompts[index])
 
 

@@ -56,8 +56,9 @@ DTYPES = {
 }
 DTYPE_CODES = {str(dtype).removeprefix("torch."): code for code, dtype in DTYPES.items()}
 FINGERPRINT = re.compile(r"[0-9a-f]{32}")  # model_fingerprint's
-# a flat JSON list of non-negative integers, nothing else: no nesting, floats, NaN, strings
-_ID = r"(?:0|[1-9][0-9]{0,9})"
+# a flat JSON list of integers, nothing else: no nesting, floats, NaN, strings; each a token
+# id, or an image's token (a media id: negative, of up to 90 digits; neuronpy/media.py)
+_ID = r"(?:0|[1-9][0-9]{0,9}|-[1-9][0-9]{6,89})"
 TOKEN_IDS = re.compile(rf"\[\s*(?:{_ID}\s*(?:,\s*{_ID}\s*)*)?\]")
 # a fixed-size-state tensor's name: states.<layer>.<index>, and the bounds on them
 STATE_NAME = re.compile(r"states\.(0|[1-9][0-9]{0,3})\.(0|[1-9])")

@@ -17,10 +17,13 @@ from neuronpy.server.chat_input import (
     Message,
     NamedFunction,
     NamedToolChoice,
+    TextPart,
     Tool,
     ToolCall,
     check_toolbox,
+    image_part,
 )
+from neuronpy.server.images import MIME_TYPES
 from neuronpy.server.protocol import ChatCompletionRequest
 from neuronpy.server.schema import FieldError, WireModel, build, by_type, either, validate
 
@@ -68,8 +71,42 @@ class ThinkingBlock(WireModel):
     data: str | None = None
 
 
+class ImageSource(WireModel):
+    type: str  # "base64" (a "url" one is refused: no remote image is fetched)
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(WireModel):
+    """An image, for a vision-language model: base64 data of a type `media_type` names."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _inline(self) -> ImageBlock:
+        if self.source.type != "base64":
+            raise FieldError(
+                "{at}.source: this server fetches no remote images; send the image as "
+                '{"type": "base64", "media_type": ..., "data": ...}',
+                "{at}.source",
+            )
+        if not isinstance(self.source.data, str) or not self.source.data:
+            raise FieldError("{at}.source.data must be the image's base64 text", "{at}.source")
+        media = self.source.media_type
+        if media is not None and media.lower() not in MIME_TYPES:
+            raise FieldError(
+                f"{{at}}.source.media_type {media[:40]!r} is not one of "
+                f"{', '.join(sorted(MIME_TYPES))}",
+                "{at}.source",
+            )
+        return self
+
+
 class UnsupportedBlock(WireModel):
-    """Images, documents, searches: blocks a text model cannot take."""
+    """Documents, searches: blocks a text model cannot take."""
 
     type: str
 
@@ -89,7 +126,7 @@ Block = by_type(
     tool_result=ToolResultBlock,
     thinking=ThinkingBlock,
     redacted_thinking=ThinkingBlock,
-    image=UnsupportedBlock,
+    image=ImageBlock,
     document=UnsupportedBlock,
     search_result=UnsupportedBlock,
     server_tool_use=UnsupportedBlock,
@@ -314,12 +351,22 @@ class MessagesRequest(WireModel):
                                 tool_call_id=block.tool_use_id,
                             )
                         )
-                if texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                pictures = [(j, b) for j, b in enumerate(blocks) if isinstance(b, ImageBlock)]
+                if pictures:  # text and images, in their order
+                    parts: list[TextPart] = [
+                        image_part(b.source.data or "", f"messages[{i}].content[{j}].source")
+                        if isinstance(b, ImageBlock)
+                        else TextPart(type="text", text=b.text)
+                        for j, b in enumerate(blocks)
+                        if isinstance(b, ImageBlock | TextBlock)
+                    ]
+                    out.append(build(Message, at, role="user", content=parts))
+                elif texts or not any(isinstance(b, ToolResultBlock) for b in blocks):
                     out.append(build(Message, at, role="user", content="\n".join(texts)))
                 continue
-            if any(isinstance(b, ToolResultBlock) for b in blocks):
+            if any(isinstance(b, ToolResultBlock | ImageBlock) for b in blocks):
                 raise InvalidRequestError(
-                    f"messages[{i}]: an assistant message cannot hold tool_result blocks",
+                    f"messages[{i}]: an assistant message cannot hold tool_result or image blocks",
                     f"messages[{i}].content",
                 )
             calls = [

@@ -13,7 +13,14 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import ConfigDict, field_validator, model_validator
 
 from neuronpy.errors import InvalidRequestError
-from neuronpy.server.chat_input import CalledFunction, Message, Tool, ToolCall
+from neuronpy.server.chat_input import (
+    CalledFunction,
+    Message,
+    TextPart,
+    Tool,
+    ToolCall,
+    image_part,
+)
 from neuronpy.server.protocol import ChatCompletionRequest, CompletionRequest
 from neuronpy.server.schema import FieldError, WireModel, build, json_type, validate
 
@@ -128,9 +135,11 @@ class OllamaMessage(WireModel):
     tool_name: str | None = None
 
     @model_validator(mode="after")
-    def _text_only(self) -> OllamaMessage:
-        if self.images:
-            raise FieldError("{at}.images: this server serves text models only", "{at}.images")
+    def _images(self) -> OllamaMessage:
+        if self.images and self.role != "user":
+            raise FieldError("{at}.images: only a user's message may hold images", "{at}.images")
+        if self.images and not all(isinstance(i, str) for i in self.images):
+            raise FieldError("{at}.images must be a list of base64 strings", "{at}.images")
         return self
 
     def as_chat(self, index: int) -> Message:
@@ -154,11 +163,20 @@ class OllamaMessage(WireModel):
             )
             for j, c in enumerate(self.tool_calls or ())
         ]
+        content: str | list[TextPart] = self.content or ""
+        if self.images:  # the images, then the text (as Ollama's templates place them)
+            content = [
+                *(
+                    image_part(d, f"messages[{index}].images[{k}]")
+                    for k, d in enumerate(self.images)
+                ),
+                TextPart(type="text", text=self.content or ""),
+            ]
         return build(
             Message,
             at,
             role=self.role,
-            content=self.content or "",
+            content=content,
             tool_calls=calls or None,
             reasoning_content=self.thinking if self.role == "assistant" else None,
         )
@@ -243,8 +261,10 @@ class OllamaGenerateRequest(OllamaBase):
                 "conversation to /api/chat instead",
                 "context",
             )
-        if self.images:
-            raise InvalidRequestError("'images': this server serves text models only", "images")
+        if self.images and not all(isinstance(i, str) for i in self.images):
+            raise InvalidRequestError("'images' must be a list of base64 strings", "images")
+        if self.images and self.raw:
+            raise InvalidRequestError("'images' need a templated prompt (raw is true)", "images")
         return self
 
     def request(self) -> OllamaChat | OllamaText:
@@ -259,7 +279,11 @@ class OllamaGenerateRequest(OllamaBase):
             if logprobs:
                 values["logprobs"] = top or 0
             return translated(OllamaText, {**values, "prompt": self.prompt})
-        messages = [{"role": "user", "content": self.prompt}]
+        content: Any = self.prompt
+        if self.images:
+            pictures = [image_part(d, f"images[{k}]") for k, d in enumerate(self.images)]
+            content = [*pictures, TextPart(type="text", text=self.prompt)]
+        messages: list[Any] = [build(Message, ("prompt",), role="user", content=content)]
         if self.system:
             messages.insert(0, {"role": "system", "content": self.system})
         return translated(OllamaChat, {**values, "messages": messages})

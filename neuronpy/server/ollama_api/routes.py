@@ -407,6 +407,8 @@ async def show(request: Request) -> Response:
         capabilities.append("tools")  # (shown in the generic format where the template cannot)
         if resolve_reasoning_parser(engine.config.reasoning_parser, engine.tokenizer):
             capabilities.append("thinking")
+        if getattr(engine, "processor", None) is not None:
+            capabilities.append("vision")
     family = engine.facts.model_type
     template = getattr(engine.tokenizer, "chat_template", None) or ""
     return JSONResponse(

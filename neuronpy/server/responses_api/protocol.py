@@ -21,9 +21,11 @@ from neuronpy.server.chat_input import (
     Message,
     NamedFunction,
     NamedToolChoice,
+    TextPart,
     Tool,
     ToolCall,
     check_toolbox,
+    url_part,
 )
 from neuronpy.server.constraints import tool_constraint
 from neuronpy.server.protocol import REASONING_EFFORTS, ChatCompletionRequest
@@ -79,8 +81,11 @@ ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 class ContentPart(WireModel):
-    type: str  # a text part's: TEXT_PARTS (the item's check says so)
+    type: str  # a text part's: TEXT_PARTS, or "input_image" (the item's check says so)
     text: str | None = None
+    image_url: str | None = None  # an input_image's: a data: URI
+    file_id: str | None = None  # (an input_image's file: refused, no file is stored here)
+    detail: str | None = None
 
 
 Content = either(("a string", str), ("an array", list[ContentPart]))
@@ -92,13 +97,37 @@ def _text(content: str | list[ContentPart]) -> str:
     return "".join(part.text or "" for part in content)
 
 
-def _only_text(content: str | list[ContentPart]) -> None:
-    if isinstance(content, list) and any(
-        part.type not in TEXT_PARTS or part.text is None for part in content
-    ):
-        raise FieldError(
-            "'{at}.content' takes only text parts (input_text, output_text)", "{at}.content"
-        )
+def _content(content: str | list[ContentPart], at: tuple[str | int, ...]) -> str | list[TextPart]:
+    """A message's content as the chat's: its text, or (with images) its text and image
+    parts in order."""
+    if isinstance(content, str) or not any(p.type == "input_image" for p in content):
+        return _text(content)
+    where = ".".join(str(a) if isinstance(a, str) else f"[{a}]" for a in at).replace(".[", "[")
+    return [
+        url_part(p.image_url or "", f"{where}.content[{j}].image_url")
+        if p.type == "input_image"
+        else TextPart(type="text", text=p.text or "")
+        for j, p in enumerate(content)
+    ]
+
+
+def _only_text(content: str | list[ContentPart], images: bool = False) -> None:
+    """Text parts only (`images`: input_image parts too, each with an image_url)."""
+    if not isinstance(content, list):
+        return
+    for j, part in enumerate(content):
+        if images and part.type == "input_image":
+            if part.file_id is not None and part.image_url is None:
+                raise FieldError(
+                    f"'{{at}}.content[{j}]': no file is stored here; send the image as a "
+                    "data: URI in image_url",
+                    "{at}.content",
+                )
+            if not part.image_url:
+                raise FieldError(f"'{{at}}.content[{j}]' needs an image_url", "{at}.content")
+        elif part.type not in TEXT_PARTS or part.text is None:
+            allowed = "input_text, output_text" + (", input_image" if images else "")
+            raise FieldError(f"'{{at}}.content' takes only parts of {allowed}", "{at}.content")
 
 
 class InputMessage(WireModel):
@@ -108,7 +137,7 @@ class InputMessage(WireModel):
 
     @model_validator(mode="after")
     def _parts(self) -> InputMessage:
-        _only_text(self.content)
+        _only_text(self.content, images=self.role == "user")
         return self
 
 
@@ -331,7 +360,8 @@ class ResponsesRequest(WireModel):
         for i, item in enumerate(self.input):
             at = ("input", i)
             if isinstance(item, InputMessage):
-                out.append(build(Message, at, role=item.role, content=_text(item.content)))
+                content = _content(item.content, at)
+                out.append(build(Message, at, role=item.role, content=content))
             elif isinstance(item, FunctionCallItem):
                 function = build(CalledFunction, at, name=item.name, arguments=item.arguments)
                 call = build(ToolCall, at, id=item.call_id, type="function", function=function)

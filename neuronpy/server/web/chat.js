@@ -11,6 +11,8 @@ const SETTINGS = [
   "system", "temperature", "top_p", "max_tokens", "seed", "speculative", "tools", "tool_choice",
   ...NUMBERS, "stop_strings", "extra", "schema",
 ];
+const MAX_IMAGE_BYTES = 20 * 1024 * 1024;  // the server's bound on one image
+const MAX_IMAGES = 8;  // and on a request's
 const MODELS_RETRY_MS = 2000;  // while the server loads its models, ask again this often
 const $ = (id) => document.getElementById(id);
 let conversation = [];  // the messages of the conversation shown (Conversations.current's)
@@ -158,9 +160,68 @@ function checkSchema() {
   return !problem;
 }
 
+// The images the next message carries (data: URIs), shown above the message box, and the
+// models that read images (the attach button shows for those).
+let attached = [];
+let imageModels = new Set();
+
+function showAttached() {
+  const row = $("attachments");
+  row.replaceChildren(...attached.map((url, i) => {
+    const item = el("span", "attachment");
+    const img = el("img");
+    img.src = url;
+    img.alt = "attached image " + (i + 1);
+    const drop = el("button", "remove", "×");
+    drop.type = "button";
+    drop.title = "Remove this image";
+    drop.addEventListener("click", () => {
+      attached.splice(i, 1);
+      showAttached();
+    });
+    item.append(img, drop);
+    return item;
+  }));
+  row.hidden = !attached.length;
+}
+
+function attachFiles(files) {
+  for (const file of files) {
+    if (!file.type.startsWith("image/")) continue;
+    if (attached.length >= MAX_IMAGES) {
+      $("status").textContent = "a message takes at most " + MAX_IMAGES + " images";
+      return;
+    }
+    if (file.size > MAX_IMAGE_BYTES) {
+      $("status").textContent = (file.name || "the image") + " is larger than 20 MB";
+      continue;
+    }
+    const reader = new FileReader();
+    reader.addEventListener("load", () => {
+      attached.push(reader.result);
+      showAttached();
+    });
+    reader.readAsDataURL(file);
+  }
+}
+
+function showAttachButton() {
+  $("attach").hidden = !imageModels.has($("model").value);
+}
+
 function messageNode(message, index) {
   const node = el("div", "message " + message.role);
   node.appendChild(el("div", "role", message.role));
+  if (message.images && message.images.length) {
+    const row = el("div", "images");
+    for (const url of message.images) {
+      const img = el("img");
+      img.src = url;
+      img.alt = "an image of the message";
+      row.appendChild(img);
+    }
+    node.appendChild(row);
+  }
   if (message.reasoning) {
     const details = el("details", "reasoning");
     details.appendChild(el("summary", "", "reasoning"));
@@ -241,8 +302,10 @@ async function loadModels() {
   }
   const select = $("model");
   select.replaceChildren(...data.map((m) => el("option", "", m.id)));
+  imageModels = new Set(data.filter((m) => (m.input_modalities || []).includes("image")).map((m) => m.id));
   const wanted = localStorage.getItem("neuronpy.model");
   if (wanted && data.some((m) => m.id === wanted)) select.value = wanted;
+  showAttachButton();
   $("status").textContent = "";
 }
 
@@ -254,6 +317,10 @@ function requestBody(pending, continuing) {
   for (const m of conversation) {
     if (m === pending || (m.error && !m.content)) continue;
     const item = { role: m.role, content: m.content || "" };
+    if (m.images && m.images.length) {  // its images, then its text
+      const images = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
+      item.content = [...images, { type: "text", text: m.content || "" }];
+    }
     if (m.tool_calls && m.tool_calls.length) item.tool_calls = m.tool_calls;
     messages.push(item);
   }
@@ -399,7 +466,7 @@ function speculationText(usage) {
 function send(event) {
   if (event) event.preventDefault();
   const text = $("prompt").value;
-  if (!text.trim() || controller) return;
+  if ((!text.trim() && !attached.length) || controller) return;
   if (!$("model").value) {
     $("status").textContent = "no model is ready yet: your message is kept until one is";
     return;
@@ -408,7 +475,11 @@ function send(event) {
     $("status").textContent = "the schema under Settings is not a JSON object: fix it or empty it";
     return;
   }
-  conversation.push({ role: "user", content: text });
+  const message = { role: "user", content: text };
+  if (attached.length) message.images = attached;
+  conversation.push(message);
+  attached = [];
+  showAttached();
   $("prompt").value = "";
   fitPrompt();
   save();
@@ -487,7 +558,21 @@ window.addEventListener("DOMContentLoaded", () => {
   Conversations.load();
   conversation = Conversations.current.messages;
   renderHistory();
-  $("model").addEventListener("change", () => localStorage.setItem("neuronpy.model", $("model").value));
+  $("model").addEventListener("change", () => {
+    localStorage.setItem("neuronpy.model", $("model").value);
+    showAttachButton();
+  });
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", () => {
+    attachFiles($("image-file").files);
+    $("image-file").value = "";
+  });
+  $("prompt").addEventListener("paste", (e) => {  // a pasted image is attached, not typed
+    const files = [...((e.clipboardData && e.clipboardData.files) || [])].filter((f) => f.type.startsWith("image/"));
+    if (!files.length) return;
+    e.preventDefault();
+    attachFiles(files);
+  });
   restoreSettings();
   for (const id of SETTINGS) $(id).addEventListener("input", saveSettings);
   $("server-session").addEventListener("change", saveSettings);
