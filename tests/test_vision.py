@@ -75,11 +75,16 @@ def reference() -> tuple[Any, Any]:
     return processor, model
 
 
-def transformers_reply(text: str, *images: Image.Image, max_tokens: int = MAX_TOKENS) -> str:
-    """transformers' greedy reply to a user message of `images` then `text`, through the
-    model's processor and chat template."""
+def transformers_reply(
+    text: str, *images: Image.Image, max_tokens: int = MAX_TOKENS, content: Any = None
+) -> str:
+    """transformers' greedy reply to a user message of `images` then `text` (or of its
+    `content` parts as given), through the model's processor and chat template."""
     processor, model = reference()
-    content = [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}]
+    content = content or [
+        *({"type": "image", "image": i} for i in images),
+        {"type": "text", "text": text},
+    ]
     inputs = processor.apply_chat_template(
         [{"role": "user", "content": content}],
         add_generation_prompt=True,
@@ -191,6 +196,42 @@ async def test_image_rows_batched_with_text_rows_are_transformers_replies() -> N
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     for (text, images), done in zip(cases, together, strict=True):
         assert done.text == transformers_reply(text, *images), text
+
+
+@pytest.mark.anyio
+async def test_an_images_tiles_are_encoded_with_the_chunks_that_hold_them_once() -> None:
+    """Joining a batch that decodes, a prompt rides the steps 16 tokens at a time (its
+    prefill chunk is 8: the least ride is 16), and its image of 5 tiles (4 tokens each) is
+    encoded a few tiles per chunk, each tile once; another request of the same image encodes
+    nothing."""
+    engine = engine_loader(PATH, prefill_chunk=8, compile="off")()
+    calls: list[range | None] = []
+    async with engine:
+        vision = engine._worker.vision
+        encode = vision.encode
+
+        def counted(inputs: Any, tiles: range | None = None) -> torch.Tensor:
+            calls.append(tiles)
+            return encode(inputs, tiles)
+
+        vision.encode = counted  # type: ignore[method-assign]
+        jobs = [
+            (_prompt(engine, "Tell me a story", []), _greedy()),
+            (_prompt(engine, QUESTION, PICTURES[:1]), _greedy()),
+        ]
+        first = (await concurrently(engine, jobs))[1]
+        assert len(calls) > 1 and sorted(k for r in calls for k in r or ()) == list(range(5))
+        calls.clear()
+        # (text before the image: no cached prefix holds it)
+        after = [{"type": "text", "text": "Look."}, {"type": "image"}]
+        ids = render_chat(engine.tokenizer, [{"role": "user", "content": after}])
+        image = [ImageInput(PICTURES[0], "image", 0)]
+        prompt = render_with_images(engine.processor, image_marker(engine.tokenizer), ids, image)
+        other = await engine.complete(prompt, _greedy())
+        assert calls == [], "the image's rows were kept"
+    assert first.text == transformers_reply(QUESTION, PICTURES[0])
+    after[1]["image"] = PICTURES[0]
+    assert other.text == transformers_reply("", content=after)
 
 
 def _greedy() -> SamplingParams:

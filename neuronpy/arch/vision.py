@@ -19,6 +19,17 @@ import torch
 
 from neuronpy.arch.weights import LANGUAGE_MODELS
 
+# families whose processor cuts an image into tiles that the tower encodes one by one (the
+# tile dimension is the second of each array): a prefill chunk encodes the tiles whose rows
+# it holds, so an image's encoding is spread over its prompt's chunks, between decode steps
+TILED = ("idefics3", "smolvlm")
+
+
+def _tiles_of(value: np.ndarray, tiles: range | None) -> np.ndarray:
+    if tiles is None or value.ndim < 2:
+        return value
+    return np.ascontiguousarray(value[:, tiles.start : tiles.stop])
+
 
 class VisionTower:
     """A vision-language model's image encoder: `encode(inputs)` -> the rows [tokens, hidden]
@@ -40,11 +51,20 @@ class VisionTower:
         param = next(inner.parameters())
         self.device, self.dtype = param.device, param.dtype
 
+    def tiles(self, inputs: Mapping[str, Any]) -> int:
+        """How many tiles an image's inputs hold, each encoded on its own into its own run of
+        the image's rows (SmolVLM's: pixel_values [1, tiles, 3, H, W]); 1 for a family whose
+        image is encoded whole."""
+        if self.model_type in TILED:
+            return int(np.asarray(inputs["pixel_values"]).shape[1])
+        return 1
+
     @torch.inference_mode()
-    def encode(self, inputs: Mapping[str, Any]) -> torch.Tensor:
-        """One image's rows: [tokens, hidden]. `inputs`: its processor's arrays."""
+    def encode(self, inputs: Mapping[str, Any], tiles: range | None = None) -> torch.Tensor:
+        """One image's rows: [tokens, hidden] (`tiles`: those of these tiles alone, in order).
+        `inputs`: its processor's arrays."""
         kwargs = {
-            name: torch.from_numpy(np.asarray(value)).to(self.device)
+            name: torch.from_numpy(_tiles_of(np.asarray(value), tiles)).to(self.device)
             for name, value in inputs.items()
             if name in self._takes
         }

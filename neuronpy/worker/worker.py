@@ -20,7 +20,7 @@ from neuronpy.arch.mixer import STATE_BLOCK
 from neuronpy.arch.vision import VisionTower
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.errors import WorkerError
-from neuronpy.media import split_media_id
+from neuronpy.media import Media, split_media_id
 from neuronpy.threads import start_in_own_thread
 from neuronpy.worker.drafting import DraftBatch
 from neuronpy.worker.jobs import (
@@ -63,6 +63,41 @@ log = logging.getLogger(__name__)
 MEDIA_CACHE = 32
 
 
+class MediaRows:
+    """One image's rows as the vision tower gives them, tile by tile: the tiles a prefill
+    chunk's tokens fall in are encoded when it runs (and kept), so that a large image's
+    encoding is spread over its prompt's chunks, between the batch's decode steps."""
+
+    def __init__(self, media: Media, vision: VisionTower, model: LlamaModel) -> None:
+        self.media = media
+        self.vision = vision
+        self.tiles = vision.tiles(media.inputs)
+        if self.tiles < 1 or media.tokens % self.tiles:
+            raise WorkerError(f"an image of {media.tokens} tokens in {self.tiles} tiles")
+        self.per_tile = media.tokens // self.tiles
+        hidden = model.config.hidden_size
+        self.rows = torch.zeros(media.tokens, hidden, dtype=model.dtype, device=model.device)
+        self.done = [False] * self.tiles
+
+    def covering(self, lo: int, hi: int) -> torch.Tensor:
+        """All its rows [tokens, hidden], those of tokens [lo, hi) encoded."""
+        first, last = lo // self.per_tile, (hi - 1) // self.per_tile
+        todo = [k for k in range(first, last + 1) if not self.done[k]]
+        if todo:
+            span = range(todo[0], todo[-1] + 1)
+            tiled = None if self.tiles == 1 else span
+            out = self.vision.encode(self.media.inputs, tiled)
+            want = len(span) * self.per_tile
+            if out.shape[0] != want:
+                raise WorkerError(
+                    f"the vision tower gave {out.shape[0]} rows for {want} tokens of an image"
+                )
+            self.rows[span.start * self.per_tile : span.stop * self.per_tile] = out
+            for k in span:
+                self.done[k] = True
+        return self.rows
+
+
 class DeviceWorker:
     """Runs jobs one at a time on its own thread; tensors never leave it but as CPU logits."""
 
@@ -85,7 +120,7 @@ class DeviceWorker:
         self.model = model
         self.vision = vision
         # each image's rows, by image number, the most recently used last (MEDIA_CACHE kept)
-        self._media: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._media: OrderedDict[int, MediaRows] = OrderedDict()
         if model.has_states:  # a mixer's chunks are cut at STATE_BLOCK multiples: so are these
             prefill_chunk = -(-prefill_chunk // STATE_BLOCK) * STATE_BLOCK
         self.prefill_chunk = prefill_chunk
@@ -244,33 +279,32 @@ class DeviceWorker:
         return self._prefilled(job, snapshot, hidden[-1])
 
     def _media_rows(self, job: Prefill) -> dict[int, torch.Tensor] | None:
-        """The rows of the images whose media ids the job's tokens hold, by image number:
-        encoded by the vision tower once, then kept while MEDIA_CACHE more recent ones are
-        not (a preempted request's second prefill, another request of the same image)."""
-        wanted = {split_media_id(t)[0] for t in job.token_ids if t < 0}
+        """The rows of the images whose media ids the job's tokens hold, by image number: the
+        tiles that hold the job's tokens encoded by the vision tower (once: an image's rows
+        are kept while MEDIA_CACHE more recent images are not, for its prompt's later
+        chunks, a preempted request's second prefill, another request of the same image)."""
+        wanted: dict[int, list[int]] = {}
+        for t in job.token_ids:
+            if t < 0:
+                number, j = split_media_id(t)
+                wanted.setdefault(number, []).append(j)
         if not wanted:
             return None
         if self.vision is None:
             raise WorkerError("this model reads no images")
         given = {m.number: m for m in job.media}
         rows = {}
-        for number in wanted:
-            found = self._media.get(number)
-            if found is None:
+        for number, places in wanted.items():
+            entry = self._media.get(number)
+            if entry is None:
                 media = given.get(number)
                 if media is None:
                     raise WorkerError("a prefill names an image it does not carry")
-                found = self.vision.encode(media.inputs)
-                if found.shape[0] != media.tokens:
-                    raise WorkerError(
-                        f"the vision tower gave {found.shape[0]} rows for an image of "
-                        f"{media.tokens} tokens"
-                    )
-                self._media[number] = found
+                entry = self._media[number] = MediaRows(media, self.vision, self.model)
                 while len(self._media) > MEDIA_CACHE:
                     self._media.popitem(last=False)
             self._media.move_to_end(number)
-            rows[number] = found
+            rows[number] = entry.covering(min(places), max(places) + 1)
         return rows
 
     def _capture(self, job: Prefill, parent: KvSnapshot | None) -> int | None:
