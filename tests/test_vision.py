@@ -265,6 +265,21 @@ def test_a_follow_up_turn_reuses_the_images_prefix_and_another_image_does_not(
     )
 
 
+def test_tokenize_counts_an_images_tokens_as_the_processor_writes_them(
+    server: RunningServer,
+) -> None:
+    processor, _ = reference()
+    body = {"model": MODEL, "messages": [openai_message(QUESTION, PICTURES[0])]}
+    out = httpx.post(f"{server.url}/tokenize", json=body).json()
+    content = [{"type": "image", "image": PICTURES[0]}, {"type": "text", "text": QUESTION}]
+    want = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
+    )
+    assert out["tokens"] == list(np.asarray(want).reshape(-1)) and out["count"] == len(
+        out["tokens"]
+    )
+
+
 def test_the_responses_api_takes_input_image(server: RunningServer) -> None:
     api = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
     content = [

@@ -981,3 +981,47 @@ def test_screenshots_for_the_docs(browser: Any, served: Any) -> None:
                 page.screenshot(path=str(out / f"batch{suffix}.png"))
         context.close()
         server.wait_for(lambda s: s["running"] == 0, model=model)
+
+
+def test_the_attach_button_shows_only_for_a_model_that_reads_images(page: Any) -> None:
+    assert page.locator("#attach").is_hidden()
+
+
+def test_an_attached_and_a_pasted_image_reach_the_model(browser: Any, tmp_path: Path) -> None:
+    """A vision-language model: a picture attached with the button and one pasted into the
+    message box go with the message (its `image_url` parts), are shown in it, and the reply is
+    transformers' greedy reply to both pictures and the text."""
+    from tests.test_vision import MODEL, PATH, PICTURES, png, transformers_reply
+
+    attached = tmp_path / "attached.png"
+    attached.write_bytes(png(PICTURES[0]))
+    pasted = list(png(PICTURES[1]))
+    with run_server({MODEL: engine_loader(PATH)}) as server:
+        context = browser.new_context(viewport={"width": 1200, "height": 800})
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(server.url + "/")
+        page.wait_for_selector("#attach:not([hidden])")
+        page.set_input_files("#image-file", str(attached))
+        page.wait_for_selector(".attachment img")
+        page.evaluate(
+            """(bytes) => {
+                const file = new File([new Uint8Array(bytes)], "pasted.png", {type: "image/png"});
+                const data = new DataTransfer();
+                data.items.add(file);
+                const event = new ClipboardEvent("paste", {clipboardData: data, bubbles: true,
+                                                           cancelable: true});
+                document.getElementById("prompt").dispatchEvent(event);
+            }""",
+            pasted,
+        )
+        page.wait_for_function("document.querySelectorAll('.attachment img').length === 2")
+        reply = ask(page, "Compare them.", max_tokens=12)
+        reply.locator(".meta .stats").wait_for()
+        assert page.locator(".message.user .images img").count() == 2
+        assert page.locator("#attachments").is_hidden()  # sent: the box is empty again
+        text = page.evaluate("Conversations.current.messages.at(-1).content")
+        context.close()
+    assert not errors, errors
+    assert text == transformers_reply("Compare them.", PICTURES[0], PICTURES[1])

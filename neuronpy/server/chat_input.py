@@ -17,6 +17,8 @@ from neuronpy.server.images import (
     check_image_count,
     image_from_base64,
     image_from_url,
+    image_marker,
+    render_with_images,
 )
 from neuronpy.server.schema import FieldError, WireModel, either
 from neuronpy.server.structure import decode_json
@@ -258,6 +260,22 @@ class ChatInput(WireModel):
     @property
     def has_images(self) -> bool:
         return any(message.has_images for message in self.messages)
+
+    def check_images(self, processor: Any) -> None:
+        """InvalidRequestError naming the first image part when the model reads no images
+        (`processor` None)."""
+        if processor is None and self.has_images:
+            where = self.image_parts()[0][1]
+            raise InvalidRequestError(f"'{where}': this model reads no images", where)
+
+    def with_images(self, ids: list[int], tokenizer: Any, processor: Any) -> list[int]:
+        """The chat template's `ids` (of `template_messages(parts=True)`) with the images
+        expanded by the model's processor: a Prompt holding them; `ids` as they are without
+        images (blocking: run it in a thread)."""
+        if not self.has_images:
+            return ids
+        self.check_images(processor)
+        return render_with_images(processor, image_marker(tokenizer), ids, self.images)
 
     def image_parts(self) -> list[tuple[TextPart, str]]:
         """The image parts, in order, each with where the request has it."""

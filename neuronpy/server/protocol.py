@@ -35,7 +35,6 @@ from neuronpy.server.constraints import (
     with_tool_format,
 )
 from neuronpy.server.generic_tools import messages_with_tools, system_messages_first
-from neuronpy.server.images import image_marker, render_with_images
 from neuronpy.server.prompts import check_template_kwargs, encode_prompt, render_chat
 from neuronpy.server.schema import WireModel, either, is_int, json_type, validate
 
@@ -377,14 +376,9 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
     ) -> list[int]:
         """The conversation as token ids; with images, a Prompt holding them (`processor`: a
         vision-language model's, None for a model that reads no images: a 400 then)."""
-        if self.has_images and processor is None:
-            where = self.image_parts()[0][1]
-            raise InvalidRequestError(f"'{where}': this model reads no images", where)
+        self.check_images(processor)
         ids = self._rendered(tokenizer, processor is not None)
-        if not self.has_images:
-            return ids
-        images = self.images
-        return render_with_images(processor, image_marker(tokenizer), ids, images)
+        return self.with_images(ids, tokenizer, processor)
 
     def _rendered(self, tokenizer: PreTrainedTokenizerBase, parts: bool) -> list[int]:
         """The chat template's tokens (`parts`: each message's content as a list of parts, as

@@ -10,10 +10,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from neuronpy.errors import InvalidRequestError
+from neuronpy.media import text_ids
 from neuronpy.server.chat_input import ChatInput
 from neuronpy.server.context import route_context
 from neuronpy.server.errors import ApiError, api_error
 from neuronpy.server.front_door import read_body_and_model
+from neuronpy.server.images import image_token_id
 from neuronpy.server.prompts import render_chat
 from neuronpy.server.schema import WireModel, is_int, validate
 
@@ -37,13 +39,17 @@ async def tokenize(request: Request) -> JSONResponse:
     try:
         if body.get("messages") is not None:
             chat = validate(ChatInput, body)
-            ids = await anyio.to_thread.run_sync(
-                render_chat,
-                tokenizer,
-                chat.template_messages(),
-                chat.chat_tools.tools,
-                limiter=state.tokenize_threads,
-            )
+            processor = getattr(engine, "processor", None)
+            chat.check_images(processor)
+
+            def render() -> list[int]:
+                messages = chat.template_messages(processor is not None)
+                ids = render_chat(tokenizer, messages, chat.chat_tools.tools)
+                # (an image's tokens as its placeholder token, as the model's processor writes)
+                placeholder = image_token_id(processor) if chat.has_images else 0
+                return text_ids(chat.with_images(ids, tokenizer, processor), placeholder)
+
+            ids = await anyio.to_thread.run_sync(render, limiter=state.tokenize_threads)
         else:
             if not isinstance(body.get("prompt"), str):
                 raise InvalidRequestError(
