@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Retry-After (default 256; 0: no limit)",
     )
     serve.add_argument(
+        "--max-body",
+        metavar="SIZE",
+        help="the largest request body, in bytes or as a size (32MiB); images come in it as "
+        "base64, a third larger than their files (default 4MiB)",
+    )
+    serve.add_argument(
         "--api-key",
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every route but /health (default: "
@@ -140,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_const",
         const=False,
         help="serve no web page (the chat at / and the batch view at /batch; default: on)",
+    )
+    serve.add_argument(
+        "--image-urls",
+        dest="image_urls",
+        action="store_const",
+        const=True,
+        help="fetch the http(s) image URLs requests send (public addresses only, 20 MiB and "
+        "10 s each, no redirects; default: off, images come inline as data: URIs)",
     )
     serve.add_argument(
         "--engine-process",
@@ -233,11 +247,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
             "header_timeout": args.header_timeout,
             "body_timeout": args.body_timeout,
             "limit_concurrency": args.limit_concurrency,
+            "max_body": args.max_body,
             "api_key": args.api_key,
             "cors_allow_origins": args.cors_allow_origin,
             "sessions_dir": args.sessions_dir,
             "session_header": args.session_header,
             "web": args.web,
+            "image_urls": args.image_urls,
             "engine_process": None if args.engine_process is None else args.engine_process == "on",
         },
         "model": {
@@ -376,8 +392,10 @@ def serve(config: Config) -> int:
         sessions_dir=config.server.sessions_dir,
         session_header=config.server.session_header,
         web=config.server.web,
+        image_urls=config.server.image_urls,
         body_timeout=config.server.body_timeout,
         limit_concurrency=config.server.limit_concurrency,
+        max_body_bytes=int(config.server.max_body),
     )
     admitted = sum(m.engine.max_in_flight + m.engine.max_queue for m in config.models)
     if 0 < config.server.limit_concurrency < admitted:

@@ -261,6 +261,10 @@ class ServerConfig:
     # requests handled at once, /health and /metrics aside; more get 503 at once
     limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY
     web: bool = True  # the chat page at / and the batch view at /batch
+    # fetch the http(s) image URLs of requests (public addresses only: server/image_urls.py)
+    image_urls: bool = False
+    # the largest request body, in bytes or as a size ("32MiB"): images come inline, base64
+    max_body: int | str = 4 << 20
     # each model's engine (scheduler, runner, device worker) in a process of its own, the
     # HTTP server, tokenizing and detokenizing in this one; False: all in this process
     engine_process: bool = True
@@ -290,6 +294,9 @@ class ServerConfig:
             check_seconds("body_timeout", self.body_timeout)
             check_int("limit_concurrency", self.limit_concurrency, 0, 1_000_000)
             check_bool("web", self.web)
+            check_bool("image_urls", self.image_urls)
+            object.__setattr__(self, "max_body", parse_size("max_body", self.max_body))
+            check_int("max_body", self.max_body, 1024, 1 << 31)
             check_bool("engine_process", self.engine_process)
         except FieldError as exc:
             raise ValueError(f"[server] {exc}") from None

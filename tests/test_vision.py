@@ -7,8 +7,11 @@ images get a 400 naming the part and change nothing else."""
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import pickle
+import threading
+import time
 from collections.abc import Iterator
 from functools import cache
 from typing import Any
@@ -464,3 +467,113 @@ def test_a_text_model_refuses_images_by_part() -> None:
             )
     assert refused.value.body["param"] == "messages[0].content[0].image_url"  # type: ignore[index]
     assert "reads no images" in refused.value.body["message"]  # type: ignore[index]
+
+
+# ---- images by URL (--image-urls) ---------------------------------------------------------
+
+
+def test_only_global_addresses_are_public() -> None:
+    from neuronpy.server.image_urls import is_public_address
+
+    private = [
+        "127.0.0.1",
+        "10.1.2.3",
+        "172.16.0.1",
+        "192.168.1.1",
+        "169.254.169.254",  # a cloud's metadata service
+        "100.64.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "::1",
+        "fc00::1",
+        "fe80::1",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+    ]
+    assert not any(is_public_address(a) for a in private)
+    assert all(is_public_address(a) for a in ("8.8.8.8", "1.1.1.1", "2606:4700::1111"))
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """What the URL tests fetch from: a PNG, HTML, a redirect, a large PNG, a 404, and a
+    server that never answers."""
+
+    def do_GET(self) -> None:
+        if self.path == "/slow.png":
+            time.sleep(30)
+            return
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "/cat.png")
+            self.end_headers()
+            return
+        if self.path == "/missing.png":
+            self.send_error(404)
+            return
+        kind, body = {
+            "/cat.png": ("image/png", png(PICTURES[2])),
+            "/page.html": ("text/html", b"<html></html>"),
+            "/big.png": ("image/png", png(picture(9, (400, 400)))),
+        }[self.path]
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    host.daemon_threads = True
+    thread = threading.Thread(target=host.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{host.server_address[1]}"
+    host.shutdown()
+
+
+def test_image_urls_are_fetched_only_when_allowed_and_never_from_private_addresses(
+    image_host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from neuronpy.server import image_urls
+
+    def refused(server: RunningServer, url: str) -> str:
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(
+                server,
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": url}},
+                            {"type": "text", "text": QUESTION},
+                        ],
+                    }
+                ],
+            )
+        body = caught.value.body
+        assert isinstance(body, dict) and body["param"] == "messages[0].content[0].image_url"
+        return str(body["message"])
+
+    with run_server({MODEL: engine_loader(PATH)}, image_urls=True) as server:
+        # allowed, but the host is this machine: never fetched
+        assert "not a public address" in refused(server, f"{image_host}/cat.png")
+        # (the test's host taken for a public one: what an internet host would get)
+        monkeypatch.setattr(image_urls, "is_public_address", lambda address: True)
+        message = openai_message(QUESTION)
+        message["content"].insert(
+            0, {"type": "image_url", "image_url": {"url": f"{image_host}/cat.png"}}
+        )
+        reply = ask(server, [message]).choices[0].message.content
+        assert reply == transformers_reply(QUESTION, PICTURES[2])
+        assert "text/html" in refused(server, f"{image_host}/page.html")
+        assert "redirects" in refused(server, f"{image_host}/redirect")
+        assert "HTTP 404" in refused(server, f"{image_host}/missing.png")
+        monkeypatch.setattr(image_urls, "MAX_IMAGE_BYTES", 1000)
+        assert "larger than" in refused(server, f"{image_host}/big.png")
+        monkeypatch.setattr(image_urls, "FETCH_SECONDS", 0.5)
+        assert "not fetched within" in refused(server, f"{image_host}/slow.png")
+        assert "data: URI" in refused(server, "file:///etc/passwd")

@@ -199,6 +199,7 @@ def create_app(
     session_header: str | None = DEFAULT_SESSION_HEADER,
     stored_responses: StoreLimits | None = None,
     web: bool = True,
+    image_urls: bool = False,
 ) -> Starlette:
     """The HTTP app serving `models`: {name: a blocking function that loads the model and builds
     its engine}. Once the server is up, each model loads in a thread of its own and serves as
@@ -220,7 +221,9 @@ def create_app(
     fetch does)."""
     if not models:
         raise ValueError("create_app needs at least one model")
-    state = ServerState({name: ServedModel(name, load) for name, load in models.items()})
+    state = ServerState(
+        {name: ServedModel(name, load, image_urls=image_urls) for name, load in models.items()}
+    )
     store = SessionStore(sessions_dir) if sessions_dir is not None else None
     metrics = ServerMetrics(state)
     # stored responses (the Responses API): in memory, and beside the sessions when they are on

@@ -15,6 +15,7 @@ from neuronpy.errors import InvalidRequestError
 from neuronpy.server.images import (
     ImageInput,
     check_image_count,
+    decode_image,
     image_from_base64,
     image_from_url,
     image_marker,
@@ -51,6 +52,7 @@ class TextPart(WireModel):
     # says it is, decoded with the rest (ChatInput.images) rather than read from image_url
     _base64: tuple[str, str] | None = PrivateAttr(default=None)
     _where: str | None = PrivateAttr(default=None)  # where another API has its image_url
+    _fetched: bytes | None = PrivateAttr(default=None)  # its http(s) URL's image (image_urls.py)
 
 
 def url_part(url: str, where: str) -> TextPart:
@@ -298,6 +300,8 @@ class ChatInput(WireModel):
             check_image_count(len(found) + 1, where)
             if part._base64 is not None:
                 found.append(image_from_base64(part._base64[0], where))
+            elif part._fetched is not None:
+                found.append(decode_image(part._fetched, where))
             else:
                 assert part.image_url is not None
                 found.append(image_from_url(part.image_url.url, where))

@@ -22,9 +22,11 @@ from neuronpy.engine.stream import RequestStream
 from neuronpy.engine.tools import HERMES, resolve_tool_format
 from neuronpy.engine.types import SamplingParams, SessionRequest
 from neuronpy.errors import InvalidRequestError, NeuronError
+from neuronpy.server.chat_input import ChatInput
 from neuronpy.server.copies import Copy, cancel_on_disconnect, gather, usage_of
 from neuronpy.server.errors import ApiError, api_error, failure
 from neuronpy.server.front_door import front_door
+from neuronpy.server.image_urls import fetch_remote_images
 from neuronpy.server.logprobs import token_texts
 from neuronpy.server.models import ServedModel
 from neuronpy.server.protocol import ChatCompletionRequest, SamplingRequest
@@ -150,6 +152,11 @@ async def admit(
     if isinstance(req, ChatCompletionRequest) and req.chat_tools.tools and not model.renders_tools:
         req.show_tools_generically()  # (its calls in the generic format: Hermes' markup)
         tools = HERMES.name
+    if model.image_urls and isinstance(req, ChatInput) and req.has_images:
+        try:
+            await fetch_remote_images(req)
+        except InvalidRequestError as exc:
+            raise api_error(exc) from None
     prompts = [
         await anyio.to_thread.run_sync(
             prompt_ids, req, engine.tokenizer, i, getattr(engine, "processor", None)

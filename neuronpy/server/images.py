@@ -55,8 +55,9 @@ def image_from_url(url: str, where: str) -> ImageInput:
     if match is None:
         if re.match(r"^https?://", url, re.I):
             raise InvalidRequestError(
-                f"'{where}': this server fetches no remote images; send the image inline as "
-                "a data: URI (data:image/png;base64,...)",
+                f"'{where}': this server fetches no remote images (its operator may allow "
+                "them: --image-urls); send the image inline as a data: URI "
+                "(data:image/png;base64,...)",
                 where,
             )
         raise InvalidRequestError(

@@ -34,6 +34,7 @@ class ServedModel:
     engine: ServingEngine | None = None
     error: str | None = None  # why it failed, for the log and the operator (never for clients)
     renders_tools: bool = True  # whether its chat template writes tools into the prompt
+    image_urls: bool = False  # whether its requests' http(s) image URLs are fetched
 
     @property
     def state(self) -> str:

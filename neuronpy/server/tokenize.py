@@ -15,6 +15,7 @@ from neuronpy.server.chat_input import ChatInput
 from neuronpy.server.context import route_context
 from neuronpy.server.errors import ApiError, api_error
 from neuronpy.server.front_door import read_body_and_model
+from neuronpy.server.image_urls import fetch_remote_images
 from neuronpy.server.images import image_token_id
 from neuronpy.server.prompts import render_chat
 from neuronpy.server.schema import WireModel, is_int, validate
@@ -41,6 +42,8 @@ async def tokenize(request: Request) -> JSONResponse:
             chat = validate(ChatInput, body)
             processor = getattr(engine, "processor", None)
             chat.check_images(processor)
+            if model.image_urls and chat.has_images:
+                await fetch_remote_images(chat)
 
             def render() -> list[int]:
                 messages = chat.template_messages(processor is not None)

@@ -13,6 +13,11 @@ const SETTINGS = [
 ];
 const MAX_IMAGE_BYTES = 20 * 1024 * 1024;  // the server's bound on one image
 const MAX_IMAGES = 8;  // and on a request's
+// a picture larger than this (bytes, or pixels on its longest side) is sent scaled down as a
+// JPEG: a request's body is 4 MiB unless the server says more, and the models' processors
+// scale pictures to at most 2048 pixels anyway
+const SEND_AS_IS_BYTES = 1024 * 1024;
+const MAX_SIDE = 2048;
 const MODELS_RETRY_MS = 2000;  // while the server loads its models, ask again this often
 const $ = (id) => document.getElementById(id);
 let conversation = [];  // the messages of the conversation shown (Conversations.current's)
@@ -197,12 +202,32 @@ function attachFiles(files) {
       continue;
     }
     const reader = new FileReader();
-    reader.addEventListener("load", () => {
-      attached.push(reader.result);
-      showAttached();
-    });
+    reader.addEventListener("load", () => fitImage(reader.result, file.size));
     reader.readAsDataURL(file);
   }
+}
+
+// attaches a picture (a data: URI), scaled down to MAX_SIDE as a JPEG when it is large
+function fitImage(url, size) {
+  const img = new Image();
+  img.addEventListener("load", () => {
+    const side = Math.max(img.naturalWidth, img.naturalHeight);
+    if (size <= SEND_AS_IS_BYTES && side <= MAX_SIDE) {
+      attached.push(url);
+    } else {
+      const scale = Math.min(1, MAX_SIDE / side);
+      const canvas = document.createElement("canvas");
+      canvas.width = Math.max(1, Math.round(img.naturalWidth * scale));
+      canvas.height = Math.max(1, Math.round(img.naturalHeight * scale));
+      canvas.getContext("2d").drawImage(img, 0, 0, canvas.width, canvas.height);
+      attached.push(canvas.toDataURL("image/jpeg", 0.9));
+    }
+    showAttached();
+  });
+  img.addEventListener("error", () => {
+    $("status").textContent = "that file is not an image the browser can read";
+  });
+  img.src = url;
 }
 
 function showAttachButton() {

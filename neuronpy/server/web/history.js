@@ -62,7 +62,16 @@ const Conversations = {
       const first = each.messages.find((m) => m.role === "user");
       each.title = first ? first.content.slice(0, 60) : "";
     }
-    localStorage.setItem(HISTORY_STORE, JSON.stringify(this.all));
+    try {
+      localStorage.setItem(HISTORY_STORE, JSON.stringify(this.all));
+    } catch (e) {  // the browser's storage is full (pictures take room): kept without them
+      const text = JSON.stringify(this.all, (key, value) => (key === "images" ? undefined : value));
+      try {
+        localStorage.setItem(HISTORY_STORE, text);
+      } catch (again) {
+        return;  // (the conversations stay in this page; they are not kept)
+      }
+    }
     if (c) localStorage.setItem(CURRENT_STORE, c.id);
   },
 
