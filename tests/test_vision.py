@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -31,7 +32,7 @@ from neuronpy.engine.types import SamplingParams
 from neuronpy.media import Media, Prompt, media_key, split_media_id, text_ids
 from neuronpy.server.images import ImageInput, image_marker, render_with_images
 from neuronpy.server.prompts import render_chat
-from tests.servers import FIXTURES, RunningServer, engine_loader, run_server
+from tests.servers import FIXTURES, RunningServer, engine_loader, process_loader, run_server
 from tests.test_engine_parity import concurrently, one_at_a_time
 from tests.test_fixtures import bf
 
@@ -577,3 +578,42 @@ def test_image_urls_are_fetched_only_when_allowed_and_never_from_private_address
         monkeypatch.setattr(image_urls, "FETCH_SECONDS", 0.5)
         assert "not fetched within" in refused(server, f"{image_host}/slow.png")
         assert "data: URI" in refused(server, "file:///etc/passwd")
+
+
+def test_a_session_keeps_an_images_turn_across_a_restart(tmp_path: Path) -> None:
+    """A conversation with an image saved as a session (its KV and its media ids): after a
+    restart its next turn continues from the file, and the reply is transformers'."""
+    first = [openai_message(QUESTION, PICTURES[1])]
+    with run_server({MODEL: engine_loader(PATH)}, sessions_dir=tmp_path) as server:
+        reply = ask(server, first, extra_body={"session": "pictures"}).choices[0].message
+    turn = [*first, {"role": "assistant", "content": reply.content}, openai_message("And?")]
+    with run_server({MODEL: engine_loader(PATH)}, sessions_dir=tmp_path) as restarted:
+        again = ask(restarted, turn, extra_body={"session": "pictures"})
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 32
+    processor, model = reference()
+    content = [{"type": "image", "image": PICTURES[1]}, {"type": "text", "text": QUESTION}]
+    conversation = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": [{"type": "text", "text": reply.content}]},
+        {"role": "user", "content": [{"type": "text", "text": "And?"}]},
+    ]
+    inputs = processor.apply_chat_template(
+        conversation,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+    want = processor.tokenizer.decode(ids, skip_special_tokens=True)
+    assert again.choices[0].message.content == want
+
+
+def test_served_with_its_engine_in_a_process_of_its_own() -> None:
+    """As `neuronpy serve` runs it: the prompt's images cross to the engine's process."""
+    with run_server({MODEL: process_loader(PATH, compile="off")}) as server:
+        reply = ask(server, [openai_message(QUESTION, PICTURES[0])])
+    assert reply.choices[0].message.content == transformers_reply(QUESTION, PICTURES[0])
