@@ -131,6 +131,7 @@ def engine_over(
     vision = None
     if processor is not None:
         vision = VisionTower(source)
+        model.bidirectional_images = vision.bidirectional
         log.info("%s: reads images (%s vision tower)", name, _mib(vision.nbytes))
     return Engine(
         model,

@@ -32,6 +32,7 @@ class Media:
     tokens: int
     inputs: Mapping[str, Any] = field(repr=False)
     nbytes: int = 0  # the image file's size, as received
+    placeholder: int = 0  # the token its media ids stand for (the processor's placeholder)
 
     @property
     def number(self) -> int:
@@ -84,6 +85,17 @@ def split_media_id(token: int) -> tuple[int, int]:
     """(the image's number, the token's place in it) of a media id."""
     value = -token - 1
     return value >> TOKEN_BITS, value & ((1 << TOKEN_BITS) - 1)
+
+
+def past_image(tokens: Sequence[int], end: int) -> int:
+    """`end`, or where the image it would cut in two ends: a prefill chunk holds an image's
+    run of tokens whole (a model whose image tokens see their whole image at prefill, Gemma
+    3's, needs them in one forward)."""
+    while 0 < end < len(tokens) and tokens[end] < 0 and tokens[end - 1] < 0:
+        if split_media_id(tokens[end])[0] != split_media_id(tokens[end - 1])[0]:
+            break
+        end += 1
+    return end
 
 
 def text_ids(ids: Sequence[int], placeholder: int = 0) -> list[int]:

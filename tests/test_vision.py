@@ -29,7 +29,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from neuronpy.engine.types import SamplingParams
-from neuronpy.media import Media, Prompt, media_key, split_media_id, text_ids
+from neuronpy.media import Media, Prompt, media_key, past_image, split_media_id, text_ids
 from neuronpy.server.images import ImageInput, image_marker, render_with_images
 from neuronpy.server.prompts import render_chat
 from tests.servers import FIXTURES, RunningServer, engine_loader, process_loader, run_server
@@ -38,6 +38,7 @@ from tests.test_fixtures import bf
 
 MODEL = bf.VISION_FIXTURE
 PATH = FIXTURES / MODEL
+GEMMA = FIXTURES / bf.GEMMA_VISION_FIXTURE
 MAX_TOKENS = 12
 QUESTION = "What is in the picture?"
 
@@ -73,18 +74,24 @@ def openai_message(text: str, *images: Image.Image) -> dict[str, Any]:
 
 
 @cache
-def reference() -> tuple[Any, Any]:
-    processor = AutoProcessor.from_pretrained(PATH)
-    model = AutoModelForImageTextToText.from_pretrained(PATH, dtype=torch.float32).eval()
+def reference(path: Path = PATH) -> tuple[Any, Any]:
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     return processor, model
 
 
 def transformers_reply(
-    text: str, *images: Image.Image, max_tokens: int = MAX_TOKENS, content: Any = None
+    text: str,
+    *images: Image.Image,
+    max_tokens: int = MAX_TOKENS,
+    content: Any = None,
+    path: Path = PATH,
+    sanitize: bool = False,
 ) -> str:
     """transformers' greedy reply to a user message of `images` then `text` (or of its
-    `content` parts as given), through the model's processor and chat template."""
-    processor, model = reference()
+    `content` parts as given), through the model's processor and chat template
+    (`sanitize`: control tokens in the text encoded as text, where the processor can)."""
+    processor, model = reference(path)
     content = content or [
         *({"type": "image", "image": i} for i in images),
         {"type": "text", "text": text},
@@ -95,6 +102,7 @@ def transformers_reply(
         tokenize=True,
         return_dict=True,
         return_tensors="pt",
+        sanitize_control_tokens=sanitize,
     )
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
@@ -203,6 +211,69 @@ async def test_image_rows_batched_with_text_rows_are_transformers_replies() -> N
 
 
 @pytest.mark.anyio
+async def test_gemma3_image_tokens_see_their_whole_image_batched_with_text() -> None:
+    """Gemma 3: an image's tokens attend to the whole image at prefill (transformers' replies
+    differ without it), prefilled 4 tokens at a time alone and in 16-token rides of a
+    decoding batch (an image's run of tokens never cut), batched with text-only rows."""
+    cases = [
+        (QUESTION, PICTURES[:1]),
+        ("Tell me a story", []),
+        ("Describe it.", PICTURES[2:3]),
+        ("Compare them.", PICTURES[:2]),
+    ]
+    alone_engine = engine_loader(GEMMA, max_in_flight=1, prefill_chunk=4, compile="off")()
+    async with alone_engine:
+        assert alone_engine.model.bidirectional_images
+        jobs = [(_prompt(alone_engine, text, images), _greedy()) for text, images in cases]
+        alone = await one_at_a_time(alone_engine, jobs)
+    batched_engine = engine_loader(GEMMA, max_in_flight=8, prefill_chunk=4)()
+    async with batched_engine:
+        together = await concurrently(batched_engine, jobs)
+        stats = batched_engine.stats()
+    assert stats.max_batch_size >= 3, "the rows never shared a batch"
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    for (text, images), done in zip(cases, together, strict=True):
+        assert done.text == transformers_reply(text, *images, path=GEMMA), text
+
+
+def test_a_gemma3_checkpoint_served_to_the_openai_client() -> None:
+    """Its prompt is its processor's (images expanded as transformers writes them, the user's
+    text encoded as text) and its replies transformers'."""
+    name = bf.GEMMA_VISION_FIXTURE
+    with run_server({name: engine_loader(GEMMA)}) as server:
+        api = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+        for text, images in [("Look <start_of_image> here.", PICTURES[1:2]), (QUESTION, [])]:
+            reply = api.chat.completions.create(
+                model=name,
+                messages=[openai_message(text, *images)],  # type: ignore[list-item]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+            )
+            want = transformers_reply(text, *images, path=GEMMA, sanitize=True)
+            assert reply.choices[0].message.content == want, text
+
+
+def test_a_prefill_chunk_never_cuts_an_image() -> None:
+    a = Media("a" * 64, 4, {}).ids()
+    b = Media("b" * 64, 4, {}).ids()
+    prompt = [1, 2, *a, *b, 3]
+    assert [past_image(prompt, end) for end in range(len(prompt) + 1)] == [
+        0,
+        1,
+        2,
+        6,
+        6,
+        6,
+        6,
+        10,
+        10,
+        10,
+        10,
+        11,
+    ]
+
+
+@pytest.mark.anyio
 async def test_an_images_tiles_are_encoded_with_the_chunks_that_hold_them_once() -> None:
     """Joining a batch that decodes, a prompt rides the steps 16 tokens at a time (its
     prefill chunk is 8: the least ride is 16), and its image of 5 tiles (4 tokens each) is
@@ -244,7 +315,8 @@ def _greedy() -> SamplingParams:
 
 def _prompt(engine: Any, text: str, images: list[Image.Image]) -> list[int]:
     content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
-    ids = render_chat(engine.tokenizer, [{"role": "user", "content": content}])
+    messages = [{"role": "user", "content": content}]
+    ids = render_chat(engine.tokenizer, messages, images=images, processor=engine.processor)
     if not images:
         return ids
     pictures = [ImageInput(i, f"image {k}", 0) for k, i in enumerate(images)]

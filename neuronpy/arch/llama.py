@@ -47,7 +47,7 @@ from neuronpy.arch.weights import (
 )
 from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.envflags import env_flag
-from neuronpy.media import split_media_id
+from neuronpy.media import past_image, split_media_id
 
 # projections per layer in the compiled graph's numbering (see LlamaModel._linear)
 # rows of a forward whose input is given rather than looked up: (row indexes [K], inputs
@@ -106,6 +106,9 @@ class LlamaModel:
         # Tensor parallelism (arch/tp.py): o_proj and down hold a slice of their inputs, so each
         # rank's output is a partial sum that this all-reduce completes before the residual.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # a prompt's image tokens see their whole image at prefill (Gemma 3's vision-language
+        # model; set where its vision tower is: compose.py), else causally as any token
+        self.bidirectional_images = False
         self._attention: Attention | None = None  # the running forward's (see _run)
         self._handle: torch.Tensor | None = None  # what the compiled graph names it by
         self._compiled: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -608,6 +611,41 @@ class LlamaModel:
             causal &= col > positions[:, None] - window
         return causal.repeat(self.config.group_size, 1)
 
+    def _image_blocks(
+        self,
+        tokens: Sequence[int],
+        start: int,
+        total: int,
+        mask: torch.Tensor,
+        banded: torch.Tensor | None,
+        window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`mask` and `banded` (a chunk's, of `tokens` at columns [start, total)) with each
+        run of one image's tokens seeing the whole run, later tokens too (Gemma 3's
+        bidirectional attention within an image; a sliding layer's window still bounds what
+        lies behind). The run must lie whole in the chunk (the engine never cuts one)."""
+        t = total - start
+        block = torch.zeros(t, total, dtype=torch.bool, device=self.device)
+        i = 0
+        while i < t:
+            if tokens[i] >= 0:
+                i += 1
+                continue
+            image = split_media_id(tokens[i])[0]
+            j = i
+            while j < t and tokens[j] < 0 and split_media_id(tokens[j])[0] == image:
+                j += 1
+            block[i:j, start + i : start + j] = True
+            i = j
+        grouped = block.repeat(self.config.group_size, 1)
+        mask = mask | grouped
+        if banded is not None and window is not None:
+            rows = torch.arange(start, total, device=self.device)[:, None]
+            col = torch.arange(total, device=self.device)[None, :]
+            near = (rows - col < window).repeat(self.config.group_size, 1)
+            banded = banded | (grouped & near)
+        return mask, banded
+
     def _sequence_attention(
         self,
         keys: list[torch.Tensor],
@@ -616,6 +654,7 @@ class LlamaModel:
         total: int,
         states: list[States] | None = None,
         capture: int | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> SequenceAttention:
         """A sequence's tokens at columns [start, total) of its own buffers (see
         SequenceAttention), with the banded mask of the sliding layers when there are any, its
@@ -624,6 +663,8 @@ class LlamaModel:
         window = self.config.sliding_window if self.config.windowed else None
         banded = None if window is None else self._causal_mask(positions, total, window)
         mask = self._causal_mask(positions, total)
+        if self.bidirectional_images and tokens is not None and min(tokens) < 0:
+            mask, banded = self._image_blocks(tokens, start, total, mask, banded, window)
         kept = None
         if capture is not None and start < capture < total and self.has_states:
             kept = (capture, [])
@@ -676,16 +717,20 @@ class LlamaModel:
         ids, inserts = self._token_inputs(new, media)
         hidden_out = []
         checkpoint = _kept(states, start) if capture == start and self.has_states else None
-        for lo in range(0, len(new), chunk_size):
+        lo = 0
+        while lo < len(new):
             hi = min(lo + chunk_size, len(new))
+            if self.bidirectional_images:  # (an image's run of tokens in one chunk, whole)
+                hi = past_image(new, hi)
             a, b = start + lo, start + hi  # absolute columns of this chunk
-            chunk = self._sequence_attention(keys, values, a, b, states, capture)
+            chunk = self._sequence_attention(keys, values, a, b, states, capture, new[lo:hi])
             part = _inserts_within(inserts, lo, hi)
             hidden_out.append(self._run(ids[lo:hi], torch.arange(a, b, device=dev), chunk, part))
             if chunk.capture is not None:
                 checkpoint = chunk.capture
             elif capture == b and self.has_states:
                 checkpoint = _kept(states, b)
+            lo = hi
         return snapshot_of(keys, values, past, new, states, checkpoint), torch.cat(hidden_out)
 
     def _token_inputs(
@@ -878,7 +923,9 @@ class LlamaModel:
                 inserts.append((chunk_inserts[0] + at_row, chunk_inserts[1]))
             ids.append(chunk_ids)
             spans.append(
-                self._sequence_attention(keys, values, start, total, states, chunk.capture)
+                self._sequence_attention(
+                    keys, values, start, total, states, chunk.capture, chunk.token_ids
+                )
             )
         rows = torch.cat(positions) if len(positions) > 1 else positions[0]
         flat = torch.cat(ids) if len(ids) > 1 else ids[0]

@@ -23,6 +23,8 @@ from neuronpy.arch.weights import LANGUAGE_MODELS
 # tile dimension is the second of each array): a prefill chunk encodes the tiles whose rows
 # it holds, so an image's encoding is spread over its prompt's chunks, between decode steps
 TILED = ("idefics3", "smolvlm")
+# families whose image tokens see their whole image at prefill, not only those before them
+BIDIRECTIONAL = ("gemma3",)
 
 
 def _tiles_of(value: np.ndarray, tiles: range | None) -> np.ndarray:
@@ -48,6 +50,7 @@ class VisionTower:
             self.image_token_id = getattr(config, "image_token_index", None)
         self.hidden_size = int(config.text_config.hidden_size)
         self.model_type = str(config.model_type)
+        self.bidirectional = self.model_type in BIDIRECTIONAL
         param = next(inner.parameters())
         self.device, self.dtype = param.device, param.dtype
 

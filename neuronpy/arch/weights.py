@@ -141,10 +141,10 @@ LANGUAGE_MODELS = ("language_model", "text_model")
 
 
 # the vision-language families whose images neuronpy reads: an image's rows take its
-# placeholder tokens' places and the language model's positions stay 1-D (a causal mask
-# over the image too). Others (Qwen-VL's multimodal RoPE, Gemma 3's bidirectional image
-# attention) serve their language model, text only.
-IMAGE_FAMILIES = ("idefics3", "smolvlm")
+# placeholder tokens' places and the language model's positions stay 1-D (its tokens see
+# each other causally, or, in Gemma 3, the whole image: arch/vision.py's BIDIRECTIONAL).
+# Others (Qwen-VL's multimodal RoPE) serve their language model, text only.
+IMAGE_FAMILIES = ("idefics3", "smolvlm", "gemma3")
 
 
 def is_vision_language(config: Any) -> bool:

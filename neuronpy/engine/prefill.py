@@ -15,6 +15,7 @@ from neuronpy.engine.plans import (
 )
 from neuronpy.engine.prefix_cache import PrefixIndex
 from neuronpy.engine.request import Cause, Request
+from neuronpy.media import past_image
 
 
 class Prefills:
@@ -107,6 +108,7 @@ class Prefills:
             # other bits than a prompt prefilled whole; at least one block, past the budget)
             block = self.state_block
             end = min(len(prompt), max((end // block) * block, (start // block + 1) * block))
+        end = past_image(prompt, end)
         last = end == len(prompt)
         cache_id = None
         clones: tuple[Request, ...] = ()

@@ -271,13 +271,18 @@ class ChatInput(WireModel):
             raise InvalidRequestError(f"'{where}': this model reads no images", where)
 
     def with_images(self, ids: list[int], tokenizer: Any, processor: Any) -> list[int]:
-        """The chat template's `ids` (of `template_messages(parts=True)`) with the images
-        expanded by the model's processor: a Prompt holding them; `ids` as they are without
-        images (blocking: run it in a thread)."""
+        """The chat template's `ids` (of `template_messages(parts=True)`, rendered by
+        render_chat with `pictures()`) with the images expanded by the model's processor: a
+        Prompt holding them; `ids` as they are without images (blocking: run it in a
+        thread)."""
         if not self.has_images:
             return ids
         self.check_images(processor)
         return render_with_images(processor, image_marker(tokenizer), ids, self.images)
+
+    def pictures(self) -> list[Any]:
+        """The images, decoded (PIL images), in order: for render_chat."""
+        return [found.image for found in self.images]
 
     def image_parts(self) -> list[tuple[TextPart, str]]:
         """The image parts, in order, each with where the request has it."""

@@ -139,14 +139,6 @@ def check_image_count(count: int, where: str) -> None:
         raise InvalidRequestError(f"a request may hold at most {MAX_IMAGES} images", where)
 
 
-def image_token_id(processor: Any) -> int:
-    """The placeholder token an image's rows take the place of, in a processor's prompts."""
-    found = getattr(processor, "image_token_id", None)
-    if isinstance(found, int):
-        return found
-    return int(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
-
-
 def image_marker(tokenizer: Any) -> tuple[int, ...]:
     """The tokens a model's chat template writes for an image part ("<image>", Gemma 3's
     "<start_of_image>", Qwen's "<|vision_start|><|image_pad|><|vision_end|>"): where a
@@ -201,37 +193,56 @@ def render_with_images(
     tiles' framing tokens and the placeholders its rows take), and each image's
     placeholders turned into its media ids; the processor's arrays for each image go with
     them (what the vision tower takes)."""
-    placeholder = image_token_id(processor)
     marker_text = processor.tokenizer.decode(list(marker))
+    expansions = [_expand(processor, marker_text, image) for image in images]
+    placeholder = _placeholder(processor, expansions[0][0]) if expansions else 0
+    media = [
+        _media(expanded, inputs, placeholder, image)
+        for (expanded, inputs), image in zip(expansions, images, strict=True)
+    ]
+    if placeholder in ids:  # the processor rendered the prompt, its images expanded
+        return _with_media_ids(list(ids), media, placeholder)
     out: list[int] = []
-    media: list[Media] = []
-    pictures = iter(images)
-    i, n = 0, len(marker)
+    at, i, n = 0, 0, len(marker)
     while i < len(ids):
         if tuple(ids[i : i + n]) != tuple(marker):
             out.append(int(ids[i]))
             i += 1
             continue
-        image = next(pictures, None)
-        if image is None:
+        if at == len(media):
             raise InvalidRequestError("the prompt holds more images than were sent", "messages")
-        expanded, m = _expand(processor, marker_text, image, placeholder)
-        media.append(m)
-        slots = iter(m.ids())
-        out.extend(next(slots) if t == placeholder else t for t in expanded)
+        slots = iter(media[at].ids())
+        out.extend(next(slots) if t == placeholder else t for t in expansions[at][0])
+        at += 1
         i += n
-    if len(media) != len(images):
+    if at != len(images):
         raise InvalidRequestError(
-            f"the chat template placed {len(media)} of the {len(images)} images", "messages"
+            f"the chat template placed {at} of the {len(images)} images", "messages"
         )
     return Prompt(out, media)
 
 
+def _placeholder(processor: Any, expanded: Sequence[int]) -> int:
+    """The placeholder token of an image's expansion: the one its rows take the place of,
+    the added token written most (once per row: SmolVLM's <image>, Gemma 3's
+    <image_soft_token>; framing tokens fewer times, and text such as newlines is not one)."""
+    added = set(processor.tokenizer.added_tokens_decoder)
+    found = [t for t in expanded if t in added] or list(expanded)
+    return max(set(found), key=found.count)
+
+
+def _media(
+    expanded: Sequence[int], inputs: dict[str, Any], placeholder: int, image: ImageInput
+) -> Media:
+    tokens = sum(1 for t in expanded if t == placeholder)
+    return Media(media_key(inputs), tokens, inputs, image.nbytes, placeholder)
+
+
 def _expand(
-    processor: Any, marker_text: str, image: ImageInput, placeholder: int
-) -> tuple[list[int], Media]:
-    """The processor's tokens for one image's marker, and the image as the vision tower
-    takes it: the processor's arrays for it alone, and how many placeholders it fills."""
+    processor: Any, marker_text: str, image: ImageInput
+) -> tuple[list[int], dict[str, Any]]:
+    """The processor's tokens for one image's marker, and its arrays for the image alone
+    (what the vision tower takes)."""
     try:
         out = processor(
             text=[marker_text],
@@ -251,5 +262,23 @@ def _expand(
         if k not in ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
         and isinstance(v, np.ndarray)
     }
-    tokens = sum(1 for t in ids if t == placeholder)
-    return ids, Media(media_key(inputs), tokens, inputs, image.nbytes)
+    return ids, inputs
+
+
+def _with_media_ids(ids: list[int], media: Sequence[Media], placeholder: int) -> Prompt:
+    """`ids` with the placeholder tokens, in order, replaced by each image's media ids."""
+    slots = [i for i, t in enumerate(ids) if t == placeholder]
+    if len(slots) != sum(m.tokens for m in media):
+        raise InvalidRequestError(
+            f"the prompt has {len(slots)} image tokens for {len(media)} images of "
+            f"{sum(m.tokens for m in media)}: the chat template placed the images otherwise "
+            "than the processor counts them",
+            "messages",
+        )
+    out = list(ids)
+    at = 0
+    for m in media:
+        for media_id in m.ids():
+            out[slots[at]] = media_id
+            at += 1
+    return Prompt(out, media)

@@ -5,6 +5,7 @@ HTTP layer makes them 400s)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from jinja2 import TemplateError
@@ -19,6 +20,8 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     continue_final: bool = False,
+    images: Sequence[Any] = (),
+    processor: Any = None,
 ) -> list[int]:
     """Token ids of `messages` (and `tools`, for a template that writes them) through the
     model's own chat template, which transformers renders in a sandboxed Jinja environment.
@@ -26,7 +29,17 @@ def render_chat(
     a turn. A template never comes from the request; `template_kwargs` (checked by
     check_template_kwargs) are variables it may read, such as Qwen3's `enable_thinking`.
     `continue_final`: the last message (the assistant's) is left open for the model to go on
-    with, instead of a new assistant turn after it."""
+    with, instead of a new assistant turn after it. `images` (PIL images, one per image part,
+    in order) with a vision-language model's `processor`: the model's processor renders and
+    tokenizes the whole conversation, its images' placeholders written as it writes them,
+    where it can encode control tokens as text (else the template's tokens, each image part
+    its marker: server/images.py expands those)."""
+    if images and processor is not None:
+        expanded = _processor_rendered(
+            processor, messages, images, tools, template_kwargs, continue_final
+        )
+        if expanded is not None:
+            return expanded
     if not tokenizer.chat_template:
         raise InvalidRequestError(
             "this model has no chat template; use /v1/completions", "messages"
@@ -49,6 +62,48 @@ def render_chat(
     except ValueError as exc:  # a control token in a message that cannot be written as text
         raise InvalidRequestError(f"the messages cannot be encoded: {exc}", "messages") from None
     return list(ids)
+
+
+def _processor_rendered(
+    processor: Any,
+    messages: list[dict[str, Any]],
+    images: Sequence[Any],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+    continue_final: bool,
+) -> list[int] | None:
+    """The conversation through a processor's chat template and processor, images expanded
+    (None where the processor cannot encode control tokens as text: Idefics3's)."""
+    pictures = iter(images)
+    conversation = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [
+                {"type": "image", "image": next(pictures)} if part.get("type") == "image" else part
+                for part in content
+            ]
+            message = {**message, "content": content}
+        conversation.append(message)
+    try:
+        out = processor.apply_chat_template(
+            conversation,
+            **(template_kwargs or {}),
+            tools=tools or None,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="np",
+            sanitize_control_tokens=True,
+        )
+    except TemplateError as exc:
+        raise InvalidRequestError(
+            f"the chat template rejected the messages: {exc}", "messages"
+        ) from None
+    except (ValueError, TypeError, StopIteration):
+        return None
+    return [int(t) for t in out["input_ids"].reshape(-1)]
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:

@@ -377,12 +377,14 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
         """The conversation as token ids; with images, a Prompt holding them (`processor`: a
         vision-language model's, None for a model that reads no images: a 400 then)."""
         self.check_images(processor)
-        ids = self._rendered(tokenizer, processor is not None)
+        ids = self._rendered(tokenizer, processor)
         return self.with_images(ids, tokenizer, processor)
 
-    def _rendered(self, tokenizer: PreTrainedTokenizerBase, parts: bool) -> list[int]:
-        """The chat template's tokens (`parts`: each message's content as a list of parts, as
-        a vision-language model's template takes it)."""
+    def _rendered(self, tokenizer: PreTrainedTokenizerBase, processor: Any) -> list[int]:
+        """The chat template's tokens (with a vision-language model's `processor`, each
+        message's content as a list of parts, its images rendered by render_chat)."""
+        parts = processor is not None
+        pictures = self.pictures() if self.has_images else []
         tools = self.chat_tools
         continue_final = bool(self.continue_final_message)
         generic = self._generic_tools and bool(tools.tools)
@@ -393,8 +395,12 @@ class ChatCompletionRequest(SamplingRequest, ChatInput):
         def render(messages: list[dict[str, Any]], system: bool = True) -> list[int]:
             if generic:
                 shown = messages_with_tools(messages, tools.tools or [], tools.choice, system)
-                return render_chat(tokenizer, shown, None, variables, continue_final)
-            return render_chat(tokenizer, messages, tools.tools, variables, continue_final)
+                return render_chat(
+                    tokenizer, shown, None, variables, continue_final, pictures, processor
+                )
+            return render_chat(
+                tokenizer, messages, tools.tools, variables, continue_final, pictures, processor
+            )
 
         messages = self.template_messages(parts)
         try:

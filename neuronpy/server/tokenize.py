@@ -10,13 +10,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from neuronpy.errors import InvalidRequestError
-from neuronpy.media import text_ids
+from neuronpy.media import media_of, text_ids
 from neuronpy.server.chat_input import ChatInput
 from neuronpy.server.context import route_context
 from neuronpy.server.errors import ApiError, api_error
 from neuronpy.server.front_door import read_body_and_model
 from neuronpy.server.image_urls import fetch_remote_images
-from neuronpy.server.images import image_token_id
 from neuronpy.server.prompts import render_chat
 from neuronpy.server.schema import WireModel, is_int, validate
 
@@ -47,10 +46,13 @@ async def tokenize(request: Request) -> JSONResponse:
 
             def render() -> list[int]:
                 messages = chat.template_messages(processor is not None)
-                ids = render_chat(tokenizer, messages, chat.chat_tools.tools)
+                pictures = chat.pictures() if chat.has_images else []
+                tools = chat.chat_tools.tools
+                ids = render_chat(tokenizer, messages, tools, None, False, pictures, processor)
                 # (an image's tokens as its placeholder token, as the model's processor writes)
-                placeholder = image_token_id(processor) if chat.has_images else 0
-                return text_ids(chat.with_images(ids, tokenizer, processor), placeholder)
+                prompt = chat.with_images(ids, tokenizer, processor)
+                media = media_of(prompt)
+                return text_ids(prompt, media[0].placeholder if media else 0)
 
             ids = await anyio.to_thread.run_sync(render, limiter=state.tokenize_threads)
         else:
