@@ -21,6 +21,7 @@ from PIL import Image, UnidentifiedImageError
 
 from neuronpy.errors import InvalidRequestError
 from neuronpy.media import Media, Prompt, media_key
+from neuronpy.server.prompts import Expanded
 
 MAX_IMAGES = 8  # per request
 MAX_IMAGE_BYTES = 20 << 20  # an image file's size, decoded from base64
@@ -192,7 +193,8 @@ def render_with_images(
     with each marker expanded as the model's processor expands it for that image (its
     tiles' framing tokens and the placeholders its rows take), and each image's
     placeholders turned into its media ids; the processor's arrays for each image go with
-    them (what the vision tower takes)."""
+    them (what the vision tower takes). `ids` that the processor rendered (render_chat's
+    Expanded) have their placeholders written out already: those become the media ids."""
     marker_text = processor.tokenizer.decode(list(marker))
     expansions = [_expand(processor, marker_text, image) for image in images]
     placeholder = _placeholder(processor, expansions[0][0]) if expansions else 0
@@ -200,7 +202,7 @@ def render_with_images(
         _media(expanded, inputs, placeholder, image)
         for (expanded, inputs), image in zip(expansions, images, strict=True)
     ]
-    if placeholder in ids:  # the processor rendered the prompt, its images expanded
+    if isinstance(ids, Expanded):  # the processor rendered the prompt, its images expanded
         return _with_media_ids(list(ids), media, placeholder)
     out: list[int] = []
     at, i, n = 0, 0, len(marker)

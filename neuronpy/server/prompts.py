@@ -64,6 +64,10 @@ def render_chat(
     return list(ids)
 
 
+class Expanded(list[int]):
+    """Token ids a processor rendered, its images' placeholders already written out."""
+
+
 def _processor_rendered(
     processor: Any,
     messages: list[dict[str, Any]],
@@ -103,7 +107,7 @@ def _processor_rendered(
         ) from None
     except (ValueError, TypeError, StopIteration):
         return None
-    return [int(t) for t in out["input_ids"].reshape(-1)]
+    return Expanded(int(t) for t in out["input_ids"].reshape(-1))
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[int]) -> list[int]:
