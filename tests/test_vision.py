@@ -196,18 +196,7 @@ async def test_image_rows_batched_with_text_rows_are_transformers_replies() -> N
         ("Numbers: 1, 2, 3", []),
         ("Compare them.", PICTURES[:2]),
     ]
-    alone_engine = engine_loader(PATH, max_in_flight=1, compile="off")()
-    async with alone_engine:
-        jobs = [(_prompt(alone_engine, text, images), _greedy()) for text, images in cases]
-        alone = await one_at_a_time(alone_engine, jobs)
-    batched_engine = engine_loader(PATH, max_in_flight=8)()
-    async with batched_engine:
-        together = await concurrently(batched_engine, jobs)
-        stats = batched_engine.stats()
-    assert stats.max_batch_size >= 3, "the rows never shared a batch"
-    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
-    for (text, images), done in zip(cases, together, strict=True):
-        assert done.text == transformers_reply(text, *images), text
+    await alone_and_batched(PATH, cases)
 
 
 @pytest.mark.anyio
@@ -221,19 +210,7 @@ async def test_gemma3_image_tokens_see_their_whole_image_batched_with_text() -> 
         ("Describe it.", PICTURES[2:3]),
         ("Compare them.", PICTURES[:2]),
     ]
-    alone_engine = engine_loader(GEMMA, max_in_flight=1, prefill_chunk=4, compile="off")()
-    async with alone_engine:
-        assert alone_engine.model.bidirectional_images
-        jobs = [(_prompt(alone_engine, text, images), _greedy()) for text, images in cases]
-        alone = await one_at_a_time(alone_engine, jobs)
-    batched_engine = engine_loader(GEMMA, max_in_flight=8, prefill_chunk=4)()
-    async with batched_engine:
-        together = await concurrently(batched_engine, jobs)
-        stats = batched_engine.stats()
-    assert stats.max_batch_size >= 3, "the rows never shared a batch"
-    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
-    for (text, images), done in zip(cases, together, strict=True):
-        assert done.text == transformers_reply(text, *images, path=GEMMA), text
+    await alone_and_batched(GEMMA, cases, prefill_chunk=4)
 
 
 def test_a_gemma3_checkpoint_served_to_the_openai_client() -> None:
@@ -307,6 +284,26 @@ async def test_an_images_tiles_are_encoded_with_the_chunks_that_hold_them_once()
     assert first.text == transformers_reply(QUESTION, PICTURES[0])
     after[1]["image"] = PICTURES[0]
     assert other.text == transformers_reply("", content=after)
+
+
+async def alone_and_batched(
+    path: Path, cases: list[tuple[str, list[Image.Image]]], **config: Any
+) -> None:
+    """Each case's reply alone (one row at a time) and batched (each joining the decoding
+    batch in turn: they share it): the same tokens, and transformers' reply."""
+    alone_engine = engine_loader(path, max_in_flight=1, compile="off", **config)()
+    async with alone_engine:
+        assert alone_engine.model.bidirectional_images == (path == GEMMA)
+        jobs = [(_prompt(alone_engine, text, images), _greedy()) for text, images in cases]
+        alone = await one_at_a_time(alone_engine, jobs)
+    batched_engine = engine_loader(path, max_in_flight=8, **config)()
+    async with batched_engine:
+        together = await concurrently(batched_engine, jobs)
+        stats = batched_engine.stats()
+    assert stats.max_batch_size >= 3, "the rows never shared a batch"
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    for (text, images), done in zip(cases, together, strict=True):
+        assert done.text == transformers_reply(text, *images, path=path), text
 
 
 def _greedy() -> SamplingParams:

@@ -47,13 +47,8 @@ def render_chat(
     try:
         ids = tokenizer.apply_chat_template(
             messages,
-            **(template_kwargs or {}),
-            tools=tools or None,
-            add_generation_prompt=not continue_final,
-            continue_final_message=continue_final,
-            tokenize=True,
+            **_template_options(tools, template_kwargs, continue_final),
             return_dict=False,
-            sanitize_control_tokens=True,
         )
     except TemplateError as exc:  # the template rejected the conversation (raise_exception)
         raise InvalidRequestError(
@@ -62,6 +57,24 @@ def render_chat(
     except ValueError as exc:  # a control token in a message that cannot be written as text
         raise InvalidRequestError(f"the messages cannot be encoded: {exc}", "messages") from None
     return list(ids)
+
+
+def _template_options(
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+    continue_final: bool,
+) -> dict[str, Any]:
+    """What apply_chat_template is given (a tokenizer's or a processor's): the template's
+    variables, the tools, the turn left open or a new one, tokenized with control tokens in
+    the conversation encoded as text."""
+    return {
+        **(template_kwargs or {}),
+        "tools": tools or None,
+        "add_generation_prompt": not continue_final,
+        "continue_final_message": continue_final,
+        "tokenize": True,
+        "sanitize_control_tokens": True,
+    }
 
 
 class Expanded(list[int]):
@@ -92,14 +105,9 @@ def _processor_rendered(
     try:
         out = processor.apply_chat_template(
             conversation,
-            **(template_kwargs or {}),
-            tools=tools or None,
-            add_generation_prompt=not continue_final,
-            continue_final_message=continue_final,
-            tokenize=True,
+            **_template_options(tools, template_kwargs, continue_final),
             return_dict=True,
             return_tensors="np",
-            sanitize_control_tokens=True,
         )
     except TemplateError as exc:
         raise InvalidRequestError(
