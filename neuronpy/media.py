@@ -77,10 +77,6 @@ def media_key(inputs: Mapping[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def is_media_id(token: int) -> bool:
-    return token < 0
-
-
 def split_media_id(token: int) -> tuple[int, int]:
     """(the image's number, the token's place in it) of a media id."""
     value = -token - 1

@@ -49,10 +49,10 @@ from neuronpy.defaults import DEFAULT_PREFILL_CHUNK
 from neuronpy.envflags import env_flag
 from neuronpy.media import past_image, split_media_id
 
-# projections per layer in the compiled graph's numbering (see LlamaModel._linear)
 # rows of a forward whose input is given rather than looked up: (row indexes [K], inputs
 # [K, hidden]) (see `LlamaModel._run`)
 Inserts = tuple[torch.Tensor, torch.Tensor]
+# projections per layer in the compiled graph's numbering (see LlamaModel._linear)
 SLOTS = 5
 # leading logits of a row a quantized tied head recomputes in fp32 (see LlamaModel._refine)
 REFINED_LOGITS = 16
@@ -631,10 +631,7 @@ class LlamaModel:
             if tokens[i] >= 0:
                 i += 1
                 continue
-            image = split_media_id(tokens[i])[0]
-            j = i
-            while j < t and tokens[j] < 0 and split_media_id(tokens[j])[0] == image:
-                j += 1
+            j = past_image(tokens, i + 1)  # the end of this image's run
             block[i:j, start + i : start + j] = True
             i = j
         grouped = block.repeat(self.config.group_size, 1)

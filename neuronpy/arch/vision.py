@@ -45,9 +45,6 @@ class VisionTower:
         self._inner = inner.eval()
         self._takes = set(inspect.signature(inner.get_image_features).parameters) - {"kwargs"}
         config = hf_model.config
-        self.image_token_id = getattr(config, "image_token_id", None)
-        if self.image_token_id is None:
-            self.image_token_id = getattr(config, "image_token_index", None)
         self.hidden_size = int(config.text_config.hidden_size)
         self.model_type = str(config.model_type)
         self.bidirectional = self.model_type in BIDIRECTIONAL

@@ -38,11 +38,12 @@ def check_prompt(
             check_media_ids(prompt, media)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), "prompt") from None
-    low = -(1 << 1000) if media else 0  # (media ids are negative: checked above)
     bad = [
         t
         for t in prompt
-        if isinstance(t, bool) or not isinstance(t, int) or not low <= t < vocab_size
+        if isinstance(t, bool)
+        or not isinstance(t, int)
+        or not (0 <= t < vocab_size or (bool(media) and t < 0))  # (media ids: checked above)
     ]
     if bad:
         raise InvalidRequestError(

@@ -28,7 +28,6 @@ from neuronpy.engine.speculative import Speculation, SpeculativeConfig
 from neuronpy.engine.table import RequestTable
 from neuronpy.engine.types import SamplingParams, SessionRequest, TokenLogprob
 from neuronpy.errors import QueueFullError
-from neuronpy.media import media_of
 
 # the most Retry-After says: past it a client is better off with its own backoff (and a row
 # whose max_tokens is the whole context, before any reply has been measured, is no estimate)
@@ -154,7 +153,6 @@ class Lifecycle:
         for index, params in enumerate(copies):
             rid = self.table.new_request_id()
             request = Request(rid, prompt, params, stop_ids, arrived, index, group, session)
-            request.media = media_of(prompt)
             request.label = labels[index] if labels else None
             method = self.speculation_method(params)
             if method != "off":

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from neuronpy.engine.plans import RowRef
 from neuronpy.engine.speculative import Speculation
 from neuronpy.engine.types import FinishReason, SamplingParams, SessionRequest, TokenLogprob
-from neuronpy.media import Media
+from neuronpy.media import Media, media_of
 
 
 class Cause(enum.Enum):
@@ -127,8 +127,11 @@ class Request:
     scheduled_at: float | None = None  # when it first left the queue for a row (monotonic)
     # its drafter and draft length, when it speculates (engine/speculative.py)
     speculation: Speculation | None = field(default=None, repr=False)
-    # the images its prompt's media ids name (neuronpy/media.py)
-    media: tuple[Media, ...] = field(default=(), repr=False)
+
+    @property
+    def media(self) -> tuple[Media, ...]:
+        """The images its prompt's media ids name (neuronpy/media.py)."""
+        return media_of(self.prompt_ids)
 
     @property
     def done(self) -> bool:
